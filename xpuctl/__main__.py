@@ -1,0 +1,3 @@
+from xpuctl.cli import main
+
+main()

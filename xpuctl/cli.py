@@ -1,0 +1,287 @@
+"""The typer app. Commands parse arguments, call one function, render, and map to an exit code.
+
+Errors become exit codes in one place (`_guard`): an `XpuctlError` prints one line on
+stderr and exits with its code; anything unexpected prints one line and exits 70, unless
+`--debug` asks for the traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from enum import Enum
+from typing import Annotated, Any, Callable, Optional, TypeVar
+
+import typer
+
+from xpuctl import __version__
+from xpuctl.context import AppContext
+from xpuctl.errors import ExitCode, UsageError, XpuctlError
+from xpuctl.host import Host
+
+app = typer.Typer(
+    name="xpuctl",
+    help="Intel XPU serving hygiene around vLLM: serve, shutdown, doctor, reset.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    pretty_exceptions_show_locals=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+F = TypeVar("F", bound=Callable[..., Any])
+INTERNAL_ERROR = 70
+
+
+def _debug_requested() -> bool:
+    return "--debug" in sys.argv or os.environ.get("XPUCTL_DEBUG") == "1"
+
+
+def fail(message: str, code: int) -> typer.Exit:
+    sys.stderr.write(f"xpuctl: error: {message}\n")
+    return typer.Exit(int(code))
+
+
+def _guard(fn: F) -> F:
+    """Map errors to exit codes: the only place that does."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        ctx = kwargs.get("ctx") or (args[0] if args else None)
+        obj = getattr(ctx, "obj", None)
+        debug = bool(isinstance(obj, AppContext) and obj.debug) or _debug_requested()
+        try:
+            return fn(*args, **kwargs)
+        except (typer.Exit, typer.Abort, SystemExit):
+            raise
+        except XpuctlError as exc:
+            if debug:
+                raise
+            raise fail(str(exc), exc.exit_code) from None
+        except KeyboardInterrupt:
+            if debug:
+                raise
+            sys.stderr.write("xpuctl: interrupted\n")
+            raise typer.Exit(ExitCode.INTERRUPTED) from None
+        except BrokenPipeError:
+            # `xpuctl ps | head`: the reader went away; not an error worth a message
+            try:
+                sys.stdout = open(os.devnull, "w")  # noqa: SIM115
+            except OSError:
+                pass
+            raise typer.Exit(ExitCode.PROBLEMS) from None
+        except Exception as exc:  # noqa: BLE001
+            if debug:
+                raise
+            raise fail(
+                f"internal error: {type(exc).__name__}: {exc} (run with --debug for a traceback)",
+                INTERNAL_ERROR,
+            ) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _version(value: bool) -> None:
+    if value:
+        sys.stdout.write(f"xpuctl {__version__}\n")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    ctx: typer.Context,
+    root: Annotated[
+        Optional[str],
+        typer.Option(
+            "--root",
+            envvar="XPUCTL_ROOT",
+            help="Read /proc, /sys, /dev, /tmp under this directory (a fake host or a snapshot).",
+            show_default=False,
+        ),
+    ] = None,
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False,
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="Print the version."),
+    ] = False,
+) -> None:
+    if isinstance(ctx.obj, AppContext):
+        return
+    if root is not None and not os.path.isdir(root):
+        raise fail(f"--root {root}: not a directory", ExitCode.USAGE)
+    ctx.obj = AppContext(host=Host(root or "/"), debug=debug)
+
+
+def _app(ctx: typer.Context) -> AppContext:
+    obj = ctx.obj
+    assert isinstance(obj, AppContext)
+    return obj
+
+
+class Format(str, Enum):
+    table = "table"
+    json = "json"
+    prometheus = "prometheus"
+
+
+def _format(fmt: Format | None, as_json: bool, default: Format = Format.table) -> Format:
+    if as_json and fmt not in (None, Format.json):
+        raise UsageError("--json and --format disagree; use one of them")
+    return Format.json if as_json else (fmt or default)
+
+
+def complete_device(ctx: typer.Context, incomplete: str) -> list[tuple[str, str]]:
+    """Device indices, BDFs and node names, read from sysfs only (this runs on every TAB)."""
+    from xpuctl.probes.devices import scan_devices
+
+    root = ctx.parent.params.get("root") if ctx.parent else None
+    try:
+        devices, _ = scan_devices(Host(root or os.environ.get("XPUCTL_ROOT") or "/"))
+    except Exception:  # noqa: BLE001
+        return []
+    out = []
+    for d in devices:
+        help_ = f"{d.bdf} {d.driver or '?'} {d.device_id or ''}".strip()
+        for value in (str(d.index) if d.index is not None else None, d.bdf, d.render_node):
+            if value and value.startswith(incomplete):
+                out.append((value, help_))
+    return out
+
+
+DeviceOpt = Annotated[
+    Optional[list[str]],
+    typer.Option(
+        "--device",
+        "-d",
+        help="Device: Level Zero index, PCI BDF or node name (repeatable).",
+        autocompletion=complete_device,
+        show_default=False,
+    ),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="JSON for scripts (same as --format json).")]
+
+
+@app.command()
+@_guard
+def doctor(
+    ctx: typer.Context,
+    device: DeviceOpt = None,
+    port: Annotated[
+        Optional[int],
+        typer.Option("--port", "-p", min=1, max=65535, help="Serving port to check [default: 8000].", show_default=False),
+    ] = None,
+    expect_idle: Annotated[
+        bool, typer.Option("--expect-idle", help="Any holder, memory or served port is a failure.")
+    ] = False,
+    strict: Annotated[bool, typer.Option("--strict", help="Warnings fail too (exit 1).")] = False,
+    wait_clean: Annotated[
+        Optional[float],
+        typer.Option(
+            "--wait-clean",
+            min=0,
+            metavar="SECONDS",
+            help="Re-check until nothing fails, for up to SECONDS (right after a shutdown).",
+            show_default=False,
+        ),
+    ] = None,
+    fmt: Annotated[Optional[Format], typer.Option("--format", "-f", help="table, json or prometheus.", show_default=False)] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Read-only health check: who holds the GPU, orphans, memory, stale IPC/shm, ports.
+
+    Exit 0: nothing fails. 1: failing findings (warnings too with --strict; also when
+    --wait-clean runs out). 2: usage error.
+    """
+    from xpuctl import doctor as D
+
+    a = _app(ctx)
+    out_fmt = _format(fmt, as_json)
+    devices = list(device or [])
+
+    def run() -> Any:
+        return D.diagnose(a.host, devices, port, expect_idle, a.environ)
+
+    report = run()
+    clean = not D.blocking(report, strict)
+    if wait_clean is not None and not clean:
+        if a.stderr_tty and out_fmt is Format.table:
+            with a.err.status("waiting for the host to be clean…") as status:
+
+                def tick(r: Any, left: float) -> None:
+                    n = sum(1 for f in r.findings if f.severity == "fail")
+                    status.update(f"waiting for the host to be clean: {n} failing, {left:.0f}s left")
+
+                report, clean = D.wait_clean(report, run, wait_clean, strict, tick=tick)
+        else:
+            report, clean = D.wait_clean(report, run, wait_clean, strict)
+    from xpuctl import render
+
+    if out_fmt is Format.json:
+        sys.stdout.write(render.to_json(render.doctor_dict(report)) + "\n")
+    elif out_fmt is Format.prometheus:
+        sys.stdout.write(render.prometheus(report))
+    else:
+        render.print_doctor(a.out, report)
+        if wait_clean is not None and not clean:
+            a.err.print(f"[red]still not clean after {wait_clean:g}s[/]")
+    raise typer.Exit(ExitCode.OK if clean else ExitCode.PROBLEMS)
+
+
+@app.command()
+@_guard
+def ps(
+    ctx: typer.Context,
+    device: DeviceOpt = None,
+    show_all: Annotated[bool, typer.Option("--all", "-a", help="Also list non-vLLM processes holding a device.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """vLLM process trees on this host: role, state, devices, memory, orphan, run."""
+    from dataclasses import replace
+
+    from xpuctl import render
+    from xpuctl.doctor import resolve_device_specs
+    from xpuctl.scan import take_snapshot
+
+    a = _app(ctx)
+    bdfs = set(resolve_device_specs(a.host, list(device or [])))
+    snap = take_snapshot(a.host, port=None)
+    procs = [
+        p
+        for p in snap.processes
+        if (p.role is not None or show_all) and (not bdfs or bdfs & set(p.devices) or (p.role and not p.devices))
+    ]
+    if bdfs:
+        tops = {p.top for p in procs if bdfs & set(p.devices)}
+        procs = [p for p in procs if p.devices or p.top in tops]
+    if as_json:
+        data = {"schema": "xpuctl.ps/1", "processes": [render.process_dict(p) for p in procs]}
+        sys.stdout.write(render.to_json(data) + "\n")
+        return
+    if not procs:
+        a.out.print("no vLLM processes")
+        return
+    a.out.print(render.processes_table(replace(snap, processes=tuple(procs)), title="vLLM processes"))
+
+
+@app.command()
+@_guard
+def devices(ctx: typer.Context, as_json: JsonOpt = False) -> None:
+    """Intel GPUs (Level Zero order) and other DRM devices, with holders and memory."""
+    from xpuctl import render
+    from xpuctl.scan import take_snapshot
+
+    a = _app(ctx)
+    snap = take_snapshot(a.host, port=None, want_env=False)
+    if as_json:
+        data = {"schema": "xpuctl.devices/1", "devices": [render.device_dict(d, snap) for d in snap.devices]}
+        sys.stdout.write(render.to_json(data) + "\n")
+        return
+    a.out.print(render.devices_table(snap))
+
+
+def main() -> None:
+    app(prog_name="xpuctl")
+
+
+if __name__ == "__main__":
+    main()

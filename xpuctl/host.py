@@ -1,0 +1,146 @@
+"""The host seam: the only code that touches /proc, /sys, /dev, /dev/shm and /tmp.
+
+A `Host` has a root ("/" on a live host). Every read is made under the root, and every
+path the kernel shows as text (fd link targets, `maps` paths, unix socket paths) is mapped
+back to a *host path* with `to_host`: a text that already starts with the root is taken as
+is (a root whose `proc` links to the real /proc shows real paths), any other text is read as
+root + text (a fake tree shows host paths). Paths given to and returned by this class are
+host paths; `path()` turns one into the file to open.
+"""
+
+from __future__ import annotations
+
+import os
+import stat as _stat
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class FileInfo:
+    """What `lstat` says about a file, in host terms."""
+
+    mode: int
+    uid: int
+    size: int
+    mtime: float
+    inode: int
+    dev: int
+
+    @property
+    def is_regular(self) -> bool:
+        return _stat.S_ISREG(self.mode)
+
+    @property
+    def is_socket(self) -> bool:
+        return _stat.S_ISSOCK(self.mode)
+
+    @property
+    def is_symlink(self) -> bool:
+        return _stat.S_ISLNK(self.mode)
+
+
+def _readall(path: str, limit: int) -> bytes:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        chunks = []
+        total = 0
+        while total < limit:
+            chunk = os.read(fd, min(65536, limit - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+class Host:
+    """A view of one host's kernel files, re-rooted at `root`."""
+
+    #: Largest file read through the host (procfs files are small; a bound keeps a hostile
+    #: tree from making us read gigabytes).
+    READ_LIMIT = 8 << 20
+
+    def __init__(self, root: str | os.PathLike[str] = "/") -> None:
+        r = os.path.abspath(os.fspath(root))
+        self.root = "" if r == "/" else r.rstrip("/")
+        self.live = self.root == ""
+
+    def __repr__(self) -> str:
+        return f"Host(root={self.root or '/'!r})"
+
+    # -- paths ------------------------------------------------------------------------
+    def path(self, hostpath: str) -> str:
+        """The file to open for a host path."""
+        return self.root + hostpath
+
+    def to_host(self, text: str) -> str:
+        """Map a path the kernel showed as text back to a host path."""
+        r = self.root
+        if r and text.startswith(r) and (len(text) == len(r) or text[len(r)] == "/"):
+            return text[len(r) :] or "/"
+        return text
+
+    # -- reads --------------------------------------------------------------------------
+    def read_bytes(self, hostpath: str, limit: int | None = None) -> bytes:
+        return _readall(self.root + hostpath, limit or self.READ_LIMIT)
+
+    def read_text(self, hostpath: str, limit: int | None = None) -> str:
+        return self.read_bytes(hostpath, limit).decode("utf-8", "surrogateescape")
+
+    def listdir(self, hostpath: str) -> list[str]:
+        return os.listdir(self.root + hostpath)
+
+    def readlink(self, hostpath: str) -> str:
+        return os.readlink(self.root + hostpath)
+
+    def lstat(self, hostpath: str) -> FileInfo:
+        st = os.lstat(self.root + hostpath)
+        return FileInfo(st.st_mode, st.st_uid, st.st_size, st.st_mtime, st.st_ino, st.st_dev)
+
+    def stat_rdev(self, hostpath: str) -> tuple[int, int] | None:
+        """(major, minor) of the char device a path resolves to, else None (follows links)."""
+        try:
+            st = os.stat(self.root + hostpath)
+        except OSError:
+            return None
+        if not _stat.S_ISCHR(st.st_mode):
+            return None
+        return os.major(st.st_rdev), os.minor(st.st_rdev)
+
+    def exists(self, hostpath: str) -> bool:
+        return os.path.lexists(self.root + hostpath)
+
+    def resolve(self, hostpath: str, max_links: int = 40) -> str:
+        """Resolve symlinks inside the root (sysfs links), returning a host path.
+
+        Absolute link texts are read relative to the root; `..` never climbs above it.
+        """
+        if self.live:
+            return os.path.realpath(hostpath)
+        parts = [p for p in hostpath.split("/") if p]
+        done: list[str] = []
+        links = 0
+        while parts:
+            part = parts.pop(0)
+            if part == ".":
+                continue
+            if part == "..":
+                if done:
+                    done.pop()
+                continue
+            candidate = "/" + "/".join([*done, part])
+            try:
+                target = os.readlink(self.root + candidate)
+            except OSError:
+                done.append(part)
+                continue
+            links += 1
+            if links > max_links:
+                raise OSError(f"too many levels of symbolic links: {hostpath}")
+            target = self.to_host(target)
+            if target.startswith("/"):
+                done = []
+            parts = [p for p in target.split("/") if p] + parts
+        return "/" + "/".join(done)

@@ -1,0 +1,196 @@
+"""Typed records of what a scan saw. No I/O, no rich.
+
+"Unknown" is `None`; why a value is unknown is recorded as an `Issue` on the snapshot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SEVERITIES = ("info", "warn", "fail")
+
+
+@dataclass(frozen=True, slots=True)
+class Issue:
+    """Something the scan could not read, and why."""
+
+    source: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Device:
+    """One DRM device (a PCI function) with its card and render nodes."""
+
+    bdf: str
+    vendor_id: str | None
+    device_id: str | None
+    driver: str | None
+    render_node: str | None
+    card_node: str | None
+    minors: tuple[int, ...]
+    memory_total_bytes: int | None
+    index: int | None = None  # Level Zero order (Intel devices sorted by BDF); None otherwise
+
+    @property
+    def is_intel(self) -> bool:
+        return self.vendor_id == "0x8086"
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        return tuple(n for n in (self.render_node, self.card_node) if n)
+
+
+@dataclass(frozen=True, slots=True)
+class DrmClient:
+    """One DRM file (`struct drm_file`), possibly reached through several fds/processes."""
+
+    bdf: str | None
+    client_id: int | None
+    driver: str | None
+    memory_bytes: int | None
+    pids: tuple[int, ...]
+    node: str
+
+
+@dataclass(frozen=True, slots=True)
+class DmabufHold:
+    """A dma-buf exported by a GPU driver and held open by a process."""
+
+    pid: int
+    exporter: str
+    size_bytes: int | None
+    inode: int | None
+    bdf: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Process:
+    pid: int
+    ppid: int
+    state: str
+    comm: str
+    cmdline: tuple[str, ...]
+    start_time: float | None  # seconds since the epoch
+    start_ticks: int
+    session: int
+    pgrp: int
+    threads: int
+    uid: int | None = None
+    role: str | None = None
+    rank: str | None = None
+    orphan: bool = False
+    top: int | None = None  # top-most vLLM ancestor (the API server of a live server)
+    run_id: str | None = None
+    devices: tuple[str, ...] = ()
+    memory_bytes: int | None = None
+    wchan: str | None = None
+    env: dict[str, str] | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def is_vllm(self) -> bool:
+        return self.role is not None
+
+    @property
+    def is_zombie(self) -> bool:
+        return self.state == "Z"
+
+    @property
+    def command(self) -> str:
+        return " ".join(self.cmdline) if self.cmdline else f"[{self.comm}]"
+
+
+@dataclass(frozen=True, slots=True)
+class Artifact:
+    path: str  # host path
+    kind: str  # shm | filestore | ccl-socket | zmq-socket | cache
+    stale: bool
+    reason: str
+    open_by: tuple[int, ...]
+    owner_uid: int
+    size_bytes: int
+    age_seconds: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class Port:
+    port: int
+    address: str | None
+    pid: int | None
+    state: str  # listen | free
+    role: str | None = None
+    orphan: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    check: str
+    severity: str  # info | warn | fail
+    message: str
+    remedy: str | None = None
+    device: str | None = None
+    pids: tuple[int, ...] = ()
+    paths: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """Everything one scan saw, before any judgement."""
+
+    root: str
+    taken_at: float
+    devices: tuple[Device, ...]
+    processes: tuple[Process, ...]  # vLLM processes and device holders
+    clients: tuple[DrmClient, ...]
+    dmabufs: tuple[DmabufHold, ...]
+    artifacts: tuple[Artifact, ...]
+    ports: tuple[Port, ...]
+    issues: tuple[Issue, ...]
+    unreadable: int  # processes whose fds could not be read
+    caller_env: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+    def process(self, pid: int) -> Process | None:
+        for p in self.processes:
+            if p.pid == pid:
+                return p
+        return None
+
+    def device(self, bdf: str) -> Device | None:
+        for d in self.devices:
+            if d.bdf == bdf:
+                return d
+        return None
+
+    def holders(self, bdf: str) -> tuple[int, ...]:
+        return tuple(sorted(p.pid for p in self.processes if bdf in p.devices))
+
+    def memory_used(self, bdf: str) -> int | None:
+        """De-duplicated device memory: each DRM client and each dma-buf counted once."""
+        sizes = [c.memory_bytes for c in self.clients if c.bdf == bdf and c.memory_bytes is not None]
+        seen: set[int] = set()
+        for b in self.dmabufs:
+            if b.bdf != bdf or b.size_bytes is None:
+                continue
+            if b.inode is not None:
+                if b.inode in seen:
+                    continue
+                seen.add(b.inode)
+            sizes.append(b.size_bytes)
+        return sum(sizes) if sizes else None
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """A snapshot judged: findings and a status."""
+
+    snapshot: Snapshot
+    findings: tuple[Finding, ...]
+    status: str  # clean | busy | dirty
+
+    @property
+    def failed(self) -> bool:
+        return any(f.severity == "fail" for f in self.findings)
+
+    @property
+    def warned(self) -> bool:
+        return any(f.severity == "warn" for f in self.findings)

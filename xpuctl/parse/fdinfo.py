@@ -1,0 +1,97 @@
+"""Parse DRM fdinfo and dma-buf fdinfo text (Documentation/gpu/drm-usage-stats.rst).
+
+Lenient by design: any key order, units none/B/KiB/MiB/GiB, garbage lines ignored, a bad
+value never raises. Memory of a client is the sum of its `drm-total-vram<N>` (xe) and
+`drm-total-local<N>` (i915) regions; stolen, system and gtt regions are not device memory
+allocated by the client.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_SIZE_RE = re.compile(r"^\s*(\d+)\s*([A-Za-z]*)\s*$")
+_DEVICE_REGION_RE = re.compile(r"^(?:vram|local)\d+$")
+
+
+def parse_size(value: str) -> int | None:
+    """`23992 KiB` -> bytes; None for anything that is not a size."""
+    m = _SIZE_RE.match(value)
+    if not m:
+        return None
+    mult = _UNITS.get(m.group(2).lower())
+    if mult is None:
+        return None
+    return int(m.group(1)) * mult
+
+
+def _pairs(text: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if not sep:
+            continue
+        key = key.strip()
+        if not key or " " in key:
+            continue
+        out.setdefault(key, value.strip())
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Fdinfo:
+    """The DRM part of one fdinfo file."""
+
+    driver: str | None
+    pdev: str | None
+    client_id: int | None
+    memory_bytes: int | None
+    regions: dict[str, int] = field(default_factory=dict)
+    keys: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def is_drm(self) -> bool:
+        return self.driver is not None
+
+
+def parse_fdinfo(text: str) -> Fdinfo:
+    pairs = _pairs(text)
+    keys = {k: v for k, v in pairs.items() if k.startswith("drm-")}
+    regions: dict[str, int] = {}
+    for key, value in keys.items():
+        if not key.startswith("drm-total-") or key.startswith("drm-total-cycles-"):
+            continue
+        size = parse_size(value)
+        if size is not None:
+            regions[key[len("drm-total-") :]] = size
+    device = [size for region, size in regions.items() if _DEVICE_REGION_RE.match(region)]
+    cid = keys.get("drm-client-id", "")
+    return Fdinfo(
+        driver=keys.get("drm-driver") or None,
+        pdev=keys.get("drm-pdev") or None,
+        client_id=int(cid) if cid.isdigit() else None,
+        memory_bytes=sum(device) if device else None,
+        regions=regions,
+        keys=keys,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Dmabuf:
+    """A dma-buf fd: a buffer exported by a driver, alive while any fd on it is open."""
+
+    size_bytes: int | None
+    exporter: str | None
+    inode: int | None
+
+
+def parse_dmabuf(text: str) -> Dmabuf | None:
+    pairs = _pairs(text)
+    exporter = pairs.get("exp_name") or None
+    size = parse_size(pairs.get("size", ""))
+    if exporter is None and size is None:
+        return None
+    ino = pairs.get("ino", "")
+    return Dmabuf(size_bytes=size, exporter=exporter, inode=int(ino) if ino.isdigit() else None)

@@ -1,0 +1,104 @@
+"""Parsers for /proc/<pid>/{stat,status,cmdline,environ,maps} and /proc/stat (bytes in, data out)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class ProcStat:
+    comm: str
+    state: str
+    ppid: int
+    pgrp: int
+    session: int
+    threads: int
+    start_ticks: int
+
+
+def parse_stat(data: bytes) -> ProcStat | None:
+    """Parse /proc/<pid>/stat; None when truncated or garbled.
+
+    `comm` may hold spaces and parentheses, so its end is the *last* ')'.
+    """
+    open_ = data.find(b"(")
+    close = data.rfind(b")")
+    if open_ < 0 or close < open_:
+        return None
+    rest = data[close + 2 :].split()
+    # rest[0] is field 3 (state); starttime is field 22 -> rest[19]
+    if len(rest) < 20:
+        return None
+    try:
+        return ProcStat(
+            comm=data[open_ + 1 : close].decode("utf-8", "replace"),
+            state=rest[0].decode("ascii", "replace")[:1],
+            ppid=int(rest[1]),
+            pgrp=int(rest[2]),
+            session=int(rest[3]),
+            threads=int(rest[17]),
+            start_ticks=int(rest[19]),
+        )
+    except ValueError:
+        return None
+
+
+def parse_status_uid(text: str) -> int | None:
+    """Real uid from /proc/<pid>/status (`Uid:\treal\teffective\tsaved\tfs`)."""
+    for line in text.splitlines():
+        if line.startswith("Uid:"):
+            parts = line[4:].split()
+            if parts and parts[0].isdigit():
+                return int(parts[0])
+            return None
+    return None
+
+
+def parse_cmdline(data: bytes) -> list[str]:
+    """argv from /proc/<pid>/cmdline.
+
+    setproctitle writes the title over argv and pads with NULs (or spaces on some versions),
+    so trailing empties are dropped; a title padded with spaces is trimmed.
+    """
+    if not data:
+        return []
+    args = data.decode("utf-8", "surrogateescape").split("\0")
+    while args and args[-1] == "":
+        args.pop()
+    if len(args) == 1:
+        args[0] = args[0].rstrip(" ")
+    return args
+
+
+def parse_environ(data: bytes) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for item in data.split(b"\0"):
+        key, sep, value = item.partition(b"=")
+        if sep and key:
+            env.setdefault(
+                key.decode("utf-8", "surrogateescape"), value.decode("utf-8", "surrogateescape")
+            )
+    return env
+
+
+def parse_maps_paths(text: str) -> set[str]:
+    """The file paths mapped in /proc/<pid>/maps (as the kernel shows them)."""
+    paths: set[str] = set()
+    for line in text.splitlines():
+        parts = line.split(None, 5)
+        if len(parts) == 6 and parts[5].startswith("/"):
+            path = parts[5]
+            if path.endswith(" (deleted)"):
+                continue
+            paths.add(path)
+    return paths
+
+
+def parse_boot_time(text: str) -> float | None:
+    """`btime` from /proc/stat: boot time in seconds since the epoch."""
+    for line in text.splitlines():
+        if line.startswith("btime"):
+            parts = line.split()
+            if len(parts) >= 2 and parts[1].isdigit():
+                return float(parts[1])
+    return None

@@ -1,0 +1,281 @@
+"""Render reports: JSON for scripts, Prometheus text for node_exporter, rich tables for people.
+
+JSON and text come from the same dicts, so they always agree. rich is imported only by the
+table renderers (it costs ~60 ms to import, and scripts asking for JSON never need it).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+from xpuctl import __version__
+from xpuctl.checks import CHECKS, human_bytes
+from xpuctl.model import Artifact, Device, Finding, Port, Process, Report, Snapshot
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+
+def device_dict(d: Device, snap: Snapshot) -> dict[str, Any]:
+    return {
+        "index": d.index,
+        "bdf": d.bdf,
+        "render_node": d.render_node,
+        "card_node": d.card_node,
+        "driver": d.driver,
+        "vendor_id": d.vendor_id,
+        "device_id": d.device_id,
+        "intel": d.is_intel,
+        "memory_used_bytes": snap.memory_used(d.bdf),
+        "memory_total_bytes": d.memory_total_bytes,
+        "holders": list(snap.holders(d.bdf)),
+    }
+
+
+def process_dict(p: Process) -> dict[str, Any]:
+    return {
+        "pid": p.pid,
+        "ppid": p.ppid,
+        "state": p.state,
+        "cmdline": p.command,
+        "role": p.role,
+        "rank": p.rank,
+        "orphan": p.orphan,
+        "top": p.top,
+        "devices": list(p.devices),
+        "memory_bytes": p.memory_bytes,
+        "run_id": p.run_id,
+        "uid": p.uid,
+        "threads": p.threads,
+        "session": p.session,
+        "start_time": p.start_time,
+        "wchan": p.wchan,
+    }
+
+
+def artifact_dict(a: Artifact) -> dict[str, Any]:
+    return {
+        "path": a.path,
+        "kind": a.kind,
+        "stale": a.stale,
+        "reason": a.reason,
+        "open_by": list(a.open_by),
+        "owner_uid": a.owner_uid,
+        "size_bytes": a.size_bytes,
+        "age_seconds": round(a.age_seconds, 1) if a.age_seconds is not None else None,
+    }
+
+
+def port_dict(p: Port) -> dict[str, Any]:
+    return {
+        "port": p.port,
+        "address": p.address,
+        "pid": p.pid,
+        "state": p.state,
+        "role": p.role,
+        "orphan": p.orphan,
+    }
+
+
+def finding_dict(f: Finding) -> dict[str, Any]:
+    return {
+        "check": f.check,
+        "severity": f.severity,
+        "device": f.device,
+        "pids": list(f.pids),
+        "paths": list(f.paths),
+        "message": f.message,
+        "remedy": f.remedy,
+    }
+
+
+def doctor_dict(report: Report) -> dict[str, Any]:
+    snap = report.snapshot
+    return {
+        "schema": "xpuctl.doctor/1",
+        "version": __version__,
+        "root": snap.root,
+        "taken_at": snap.taken_at,
+        "status": report.status,
+        "devices": [device_dict(d, snap) for d in snap.devices],
+        "processes": [process_dict(p) for p in snap.processes],
+        "artifacts": [artifact_dict(a) for a in snap.artifacts],
+        "ports": [port_dict(p) for p in snap.ports],
+        "findings": [finding_dict(f) for f in report.findings],
+        "unreadable_processes": snap.unreadable,
+    }
+
+
+def to_json(data: dict[str, Any]) -> str:
+    return json.dumps(data, indent=2, sort_keys=False)
+
+
+# -- Prometheus text exposition (node_exporter textfile collector) ----------------------
+
+
+def _label(value: object) -> str:
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def prometheus(report: Report) -> str:
+    snap = report.snapshot
+    lines: list[str] = []
+
+    def metric(name: str, kind: str, help_: str, samples: list[tuple[dict[str, Any], float]]) -> None:
+        lines.append(f"# HELP {name} {help_}")
+        lines.append(f"# TYPE {name} {kind}")
+        for labels, value in samples:
+            lab = ",".join(f'{k}="{_label(v)}"' for k, v in labels.items())
+            lines.append(f"{name}{{{lab}}} {value:g}" if lab else f"{name} {value:g}")
+
+    metric("xpuctl_build_info", "gauge", "xpuctl version.", [({"version": __version__}, 1)])
+    metric("xpuctl_doctor_last_run_timestamp_seconds", "gauge", "When doctor ran.", [({}, snap.taken_at)])
+    metric(
+        "xpuctl_doctor_status",
+        "gauge",
+        "1 for the current status (clean, busy, dirty).",
+        [({"status": s}, 1.0 if report.status == s else 0.0) for s in ("clean", "busy", "dirty")],
+    )
+    worst: dict[str, int] = {c: 0 for c in CHECKS}
+    rank = {"info": 0, "warn": 1, "fail": 2}
+    for f in report.findings:
+        worst[f.check] = max(worst[f.check], rank[f.severity])
+    metric(
+        "xpuctl_doctor_check_ok",
+        "gauge",
+        "1 when the check found no warning or failure.",
+        [({"check": c}, 1.0 if worst[c] == 0 else 0.0) for c in CHECKS],
+    )
+    metric(
+        "xpuctl_doctor_findings",
+        "gauge",
+        "Findings by check and severity.",
+        [
+            ({"check": c, "severity": s}, float(sum(1 for f in report.findings if f.check == c and f.severity == s)))
+            for c in CHECKS
+            for s in ("warn", "fail")
+        ],
+    )
+    devs = [d for d in snap.devices if d.is_intel]
+    metric(
+        "xpuctl_device_holder_processes",
+        "gauge",
+        "Processes holding the device open.",
+        [({"device": d.bdf}, float(len(snap.holders(d.bdf)))) for d in devs],
+    )
+    metric(
+        "xpuctl_device_orphan_processes",
+        "gauge",
+        "Orphaned vLLM processes holding the device.",
+        [
+            ({"device": d.bdf}, float(sum(1 for p in snap.processes if p.orphan and d.bdf in p.devices)))
+            for d in devs
+        ],
+    )
+    metric(
+        "xpuctl_device_memory_used_bytes",
+        "gauge",
+        "Device memory held by clients (de-duplicated DRM fdinfo).",
+        [({"device": d.bdf}, float(snap.memory_used(d.bdf) or 0)) for d in devs],
+    )
+    totals = [({"device": d.bdf}, float(d.memory_total_bytes)) for d in devs if d.memory_total_bytes]
+    if totals:
+        metric("xpuctl_device_memory_total_bytes", "gauge", "Device memory size.", totals)
+    stale = [a for a in snap.artifacts if a.stale]
+    metric(
+        "xpuctl_stale_files",
+        "gauge",
+        "Stale shm/IPC files by kind.",
+        [({"kind": k}, float(sum(1 for a in stale if a.kind == k))) for k in ("shm", "filestore", "ccl-socket", "zmq-socket")],
+    )
+    metric("xpuctl_stale_bytes", "gauge", "Bytes in stale files.", [({}, float(sum(a.size_bytes for a in stale)))])
+    return "\n".join(lines) + "\n"
+
+
+# -- rich tables for people ------------------------------------------------------------
+
+_SEV_STYLE = {"fail": "bold red", "warn": "yellow", "info": "cyan"}
+_STATUS_STYLE = {"clean": "bold green", "busy": "bold cyan", "dirty": "bold red"}
+
+
+def _dev_label(snap: Snapshot, bdf: str) -> str:
+    d = snap.device(bdf)
+    if d is None or d.index is None:
+        return bdf
+    return f"{d.index}:{bdf}"
+
+
+def devices_table(snap: Snapshot) -> Any:
+    from rich.table import Table
+
+    t = Table(title="Devices", title_justify="left", expand=False)
+    for col in ("#", "BDF", "node", "driver", "id", "memory used", "total", "holders"):
+        t.add_column(col, justify="right" if col in ("#", "memory used", "total") else "left", no_wrap=True)
+    for d in snap.devices:
+        holders = snap.holders(d.bdf)
+        t.add_row(
+            "-" if d.index is None else str(d.index),
+            d.bdf,
+            (d.render_node or d.card_node or "-").rsplit("/", 1)[-1],
+            d.driver or "?",
+            f"{d.vendor_id}:{d.device_id}",
+            human_bytes(snap.memory_used(d.bdf)) if snap.memory_used(d.bdf) is not None else "-",
+            human_bytes(d.memory_total_bytes) if d.memory_total_bytes else "-",
+            ", ".join(map(str, holders)) or "-",
+        )
+    return t
+
+
+def processes_table(snap: Snapshot, title: str = "Processes") -> Any:
+    from rich.table import Table
+
+    t = Table(title=title, title_justify="left")
+    for col in ("PID", "PPID", "S", "role", "devices", "memory", "orphan", "run"):
+        t.add_column(col, no_wrap=True)
+    t.add_column("command", overflow="ellipsis", no_wrap=True, min_width=20, ratio=1)
+    for p in snap.processes:
+        t.add_row(
+            str(p.pid),
+            str(p.ppid),
+            p.state + (f" ({p.wchan})" if p.wchan else ""),
+            (p.role or "-") + (f" {p.rank}" if p.rank else ""),
+            ", ".join(_dev_label(snap, b) for b in p.devices) or "-",
+            human_bytes(p.memory_bytes) if p.memory_bytes is not None else "-",
+            "[bold red]yes[/]" if p.orphan else "no",
+            (p.run_id or "-")[:12],
+            p.command,
+        )
+    return t
+
+
+def print_doctor(console: Console, report: Report) -> None:
+    snap = report.snapshot
+    console.print(devices_table(snap))
+    if snap.processes:
+        console.print(processes_table(snap))
+    stale = [a for a in snap.artifacts if a.stale]
+    if stale:
+        from rich.table import Table
+
+        t = Table(title="Stale files", title_justify="left")
+        for col in ("path", "kind", "owner", "size", "age"):
+            t.add_column(col)
+        for a in stale:
+            t.add_row(
+                a.path,
+                a.kind,
+                str(a.owner_uid),
+                human_bytes(a.size_bytes),
+                f"{a.age_seconds:.0f}s" if a.age_seconds is not None else "-",
+            )
+        console.print(t)
+    if report.findings:
+        console.print("[bold]Findings[/]")
+        for f in report.findings:
+            style = _SEV_STYLE[f.severity]
+            console.print(f"  [{style}]{f.severity.upper():4}[/] [dim]{f.check}[/]  {f.message}", highlight=False)
+            if f.remedy:
+                console.print(f"        [dim]fix:[/] [bold]{f.remedy}[/]", highlight=False)
+    status = report.status
+    console.print(f"status: [{_STATUS_STYLE[status]}]{status}[/]")

@@ -1,0 +1,93 @@
+"""Group vLLM processes into server trees and find orphans (pure functions).
+
+A tree's top is its top-most vLLM ancestor. A server is *live* while that top is an API
+server (`vllm serve`, `-m vllm.entrypoints.openai.api_server`, `VLLM::APIServer_*`).
+An engine-core, worker, coordinator or resource tracker whose launching API server is gone
+is an **orphan**: it keeps the GPU and its memory, and nothing will ever stop it.
+Processes tagged with the same XPUCTL_RUN_ID belong to the same run even when they left the
+process tree (double fork, setsid).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from xpuctl.parse import roles as R
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    pid: int
+    ppid: int
+    session: int
+    role: str | None  # may be a candidate (tracker?/spawn?)
+    run_id: str | None
+    zombie: bool = False  # holds nothing; never a live server, never an orphan
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    role: str
+    top: int
+    orphan: bool
+
+
+def resolve(members: dict[int, Member]) -> dict[int, Placement]:
+    """Role, tree top and orphan flag of every vLLM process among `members`."""
+    roles: dict[int, str] = {
+        pid: m.role
+        for pid, m in members.items()
+        if m.role is not None and m.role not in (R.TRACKER_CANDIDATE, R.SPAWN_CANDIDATE)
+    }
+    vllm_sessions = {members[p].session for p in roles}
+    vllm_runs = {members[p].run_id for p in roles if members[p].run_id}
+    # Generic multiprocessing children are vLLM's when their parent, run or session is.
+    changed = True
+    while changed:
+        changed = False
+        for pid, m in members.items():
+            if pid in roles or m.role not in (R.TRACKER_CANDIDATE, R.SPAWN_CANDIDATE):
+                continue
+            parent_role = roles.get(m.ppid)
+            related = (
+                parent_role is not None
+                or (m.run_id is not None and m.run_id in vllm_runs)
+                or (m.role == R.TRACKER_CANDIDATE and m.session in vllm_sessions)
+            )
+            if not related:
+                continue
+            if m.role == R.TRACKER_CANDIDATE:
+                roles[pid] = R.RESOURCE_TRACKER
+            elif parent_role == R.API_SERVER:
+                roles[pid] = R.ENGINE_CORE
+            else:
+                roles[pid] = R.WORKER
+            changed = True
+
+    def top_of(pid: int) -> int:
+        seen = {pid}
+        cur = pid
+        while True:
+            parent = members[cur].ppid
+            if parent in roles and parent not in seen and not members[parent].zombie:
+                seen.add(parent)
+                cur = parent
+            else:
+                return cur
+
+    tops = {pid: top_of(pid) for pid in roles}
+    live_tops = {
+        members[t].run_id: t
+        for t in sorted(set(tops.values()))
+        if roles[t] == R.API_SERVER and members[t].run_id and not members[t].zombie
+    }
+    out: dict[int, Placement] = {}
+    for pid, role in roles.items():
+        top = tops[pid]
+        live = roles[top] == R.API_SERVER and not members[top].zombie
+        if not live and members[pid].run_id in live_tops:
+            top = live_tops[members[pid].run_id]  # left the tree, but its server is alive
+            live = True
+        orphan = not live and role != R.API_SERVER and not members[pid].zombie
+        out[pid] = Placement(role=role, top=top, orphan=orphan)
+    return out
