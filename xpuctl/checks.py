@@ -73,6 +73,8 @@ def evaluate(snap: Snapshot, opts: Options) -> Report:
         devs = sorted({b for m in members for b in m.devices})
         if not on_wanted(devs):
             continue
+        # with --device, an orphaned tree that holds none of the devices is a warning
+        severity = "warn" if wanted and not devs else "fail"
         head = by_pid.get(top) or members[0]
         mem = sum(m.memory_bytes or 0 for m in members)
         what = ", ".join(f"{m.cmdline[0] if m.cmdline else m.comm} ({m.pid})" for m in members)
@@ -82,7 +84,7 @@ def evaluate(snap: Snapshot, opts: Options) -> Report:
         findings.append(
             Finding(
                 "orphans",
-                "fail",
+                severity,
                 f"orphaned vLLM processes whose API server is gone: {what}{held}",
                 f"xpuctl shutdown --pid {head.pid}",
                 devs[0] if len(devs) == 1 else None,
@@ -240,21 +242,14 @@ def evaluate(snap: Snapshot, opts: Options) -> Report:
         )
 
     # -- ports -----------------------------------------------------------------------
+    orphan_ports: dict[int, list[int]] = {}
     for port in snap.ports:
         if port.pid is None:
             continue
         p = by_pid.get(port.pid)
         if port.orphan:
-            findings.append(
-                Finding(
-                    "ports",
-                    "fail",
-                    f"port {port.port} is held by orphaned vLLM process {port.pid}",
-                    f"xpuctl shutdown --pid {p.top if p and p.top else port.pid}",
-                    None,
-                    (port.pid,),
-                )
-            )
+            top = p.top if p and p.top else port.pid
+            orphan_ports.setdefault(top, []).append(port.port)
         elif port.port == opts.port:
             if p is not None and p.role is not None:
                 findings.append(
@@ -279,6 +274,20 @@ def evaluate(snap: Snapshot, opts: Options) -> Report:
                         (port.pid,),
                     )
                 )
+    for top, numbers in sorted(orphan_ports.items()):
+        numbers = sorted(set(numbers))
+        pids = tuple(sorted({pt.pid for pt in snap.ports if pt.orphan and pt.pid and pt.port in numbers}))
+        shown = ", ".join(map(str, numbers[:8])) + (f" and {len(numbers) - 8} more" if len(numbers) > 8 else "")
+        findings.append(
+            Finding(
+                "ports",
+                "fail",
+                f"orphaned vLLM processes of tree {top} still listen on port(s) {shown}",
+                f"xpuctl shutdown --pid {top}",
+                None,
+                pids,
+            )
+        )
 
     # -- the caller's environment ---------------------------------------------------
     env = snap.caller_env

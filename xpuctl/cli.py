@@ -260,7 +260,8 @@ def ps(
     if not procs:
         a.out.print("no vLLM processes")
         return
-    a.out.print(render.processes_table(replace(snap, processes=tuple(procs)), title="vLLM processes"))
+    table = render.processes_table(replace(snap, processes=tuple(procs)), "vLLM processes", a.out.width)
+    a.out.print(table, no_wrap=True, crop=True)
 
 
 @app.command()
@@ -277,6 +278,204 @@ def devices(ctx: typer.Context, as_json: JsonOpt = False) -> None:
         sys.stdout.write(render.to_json(data) + "\n")
         return
     a.out.print(render.devices_table(snap))
+
+
+StateDirOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--state-dir",
+        envvar="XPUCTL_STATE_DIR",
+        help="Run records, logs and locks [default: /run/xpuctl as root, else "
+        "$XDG_RUNTIME_DIR/xpuctl, else /tmp/xpuctl-UID].",
+        show_default=False,
+    ),
+]
+
+
+def _print_findings(a: AppContext, report: Any) -> None:
+    for f in report.findings:
+        if f.severity == "info":
+            continue
+        sys.stderr.write(f"xpuctl: preflight {f.severity} {f.check}: {f.message}\n")
+        if f.remedy:
+            sys.stderr.write(f"xpuctl:   fix: {f.remedy}\n")
+
+
+@app.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "allow_interspersed_args": False}
+)
+@_guard
+def serve(
+    ctx: typer.Context,
+    model: Annotated[str, typer.Argument(help="Model to serve (passed to vLLM).")],
+    vllm_args: Annotated[Optional[list[str]], typer.Argument(help="Arguments passed to vLLM.", show_default=False)] = None,
+    vllm: Annotated[
+        str, typer.Option("--vllm", envvar="XPUCTL_VLLM", help="Command that starts vLLM (shell-split).")
+    ] = "vllm serve",
+    drain_timeout: Annotated[float, typer.Option("--drain-timeout", min=0, help="Seconds to let in-flight requests finish.")] = 30.0,
+    teardown_timeout: Annotated[float, typer.Option("--teardown-timeout", min=0, help="Seconds for Level Zero/oneCCL teardown after the drain.")] = 20.0,
+    allow_abort: Annotated[bool, typer.Option("--allow-abort", help="Keep an explicit --shutdown-timeout 0.")] = False,
+    devices: Annotated[
+        Optional[list[str]],
+        typer.Option("--devices", help="Devices for vLLM (index, BDF or node; comma list): sets ZE_AFFINITY_MASK.",
+                     autocompletion=complete_device, show_default=False),
+    ] = None,
+    env: Annotated[Optional[list[str]], typer.Option("--env", "-e", help="KEY=VALUE for vLLM (repeatable).", show_default=False)] = None,
+    force: Annotated[bool, typer.Option("--force", help="Start even when the preflight doctor fails.")] = False,
+    name: Annotated[Optional[str], typer.Option("--name", help="Run name (default: vllm-PORT).", show_default=False)] = None,
+    state_dir: StateDirOpt = None,
+    ready_timeout: Annotated[float, typer.Option("--ready-timeout", min=1, help="Seconds to wait for /health and /v1/models.")] = 900.0,
+    kill_after: Annotated[float, typer.Option("--kill-after", min=0, help="Seconds between SIGTERM and SIGKILL for survivors.")] = 10.0,
+    detach: Annotated[bool, typer.Option("--detach", help="Return once ready (exit 0) or failed; keep supervising in the background.")] = False,
+) -> None:
+    """Launch vLLM with a forced drain timeout and supervise it.
+
+    Exit: vLLM's code when it exits by itself; 0 after a clean requested stop; 1 when
+    leftovers remain or the preflight fails; 4 when not ready in time; 5 when a device or
+    the port is claimed by another run.
+    """
+    from xpuctl import runs
+    from xpuctl import serve as S
+
+    a = _app(ctx)
+    passed = list(vllm_args or []) + list(ctx.args)
+    mine = {"--vllm", "--drain-timeout", "--teardown-timeout", "--allow-abort", "--devices", "--env",
+            "--force", "--name", "--state-dir", "--ready-timeout", "--kill-after", "--detach"}
+    misplaced = [arg for arg in passed if arg.split("=", 1)[0] in mine]
+    if misplaced:
+        raise UsageError(
+            f"{misplaced[0].split('=', 1)[0]} is an xpuctl option: put xpuctl options before MODEL "
+            "(everything after MODEL goes to vLLM)"
+        )
+    opts = S.ServeOptions(
+        model=model,
+        vllm_args=passed,
+        vllm_cmd=vllm,
+        drain_timeout=drain_timeout,
+        teardown_timeout=teardown_timeout,
+        allow_abort=allow_abort,
+        devices=list(devices or []),
+        env=list(env or []),
+        force=force,
+        name=name,
+        state_dir=state_dir or runs.default_state_dir(a.environ),
+        ready_timeout=ready_timeout,
+        detach=detach,
+        kill_after=kill_after,
+    )
+
+    def say(msg: str) -> None:
+        sys.stderr.write(msg + "\n")
+        sys.stderr.flush()
+
+    code = S.serve(a.host, opts, a.environ, say, lambda r: _print_findings(a, r))
+    raise typer.Exit(int(code))
+
+
+@app.command()
+@_guard
+def shutdown(
+    ctx: typer.Context,
+    name: Annotated[Optional[str], typer.Argument(help="Run name (see `xpuctl ps`).", show_default=False)] = None,
+    pid: Annotated[Optional[int], typer.Option("--pid", help="Any process of the vLLM server (or of its orphans).", show_default=False)] = None,
+    port: Annotated[Optional[int], typer.Option("--port", "-p", min=1, max=65535, help="The server's HTTP port.", show_default=False)] = None,
+    device: DeviceOpt = None,
+    all_: Annotated[bool, typer.Option("--all", help="Every vLLM server and orphan on this host.")] = False,
+    timeout: Annotated[
+        Optional[float],
+        typer.Option("--timeout", min=0, help="Seconds to wait after SIGTERM [default: the run's shutdown timeout + 10].", show_default=False),
+    ] = None,
+    kill_after: Annotated[float, typer.Option("--kill-after", min=0, help="Seconds between SIGTERM and SIGKILL for survivors.")] = 10.0,
+    release_timeout: Annotated[float, typer.Option("--release-timeout", min=0, help="Seconds to wait for the devices and port to be free.")] = 30.0,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Show what would be stopped; send nothing.")] = False,
+    state_dir: StateDirOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Drain and stop a vLLM server, escalate step by step, verify the GPU is released.
+
+    Exit 0: stopped and released (escalation is reported, not an error). 1: leftovers
+    remain. 3: NAME, --pid or --port matches nothing. --all with nothing running exits 0.
+    """
+    from xpuctl import render, runs
+    from xpuctl import stop as S
+    from xpuctl.doctor import resolve_device_specs
+    from xpuctl.scan import take_snapshot
+    from xpuctl.supervisor import can_signal
+
+    a = _app(ctx)
+    if not can_signal(a.host) and not dry_run:
+        raise UsageError("shutdown needs the live /proc (a root whose proc is the real /proc)")
+    sdir = state_dir or runs.default_state_dir(a.environ)
+    records = runs.list_records(runs.ensure_state_dir(sdir, create=False)) if os.path.isdir(sdir) else []
+    bdfs = resolve_device_specs(a.host, list(device or []))
+    snap = take_snapshot(a.host, port=port)
+    trees = S.find_trees(a.host, snap, records, name, pid, port, bdfs, all_)
+    plan = [
+        {
+            "name": t.name,
+            "top": t.top.pid,
+            "role": t.role,
+            "orphan": t.orphan,
+            "run_id": t.run_id,
+            "devices": list(t.devices),
+            "port": t.port,
+            "shutdown_timeout": t.shutdown_timeout,
+            "processes": [m.pid for m in S.members(a.host, t)],
+        }
+        for t in trees
+    ]
+    if dry_run or not trees:
+        if as_json:
+            sys.stdout.write(render.to_json({"schema": "xpuctl.shutdown/1", "dry_run": dry_run, "targets": plan,
+                                             "events": [], "verdict": "nothing" if not trees else "planned"}) + "\n")
+        else:
+            if not trees:
+                sys.stdout.write("nothing to stop\n")
+            for t in plan:
+                sys.stdout.write(
+                    f"would stop {t['name']}: SIGTERM {t['role']} {t['top']}"
+                    f"{' (orphaned)' if t['orphan'] else ''}, then wait for {len(t['processes'])} process(es) "
+                    f"{t['processes']}, devices {', '.join(t['devices']) or '-'}, port {t['port'] or '-'}\n"
+                )
+        raise typer.Exit(ExitCode.OK)
+    for t in trees:
+        if t.record is not None:
+            t.record.state = "stopping"
+            try:
+                runs.write_record(sdir, t.record)
+            except OSError:
+                pass
+
+    def show(ev: Any) -> None:
+        if not as_json:
+            sys.stdout.write(f"{ev.t:7.2f}s  {ev.phase:<18} {ev.detail}\n")
+            sys.stdout.flush()
+
+    result = S.stop(a.host, trees, timeout=timeout, kill_after=kill_after, release_timeout=release_timeout, on_event=show)
+    for t in trees:
+        if t.record is not None:
+            t.record.state = "stopped" if result.verdict != "leftovers" else "failed"
+            import time as _time
+
+            t.record.stopped_at = _time.time()
+            try:
+                runs.write_record(sdir, t.record)
+            except OSError:
+                pass
+    if as_json:
+        data = {
+            "schema": "xpuctl.shutdown/1",
+            "dry_run": False,
+            "targets": plan,
+            "events": [{"t": e.t, "phase": e.phase, "detail": e.detail} for e in result.events],
+            "verdict": result.verdict,
+            "survivors": result.survivors,
+            "holders": result.holders,
+            "stuck": [{"pid": p, "wchan": w} for p, w in result.stuck],
+            "ports_busy": result.port_busy,
+        }
+        sys.stdout.write(render.to_json(data) + "\n")
+    raise typer.Exit(ExitCode.PROBLEMS if result.verdict == "leftovers" else ExitCode.OK)
 
 
 def main() -> None:

@@ -24,7 +24,9 @@ class AppContext:
         if self._out is None:
             from rich.console import Console
 
-            self._out = Console(highlight=False, soft_wrap=False)
+            # Not a terminal (a pipe, a log): wide enough that nothing useful is cut.
+            width = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 200
+            self._out = Console(highlight=False, soft_wrap=False, width=width)
         return self._out
 
     @property

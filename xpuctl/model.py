@@ -165,17 +165,11 @@ class Snapshot:
         return tuple(sorted(p.pid for p in self.processes if bdf in p.devices))
 
     def memory_used(self, bdf: str) -> int | None:
-        """De-duplicated device memory: each DRM client and each dma-buf counted once."""
+        """De-duplicated device memory: each DRM client's drm-total-vram*/local* counted once.
+
+        dma-bufs are not added: an exported buffer is already in its exporter's drm-total.
+        """
         sizes = [c.memory_bytes for c in self.clients if c.bdf == bdf and c.memory_bytes is not None]
-        seen: set[int] = set()
-        for b in self.dmabufs:
-            if b.bdf != bdf or b.size_bytes is None:
-                continue
-            if b.inode is not None:
-                if b.inode in seen:
-                    continue
-                seen.add(b.inode)
-            sizes.append(b.size_bytes)
         return sum(sizes) if sizes else None
 
 

@@ -200,10 +200,11 @@ _STATUS_STYLE = {"clean": "bold green", "busy": "bold cyan", "dirty": "bold red"
 
 
 def _dev_label(snap: Snapshot, bdf: str) -> str:
+    """The Level Zero index when there is one (short), else the BDF."""
     d = snap.device(bdf)
     if d is None or d.index is None:
         return bdf
-    return f"{d.index}:{bdf}"
+    return str(d.index)
 
 
 def devices_table(snap: Snapshot) -> Any:
@@ -227,33 +228,47 @@ def devices_table(snap: Snapshot) -> Any:
     return t
 
 
-def processes_table(snap: Snapshot, title: str = "Processes") -> Any:
-    from rich.table import Table
+def processes_table(snap: Snapshot, title: str = "Processes", width: int = 120) -> Any:
+    """A ps-style listing (rich's Table squeezes short columns when a command is long)."""
+    from rich.markup import escape
+    from rich.text import Text
 
-    t = Table(title=title, title_justify="left")
-    for col in ("PID", "PPID", "S", "role", "devices", "memory", "orphan", "run"):
-        t.add_column(col, no_wrap=True)
-    t.add_column("command", overflow="ellipsis", no_wrap=True, min_width=20, ratio=1)
+    heads = ["PID", "PPID", "S", "ROLE", "DEV", "MEMORY", "RUN", "COMMAND"]
+    rows = []
     for p in snap.processes:
-        t.add_row(
-            str(p.pid),
-            str(p.ppid),
-            p.state + (f" ({p.wchan})" if p.wchan else ""),
-            (p.role or "-") + (f" {p.rank}" if p.rank else ""),
-            ", ".join(_dev_label(snap, b) for b in p.devices) or "-",
-            human_bytes(p.memory_bytes) if p.memory_bytes is not None else "-",
-            "[bold red]yes[/]" if p.orphan else "no",
-            (p.run_id or "-")[:12],
-            p.command,
+        rows.append(
+            [
+                str(p.pid),
+                str(p.ppid),
+                p.state + (f"({p.wchan})" if p.wchan else ""),
+                (p.role or "-") + (f" {p.rank}" if p.rank else "") + (" ORPHAN" if p.orphan else ""),
+                ",".join(_dev_label(snap, b) for b in p.devices) or "-",
+                human_bytes(p.memory_bytes) if p.memory_bytes is not None else "-",
+                (p.run_id or "-")[:8],
+                p.command,
+            ]
         )
-    return t
+    widths = [max([len(heads[i])] + [len(r[i]) for r in rows]) for i in range(7)]
+    lines = [f"[bold]{title}[/]"]
+    for i, r in enumerate([heads, *rows]):
+        cells = [c.rjust(w) if j < 2 else c.ljust(w) for j, (c, w) in enumerate(zip(r, widths))]
+        head = "  ".join(cells) + "  "
+        room = max(12, width - len(head))
+        cmd = r[7] if len(r[7]) <= room else r[7][: room - 1] + "…"
+        text = escape(head + cmd)
+        if i == 0:
+            text = f"[bold]{text}[/]"
+        elif " ORPHAN" in r[3]:
+            text = text.replace(" ORPHAN", " [bold red]ORPHAN[/]", 1)
+        lines.append(text)
+    return Text.from_markup("\n".join(lines))
 
 
 def print_doctor(console: Console, report: Report) -> None:
     snap = report.snapshot
     console.print(devices_table(snap))
     if snap.processes:
-        console.print(processes_table(snap))
+        console.print(processes_table(snap, width=console.width), no_wrap=True, crop=True)
     stale = [a for a in snap.artifacts if a.stale]
     if stale:
         from rich.table import Table

@@ -319,9 +319,6 @@ def take_snapshot(
         if c.memory_bytes is not None:
             for pid in c.pids:
                 mem_by_pid[pid] = mem_by_pid.get(pid, 0) + c.memory_bytes
-    for b in dmabufs:
-        if b.size_bytes is not None:
-            mem_by_pid[b.pid] = mem_by_pid.get(b.pid, 0) + b.size_bytes
     procs: dict[int, Process] = {}
     for pid, raw in relevant.items():
         place = placements.get(pid)

@@ -52,7 +52,9 @@ def resolve(members: dict[int, Member]) -> dict[int, Placement]:
             related = (
                 parent_role is not None
                 or (m.run_id is not None and m.run_id in vllm_runs)
-                or (m.role == R.TRACKER_CANDIDATE and m.session in vllm_sessions)
+                # a tracker that outlived its API server was reparented to init; only then
+                # does sharing a session tie it to vLLM (in a container, everything shares one)
+                or (m.role == R.TRACKER_CANDIDATE and m.ppid <= 1 and m.session in vllm_sessions)
             )
             if not related:
                 continue
@@ -76,6 +78,24 @@ def resolve(members: dict[int, Member]) -> dict[int, Placement]:
                 return cur
 
     tops = {pid: top_of(pid) for pid in roles}
+    # A resource tracker outlives its API server with ppid 1 (or a subreaper): it belongs
+    # to the tree that shares its run id or session.
+    for pid, role in roles.items():
+        if role != R.RESOURCE_TRACKER or tops[pid] != pid:
+            continue
+        m = members[pid]
+        kin = sorted(
+            tops[o]
+            for o, r in roles.items()
+            if o != pid
+            and r != R.RESOURCE_TRACKER
+            and (
+                (m.run_id is not None and members[o].run_id == m.run_id)
+                or members[o].session == m.session
+            )
+        )
+        if kin:
+            tops[pid] = kin[0]
     live_tops = {
         members[t].run_id: t
         for t in sorted(set(tops.values()))

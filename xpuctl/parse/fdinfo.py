@@ -12,7 +12,8 @@ import re
 from dataclasses import dataclass, field
 
 _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
-_SIZE_RE = re.compile(r"^\s*(\d+)\s*([A-Za-z]*)\s*$")
+# ASCII digits only, at most 24 of them (int() rejects '²' and very long numbers)
+_SIZE_RE = re.compile(r"^\s*([0-9]{1,24})\s*([A-Za-z]*)\s*$", re.ASCII)
 _DEVICE_REGION_RE = re.compile(r"^(?:vram|local)\d+$")
 
 
@@ -71,7 +72,7 @@ def parse_fdinfo(text: str) -> Fdinfo:
     return Fdinfo(
         driver=keys.get("drm-driver") or None,
         pdev=keys.get("drm-pdev") or None,
-        client_id=int(cid) if cid.isdigit() else None,
+        client_id=int(cid) if cid.isascii() and cid.isdigit() and len(cid) <= 24 else None,
         memory_bytes=sum(device) if device else None,
         regions=regions,
         keys=keys,
@@ -94,4 +95,5 @@ def parse_dmabuf(text: str) -> Dmabuf | None:
     if exporter is None and size is None:
         return None
     ino = pairs.get("ino", "")
-    return Dmabuf(size_bytes=size, exporter=exporter, inode=int(ino) if ino.isdigit() else None)
+    inode = int(ino) if ino.isascii() and ino.isdigit() and len(ino) <= 24 else None
+    return Dmabuf(size_bytes=size, exporter=exporter, inode=inode)

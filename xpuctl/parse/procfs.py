@@ -62,7 +62,8 @@ def parse_cmdline(data: bytes) -> list[str]:
     """
     if not data:
         return []
-    args = data.decode("utf-8", "surrogateescape").split("\0")
+    # backslashreplace: a bad byte shows as \xff and never breaks a terminal or JSON
+    args = data.decode("utf-8", "backslashreplace").split("\0")
     while args and args[-1] == "":
         args.pop()
     if len(args) == 1:

@@ -1,0 +1,59 @@
+"""Tiny HTTP probes of a vLLM server: /health, /v1/models, /metrics (stdlib http.client)."""
+
+from __future__ import annotations
+
+import http.client
+import re
+
+_METRIC_RE = re.compile(
+    r"^vllm:num_requests_(running|waiting)(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$", re.MULTILINE
+)
+
+
+def local_host(bind: str | None) -> str:
+    """Where to reach a server bound to `bind` from this host."""
+    if not bind or bind in ("0.0.0.0", "::", "[::]", "*"):
+        return "127.0.0.1"
+    return bind.strip("[]")
+
+
+def get(host: str, port: int, path: str, timeout: float = 1.0) -> tuple[int, str] | None:
+    """(status, body) or None when nothing answers."""
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        conn.request("GET", path, headers={"Connection": "close"})
+        resp = conn.getresponse()
+        return resp.status, resp.read(1 << 20).decode("utf-8", "replace")
+    except (OSError, http.client.HTTPException):
+        return None
+    finally:
+        conn.close()
+
+
+def parse_in_flight(metrics_text: str) -> int | None:
+    """running + waiting requests summed over models, from vLLM's Prometheus text."""
+    total = 0.0
+    found = False
+    for _, value in _METRIC_RE.findall(metrics_text):
+        try:
+            total += float(value)
+            found = True
+        except ValueError:
+            continue
+    return int(total) if found else None
+
+
+def in_flight(host: str, port: int, timeout: float = 0.5) -> int | None:
+    got = get(host, port, "/metrics", timeout)
+    if got is None or got[0] != 200:
+        return None
+    return parse_in_flight(got[1])
+
+
+def ready(host: str, port: int, timeout: float = 1.0) -> bool:
+    """/health answers 200 and /v1/models answers 200."""
+    h = get(host, port, "/health", timeout)
+    if h is None or h[0] != 200:
+        return False
+    m = get(host, port, "/v1/models", timeout)
+    return m is not None and m[0] == 200

@@ -1,0 +1,545 @@
+"""serve: launch vLLM with a forced drain timeout and supervise it.
+
+The supervisor (this process, or a detached child of it) is a child subreaper; vLLM runs in
+a new session with SIGTERM as its parent-death signal, `XPUCTL_RUN_ID` and `SPT_NOENV=1` in
+its environment, output streamed to the terminal and a log file, and a run record in the
+state directory. Readiness has a deadline vLLM itself lacks.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from xpuctl import http
+from xpuctl.errors import ExitCode, UsageError, XpuctlError
+from xpuctl.host import Host
+from xpuctl.probes.devices import scan_devices, select_devices
+from xpuctl.runs import Locks, RunRecord, ensure_state_dir, list_records, write_record
+from xpuctl.supervisor import (
+    EXITED,
+    become_subreaper,
+    can_signal,
+    reap_children,
+    set_parent_death_signal,
+    target_of,
+)
+
+MIN_SHUTDOWN_TIMEOUT = 5
+FLAG_VERSION = (0, 18)  # first vLLM with --shutdown-timeout
+DEFAULT_VLLM = "vllm serve"
+_VERSION_RE = re.compile(r"^(vllm(?:[_-][a-z]+)?)-(\d+(?:\.\d+)*)[^/]*\.dist-info$", re.IGNORECASE)
+_PHASES = (
+    ("backend=xccl", "oneCCL/xccl initialisation (warm-up all_reduce): the classic relaunch hang; "
+     "check `xpuctl doctor` for orphans holding the devices"),
+    ("backend=ccl", "oneCCL initialisation"),
+    ("Loading weights", "model weight loading"),
+    ("Loading model", "model loading"),
+    ("KV cache", "KV cache allocation"),
+    ("Starting vLLM API server", "HTTP server start"),
+    ("world_size=", "distributed initialisation"),
+)
+
+
+@dataclass
+class ServeOptions:
+    model: str
+    vllm_args: list[str]
+    vllm_cmd: str = DEFAULT_VLLM
+    drain_timeout: float = 30.0
+    teardown_timeout: float = 20.0
+    allow_abort: bool = False
+    devices: list[str] = field(default_factory=list)
+    env: list[str] = field(default_factory=list)
+    force: bool = False
+    name: str | None = None
+    state_dir: str = ""
+    ready_timeout: float = 900.0
+    detach: bool = False
+    kill_after: float = 10.0
+
+
+@dataclass
+class LaunchPlan:
+    argv: list[str]
+    env: dict[str, str]
+    notes: list[str]
+    port: int
+    bind: str | None
+    bdfs: list[str]
+    shutdown_timeout: int | None
+    version: str | None
+
+
+# -- planning (pure-ish) ------------------------------------------------------------------
+
+
+def _version_tuple(v: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", v)[:3])
+
+
+def _interpreter(cmd: list[str]) -> str | None:
+    exe = shutil.which(cmd[0]) if cmd else None
+    if exe is None:
+        return None
+    if re.match(r"^python[\d.]*$", os.path.basename(exe)):
+        return exe
+    try:
+        with open(exe, "rb") as fh:
+            first = fh.readline(512)
+    except OSError:
+        return None
+    if not first.startswith(b"#!"):
+        return None
+    parts = first[2:].decode(errors="replace").split()
+    if not parts:
+        return None
+    if os.path.basename(parts[0]) == "env" and len(parts) > 1:
+        return shutil.which(parts[1])
+    return parts[0]
+
+
+def vllm_version(cmd: list[str]) -> str | None:
+    """vLLM's version from the package metadata beside the interpreter that runs `cmd`.
+
+    No import of vllm (seconds, and it may initialise the GPU): just the dist-info name.
+    """
+    interp = _interpreter(cmd)
+    if interp is None:
+        return None
+    prefix = os.path.dirname(os.path.dirname(interp))
+    for pattern in ("lib/python3*/site-packages/vllm*.dist-info", "lib/python3*/dist-packages/vllm*.dist-info"):
+        for path in sorted(glob.glob(os.path.join(prefix, pattern))):
+            m = _VERSION_RE.match(os.path.basename(path))
+            if m:
+                return m.group(2)
+    return None
+
+
+def _parse_env(pairs: list[str]) -> dict[str, str]:
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key or not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", key):
+            raise UsageError(f"--env {pair!r}: expected KEY=VALUE")
+        out[key] = value
+    return out
+
+
+def _strip_flag(args: list[str], flag: str) -> tuple[list[str], str | None, bool]:
+    """Remove `flag N`/`flag=N` (also the _ spelling) from args: (rest, value, found)."""
+    names = {flag, flag.replace("-", "_").replace("__", "--")}
+    rest: list[str] = []
+    value = None
+    found = False
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        key, eq, val = arg.partition("=")
+        if key in names:
+            found = True
+            if eq:
+                value = val
+            elif i + 1 < len(args):
+                value = args[i + 1]
+                i += 1
+            i += 1
+            continue
+        rest.append(arg)
+        i += 1
+    return rest, value, found
+
+
+def plan_launch(opts: ServeOptions, host: Host, environ: dict[str, str], run_id: str) -> LaunchPlan:
+    from xpuctl.stop import port_from_argv
+
+    cmd = shlex.split(opts.vllm_cmd)
+    if not cmd:
+        raise UsageError("--vllm is empty")
+    if shutil.which(cmd[0]) is None:
+        raise UsageError(f"--vllm: {cmd[0]!r} not found on PATH")
+    notes: list[str] = []
+    version = vllm_version(cmd)
+    supports_flag = version is None or _version_tuple(version) >= FLAG_VERSION
+    args, given, had_flag = _strip_flag(list(opts.vllm_args), "--shutdown-timeout")
+    wanted = max(MIN_SHUTDOWN_TIMEOUT, int(round(opts.drain_timeout + opts.teardown_timeout)))
+    shutdown_timeout: int | None = wanted
+    if had_flag:
+        if given is None or not given.isdigit():
+            raise UsageError(f"--shutdown-timeout {given!r}: expected whole seconds")
+        n = int(given)
+        if n == 0 and opts.allow_abort:
+            shutdown_timeout = 0
+            notes.append("--shutdown-timeout 0 kept (--allow-abort): in-flight requests are aborted")
+        elif n == 0:
+            notes.append(
+                f"replaced --shutdown-timeout 0 (abort) with {wanted}s: on XPU an abort skips Level "
+                "Zero/oneCCL teardown and the next server hangs (use --allow-abort to keep it)"
+            )
+        elif n < MIN_SHUTDOWN_TIMEOUT:
+            notes.append(f"raised --shutdown-timeout {n} to the {MIN_SHUTDOWN_TIMEOUT}s minimum")
+            shutdown_timeout = MIN_SHUTDOWN_TIMEOUT
+        else:
+            shutdown_timeout = n
+    if not supports_flag:
+        notes.append(
+            f"vLLM {version} predates --shutdown-timeout (0.18): not passing it; shutdown waits "
+            "for idle before signalling"
+        )
+        shutdown_timeout = None
+    argv = [*cmd, opts.model, *args]
+    if shutdown_timeout is not None:
+        argv += ["--shutdown-timeout", str(shutdown_timeout)]
+    port, bind = port_from_argv(args)
+    port = port or 8000
+
+    devices, _ = scan_devices(host)
+    env = dict(environ)
+    bdfs: list[str] = []
+    if opts.devices:
+        specs = [s for item in opts.devices for s in item.split(",") if s.strip()]
+        chosen = select_devices(devices, specs)
+        for d in chosen:
+            if not d.is_intel or d.index is None:
+                raise UsageError(f"device {d.bdf} is not an Intel GPU (vendor {d.vendor_id})")
+        bdfs = [d.bdf for d in chosen]
+        env["ZE_AFFINITY_MASK"] = ",".join(str(d.index) for d in chosen)
+    else:
+        bdfs = [d.bdf for d in devices if d.is_intel]
+    env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    env.update(_parse_env(opts.env))
+    env["XPUCTL_RUN_ID"] = run_id
+    env["SPT_NOENV"] = "1"  # keep environ readable after setproctitle (the run tag!)
+    if host.root:
+        env["XPUCTL_ROOT"] = host.root
+    return LaunchPlan(argv, env, notes, port, bind, bdfs, shutdown_timeout, version)
+
+
+def diagnose_phase(lines: list[str]) -> str | None:
+    for line in reversed(lines):
+        for marker, phase in _PHASES:
+            if marker in line:
+                return phase
+    return None
+
+
+# -- supervision --------------------------------------------------------------------------
+
+
+class _Pump(threading.Thread):
+    """Copy vLLM's output to the log file (and the terminal), keeping the last lines."""
+
+    def __init__(self, stream, log_path: str, echo: bool) -> None:
+        super().__init__(daemon=True, name="xpuctl-log")
+        self.stream = stream
+        self.log = open(log_path, "ab", buffering=0)  # noqa: SIM115
+        self.echo = echo
+        self.tail: collections.deque[str] = collections.deque(maxlen=200)
+
+    def run(self) -> None:
+        for raw in iter(self.stream.readline, b""):
+            try:
+                self.log.write(raw)
+            except OSError:
+                pass
+            self.tail.append(raw.decode("utf-8", "replace").rstrip("\n"))
+            if self.echo:
+                try:
+                    sys.stdout.buffer.write(raw)
+                    sys.stdout.flush()
+                except (OSError, ValueError):
+                    self.echo = False
+        self.log.close()
+
+
+class _Interrupted(Exception):
+    pass
+
+
+class Supervisor:
+    def __init__(self, host: Host, opts: ServeOptions, plan: LaunchPlan, rec: RunRecord,
+                 state_dir: str, say: Callable[[str], None], echo: bool,
+                 notify: Callable[[str], None] | None = None) -> None:
+        self.host = host
+        self.opts = opts
+        self.plan = plan
+        self.rec = rec
+        self.state_dir = state_dir
+        self.say = say
+        self.echo = echo
+        self.notify = notify
+        self.signals = 0
+        self.proc: subprocess.Popen | None = None
+        self.pump: _Pump | None = None
+
+    def _set(self, **changes) -> None:
+        for k, v in changes.items():
+            setattr(self.rec, k, v)
+        write_record(self.state_dir, self.rec)
+
+    def _on_signal(self, signum, frame) -> None:  # noqa: ARG002
+        self.signals += 1
+        if self.signals >= 2:
+            raise _Interrupted()
+
+    def launch(self) -> None:
+        become_subreaper()
+        self.proc = subprocess.Popen(
+            self.plan.argv,
+            env=self.plan.env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=set_parent_death_signal,  # noqa: PLW1509 (no threads yet)
+            close_fds=True,
+        )
+        self.pump = _Pump(self.proc.stdout, self.rec.log_path, self.echo)
+        self.pump.start()
+        t = target_of(self.host, self.proc.pid)
+        self._set(pid=self.proc.pid, start_ticks=t.start_ticks if t else None,
+                  session=self.proc.pid, started_at=time.time(), state="starting")
+
+    def exit_code(self) -> int | None:
+        assert self.proc is not None
+        reap_children()
+        code = EXITED.get(self.proc.pid)
+        if code is not None:
+            self.proc.returncode = code  # we reaped it, not Popen
+        return code
+
+    def _tree(self):
+        from xpuctl.stop import Tree
+        from xpuctl.supervisor import Target
+
+        assert self.proc is not None
+        top = Target(self.proc.pid, self.rec.start_ticks or 0, "api-server")
+        return Tree(top=top, role="api-server", orphan=False, run_id=self.rec.run_id,
+                    session=self.rec.session, devices=tuple(self.plan.bdfs), port=self.plan.port,
+                    bind=self.plan.bind, shutdown_timeout=self.plan.shutdown_timeout,
+                    log_path=self.rec.log_path, record=self.rec, known=[top])
+
+    def stop_tree(self, skip_drain: bool = False):
+        from xpuctl.stop import stop
+
+        def show(ev) -> None:
+            self.say(f"xpuctl: {ev.t:7.2f}s {ev.phase:<17} {ev.detail}")
+
+        self._set(state="stopping")
+        try:
+            return stop(self.host, [self._tree()], kill_after=self.opts.kill_after,
+                        release_timeout=self.opts.teardown_timeout, on_event=show, skip_drain=skip_drain)
+        except _Interrupted:
+            self.say("xpuctl: second interrupt: killing the tree now")
+            return stop(self.host, [self._tree()], kill_after=0,
+                        release_timeout=self.opts.teardown_timeout, on_event=show, skip_drain=True)
+
+    def run(self) -> int:
+        """Supervise until vLLM is gone. Returns the exit code for xpuctl."""
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, self._on_signal)
+        self.launch()
+        assert self.proc is not None
+        deadline = time.monotonic() + self.opts.ready_timeout
+        ready = False
+        local = http.local_host(self.plan.bind)
+        self.say(f"xpuctl: started {self.rec.name} (pid {self.proc.pid}, run {self.rec.run_id}), "
+                 f"log {self.rec.log_path}")
+        while True:
+            code = self.exit_code()
+            if code is not None:
+                return self._after_exit(code, requested=False, ready=ready)
+            if self.signals:
+                self.say("xpuctl: stopping (signal received; press Ctrl-C again to kill)")
+                result = self.stop_tree()
+                return self._after_stop(result)
+            if not ready:
+                if http.ready(local, self.plan.port, 1.0):
+                    ready = True
+                    self._set(state="ready")
+                    self.say(f"xpuctl: ready on http://{local}:{self.plan.port} "
+                             f"({time.monotonic() - (deadline - self.opts.ready_timeout):.1f}s)")
+                    if self.notify:
+                        self.notify("ready")
+                elif time.monotonic() >= deadline:
+                    return self._not_ready()
+            time.sleep(0.2)
+
+    def _not_ready(self) -> int:
+        assert self.pump is not None
+        lines = list(self.pump.tail)
+        phase = diagnose_phase(lines)
+        self.say(f"xpuctl: not ready after {self.opts.ready_timeout:g}s; "
+                 f"stuck in: {phase or 'an unknown phase'}")
+        for line in lines[-10:]:
+            self.say(f"xpuctl:   | {line}")
+        try:
+            from xpuctl.doctor import diagnose
+
+            report = diagnose(self.host, self.plan.bdfs or None, None)
+            for f in report.findings:
+                if f.severity != "info":
+                    self.say(f"xpuctl:   doctor {f.severity} {f.check}: {f.message}")
+        except XpuctlError:
+            pass
+        self.rec.notes.append(f"not ready after {self.opts.ready_timeout:g}s: {phase or 'unknown phase'}")
+        self.stop_tree()
+        self._set(state="failed", exit_code=int(ExitCode.NOT_READY), stopped_at=time.time())
+        if self.notify:
+            self.notify(f"failed {int(ExitCode.NOT_READY)}")
+        return ExitCode.NOT_READY
+
+    def _after_stop(self, result) -> int:
+        code = self.exit_code()
+        leftovers = result.verdict == "leftovers"
+        self._set(state="stopped" if not leftovers else "failed", exit_code=code, stopped_at=time.time())
+        self.say(f"xpuctl: stopped: {result.verdict}")
+        return ExitCode.PROBLEMS if leftovers else ExitCode.OK
+
+    def _after_exit(self, code: int, requested: bool, ready: bool) -> int:
+        from xpuctl.stop import stop
+
+        self.say(f"xpuctl: vLLM exited with code {code}")
+        if self.pump is not None:
+            self.pump.join(timeout=2)
+        # its tree should follow; whatever carries our run id and stays is a leftover.
+        # When `xpuctl shutdown` is stopping the run, it owns the ladder: only watch.
+        from xpuctl.runs import read_record
+
+        disk = read_record(self.state_dir, self.rec.name)
+        passive = bool(disk and disk.run_id == self.rec.run_id and disk.state == "stopping")
+        result = stop(self.host, [self._tree()], timeout=self.opts.teardown_timeout,
+                      kill_after=self.opts.kill_after, release_timeout=self.opts.teardown_timeout,
+                      on_event=lambda ev: self.say(f"xpuctl: {ev.t:7.2f}s {ev.phase:<17} {ev.detail}")
+                      if ev.phase not in ("gone", "drain") else None, passive=passive)
+        leftovers = result.verdict != "clean"
+        requested = requested or passive
+        self._set(state="failed" if ((code != 0 and not requested) or leftovers) else "stopped",
+                  exit_code=code,
+                  stopped_at=time.time())
+        if self.notify and not ready:
+            self.notify(f"exit {code}")
+        if code < 0:
+            code = 128 - code
+        if leftovers and code == 0:
+            return ExitCode.PROBLEMS
+        return code
+
+
+def serve(host: Host, opts: ServeOptions, environ: dict[str, str], out: Callable[[str], None],
+          show_findings: Callable[[object], None]) -> int:
+    if not can_signal(host):
+        raise UsageError("serve needs the live /proc (a root whose proc is the real /proc)")
+    state_dir = ensure_state_dir(opts.state_dir)
+    run_id = uuid.uuid4().hex[:16]
+    plan = plan_launch(opts, host, environ, run_id)
+    for note in plan.notes:
+        out(f"xpuctl: note: {note}")
+    name = opts.name or f"vllm-{plan.port}"
+    if not re.match(r"^[A-Za-z0-9_.-]{1,64}$", name):
+        raise UsageError(f"--name {name!r}: use letters, digits, '.', '_' or '-'")
+    # preflight
+    if not opts.force:
+        from xpuctl.doctor import diagnose
+
+        report = diagnose(host, plan.bdfs or None, plan.port, caller_env=plan.env)
+        if report.failed:
+            show_findings(report)
+            raise XpuctlError(
+                "preflight failed: the devices or port are not clean (fix the findings above, "
+                "e.g. `xpuctl reset`, or start anyway with --force)"
+            )
+    locks = Locks(state_dir)
+    log_path = os.path.join(state_dir, "logs", f"{name}.log")
+    rec = RunRecord(name=name, run_id=run_id, pid=None, start_ticks=None, session=None,
+                    command=plan.argv, devices=plan.bdfs, port=plan.port, host=plan.bind or "127.0.0.1",
+                    shutdown_timeout=plan.shutdown_timeout, drain_timeout=opts.drain_timeout,
+                    teardown_timeout=opts.teardown_timeout, log_path=log_path,
+                    notes=list(plan.notes))
+    keys = [f"run-{name}", f"port-{plan.port}"] + [f"device-{b}" for b in plan.bdfs]
+
+    if not opts.detach:
+        locks.acquire(keys, f"{name} pid {os.getpid()}")
+        rec.supervisor_pid = os.getpid()
+        sup = Supervisor(host, opts, plan, rec, state_dir, out, echo=True)
+        try:
+            return sup.run()
+        finally:
+            locks.release()
+
+    # --detach: a supervisor child keeps running; we return once it is ready or failed
+    locks.acquire(keys, f"{name} (detaching)")  # fail fast, before forking
+    locks.release()
+    rfd, wfd = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # supervisor
+        os.close(rfd)
+        code = 1
+        try:
+            os.setsid()
+            locks.acquire(keys, f"{name} pid {os.getpid()}")
+            rec.supervisor_pid = os.getpid()
+            devnull = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):
+                os.dup2(devnull, fd)
+            notified = False
+
+            def notify(msg: str) -> None:
+                nonlocal notified
+                if not notified:
+                    notified = True
+                    os.write(wfd, (msg + "\n").encode())
+                    os.close(wfd)
+
+            def log(msg: str) -> None:
+                try:
+                    with open(log_path, "a") as fh:
+                        fh.write(msg + "\n")
+                except OSError:
+                    pass
+
+            sup = Supervisor(host, opts, plan, rec, state_dir, log, echo=False, notify=notify)
+            code = sup.run()
+            notify(f"exit {code}")
+        except BaseException as exc:  # noqa: BLE001
+            try:
+                os.write(wfd, f"error {exc}\n".encode())
+            except OSError:
+                pass
+        finally:
+            os._exit(int(code) if isinstance(code, int) else 1)
+    os.close(wfd)
+    out(f"xpuctl: {name}: supervisor {pid}, log {log_path}; waiting for readiness "
+        f"(up to {opts.ready_timeout:g}s)")
+    with os.fdopen(rfd) as fh:
+        msg = fh.readline().strip()
+    if msg == "ready":
+        out(f"xpuctl: {name} is ready on port {plan.port}")
+        return ExitCode.OK
+    if msg.startswith("failed"):
+        out(f"xpuctl: {name} was not ready in time; stopped (see {log_path})")
+        return ExitCode.NOT_READY
+    if msg.startswith("exit"):
+        code = int(msg.split()[1])
+        out(f"xpuctl: {name} exited before it was ready (code {code}); see {log_path}")
+        return code or ExitCode.PROBLEMS
+    out(f"xpuctl: {name}: supervisor failed: {msg or 'no answer'}; see {log_path}")
+    return ExitCode.PROBLEMS
+
+
+def active_records(state_dir: str) -> list[RunRecord]:
+    return [r for r in list_records(state_dir) if r.state in ("starting", "ready", "stopping")]
