@@ -478,6 +478,90 @@ def shutdown(
     raise typer.Exit(ExitCode.PROBLEMS if result.verdict == "leftovers" else ExitCode.OK)
 
 
+@app.command()
+@_guard
+def reset(
+    ctx: typer.Context,
+    device: DeviceOpt = None,
+    port: Annotated[Optional[int], typer.Option("--port", "-p", min=1, max=65535, help="Serving port to check.", show_default=False)] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Show the plan only.")] = False,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask (for scripts).")] = False,
+    timeout: Annotated[Optional[float], typer.Option("--timeout", min=0, help="Seconds to wait for orphans after SIGTERM.", show_default=False)] = None,
+    kill_after: Annotated[float, typer.Option("--kill-after", min=0, help="Seconds between SIGTERM and SIGKILL.")] = 10.0,
+    device_reset: Annotated[bool, typer.Option("--device-reset", help="Last resort, root only: PCI reset of the one --device once nothing holds it.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Clean stuck oneCCL/vLLM state before a relaunch: stop orphans, remove stale files.
+
+    Shows the plan first; asks unless --yes. Live servers are left alone (use shutdown).
+    Exit 0: clean afterwards. 1: problems remain. 2: usage (or no --yes without a terminal).
+    """
+    from xpuctl import render
+    from xpuctl import reset as R
+    from xpuctl.doctor import resolve_device_specs
+
+    a = _app(ctx)
+    bdfs = resolve_device_specs(a.host, list(device or []))
+    plan = R.make_plan(a.host, bdfs, port, device_reset)
+
+    def plan_dict() -> dict[str, Any]:
+        return {
+            "orphans": [{"top": t.top.pid, "devices": list(t.devices)} for t in plan.orphan_trees],
+            "orphan_pids": plan.orphan_pids,
+            "files": [render.artifact_dict(f) for f in plan.files],
+            "files_after_orphans": [render.artifact_dict(f) for f in plan.pending_files],
+            "skipped": [{"path": f.path, "why": why} for f, why in plan.skipped_files],
+            "device_reset": plan.device_reset,
+            "notes": plan.notes,
+        }
+
+    err = sys.stderr if as_json else sys.stdout
+    if not as_json:
+        if plan.empty:
+            err.write("nothing to clean\n")
+        for t in plan.orphan_trees:
+            err.write(f"stop orphaned vLLM tree {t.top.pid} ({t.role}) holding {', '.join(t.devices) or 'no device'}\n")
+        for f in plan.files:
+            err.write(f"remove {f.path} ({f.kind}, uid {f.owner_uid}, {f.size_bytes} bytes): {f.reason}\n")
+        for f in plan.pending_files:
+            err.write(f"remove {f.path} ({f.kind}) once the orphans holding it are gone\n")
+        for f, why in plan.skipped_files:
+            err.write(f"skip {f.path}: {why}\n")
+        for b in plan.device_reset:
+            err.write(f"reset device {b} (PCI function reset) once nothing holds it\n")
+        for n in plan.notes:
+            err.write(f"note: {n}\n")
+    if dry_run or plan.empty:
+        if as_json:
+            sys.stdout.write(render.to_json({"schema": "xpuctl.reset/1", "dry_run": dry_run, "plan": plan_dict()}) + "\n")
+        raise typer.Exit(ExitCode.OK)
+    if not yes:
+        if not sys.stdin.isatty():
+            raise UsageError("refusing to clean without confirmation: pass --yes (no terminal to ask)")
+        if not typer.confirm("Proceed?", default=False):
+            raise typer.Exit(ExitCode.PROBLEMS)
+    outcome = R.execute(a.host, plan, bdfs, port, kill_after, timeout, lambda m: err.write(m + "\n"))
+    remaining = [f for f in outcome.after.findings if f.severity == "fail"]
+    if as_json:
+        data = {
+            "schema": "xpuctl.reset/1",
+            "dry_run": False,
+            "plan": plan_dict(),
+            "stopped": outcome.stopped.verdict if outcome.stopped else None,
+            "removed": [r.path for r in outcome.removed if r.removed],
+            "kept": [{"path": r.path, "why": r.reason} for r in outcome.removed if not r.removed],
+            "device_reset": [{"bdf": b, "done": ok, "detail": why} for b, ok, why in outcome.device_reset],
+            "status": outcome.after.status,
+            "findings": [render.finding_dict(f) for f in outcome.after.findings],
+        }
+        sys.stdout.write(render.to_json(data) + "\n")
+    else:
+        for f in remaining:
+            err.write(f"still failing: {f.check}: {f.message}\n")
+        err.write(f"status: {outcome.after.status}\n")
+    raise typer.Exit(ExitCode.PROBLEMS if remaining else ExitCode.OK)
+
+
 def main() -> None:
     app(prog_name="xpuctl")
 

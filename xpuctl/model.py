@@ -110,6 +110,7 @@ class Artifact:
     owner_uid: int
     size_bytes: int
     age_seconds: float | None
+    inode: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

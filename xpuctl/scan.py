@@ -233,6 +233,7 @@ def _artifacts(
                 owner_uid=info.uid,  # type: ignore[attr-defined]
                 size_bytes=info.size,  # type: ignore[attr-defined]
                 age_seconds=max(0.0, now - info.mtime),  # type: ignore[attr-defined]
+                inode=info.inode,  # type: ignore[attr-defined]
             )
         )
     return out, issues
