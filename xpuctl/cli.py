@@ -562,6 +562,26 @@ def reset(
     raise typer.Exit(ExitCode.PROBLEMS if remaining else ExitCode.OK)
 
 
+class Shell(str, Enum):
+    bash = "bash"
+    zsh = "zsh"
+    fish = "fish"
+
+
+@app.command()
+@_guard
+def completion(shell: Annotated[Shell, typer.Argument(help="bash, zsh or fish.")]) -> None:
+    """Print the completion script for a shell (e.g. `xpuctl completion bash > /etc/bash_completion.d/xpuctl`).
+
+    The script is a shim: every TAB asks xpuctl itself, so candidates (devices, commands)
+    are always current. Same text as completions/ in the source tree.
+    """
+    from typer._completion_shared import get_completion_script
+
+    sys.stdout.write(get_completion_script(prog_name="xpuctl", complete_var="_XPUCTL_COMPLETE", shell=shell.value))
+    sys.stdout.write("\n")
+
+
 def main() -> None:
     app(prog_name="xpuctl")
 

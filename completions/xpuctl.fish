@@ -1,0 +1,1 @@
+complete --command xpuctl --no-files --arguments "(env _XPUCTL_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=get-args _TYPER_COMPLETE_ARGS=(commandline -cp) xpuctl)" --condition "env _XPUCTL_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=is-args _TYPER_COMPLETE_ARGS=(commandline -cp) xpuctl"
