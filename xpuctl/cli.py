@@ -403,6 +403,8 @@ def shutdown(
     from xpuctl.supervisor import can_signal
 
     a = _app(ctx)
+    if name is None and pid is None and port is None and not device and not all_:
+        raise UsageError("say which server to stop: NAME, --pid, --port, --device or --all")
     if not can_signal(a.host) and not dry_run:
         raise UsageError("shutdown needs the live /proc (a root whose proc is the real /proc)")
     sdir = state_dir or runs.default_state_dir(a.environ)
