@@ -14,6 +14,7 @@ from xpuctl.parse.procfs import parse_boot_time, parse_environ, parse_maps_paths
 from xpuctl.probes.devices import DRM_MAJOR, scan_devices
 from xpuctl.probes.processes import FdScan, RawProcess, scan_processes
 from xpuctl.rules import Facts, judge, match
+from xpuctl.parse.roles import API_SERVER
 from xpuctl.trees import Member, resolve
 
 RUN_ID_VAR = "XPUCTL_RUN_ID"
@@ -280,6 +281,17 @@ def _ports(host: Host, fds: FdScan, procs: dict[int, Process], port: int | None)
     return sorted(out, key=lambda x: (x.port, x.pid or 0))
 
 
+def _tag_run_leaders(host: Host, fds: FdScan) -> None:
+    """The process `xpuctl serve` launched is a session leader carrying XPUCTL_RUN_ID: it is
+    the top of that vLLM run even when its argv is not one we recognise (a wrapper script)."""
+    for pid, proc in fds.procs.items():
+        if proc.role is not None or proc.stat.session != pid or proc.stat.state == "Z":
+            continue
+        data = _read_opt(host, f"/proc/{pid}/environ")
+        if data and RUN_ID_VAR.encode() + b"=" in data and parse_environ(data).get(RUN_ID_VAR):
+            proc.role = API_SERVER
+
+
 def take_snapshot(
     host: Host,
     port: int | None = DEFAULT_PORT,
@@ -298,6 +310,7 @@ def take_snapshot(
             held[b.pid].add(b.bdf)
 
     # Which processes we describe: vLLM ones (and candidates) plus every holder.
+    _tag_run_leaders(host, fds)
     relevant: dict[int, RawProcess] = {
         pid: p for pid, p in fds.procs.items() if p.role is not None or pid in held
     }

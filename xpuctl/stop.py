@@ -131,6 +131,11 @@ def tree_from_record(rec: RunRecord, snap: Snapshot, host: Host) -> Tree | None:
         p = snap.process(rec.pid)
         if p is not None and p.start_ticks == rec.start_ticks:
             tree = tree_from_snapshot(snap, rec.pid, host)
+        if tree is None:
+            # the recorded top is what xpuctl launched: trust the record over argv shapes
+            t = target_of(host, rec.pid, "api-server")
+            if t is not None and t.start_ticks == rec.start_ticks:
+                tree = Tree(top=t, role=API_SERVER, orphan=False, known=[t])
     if tree is None:
         tagged = [p for p in snap.processes if p.run_id == rec.run_id and not p.is_zombie]
         if not tagged:
