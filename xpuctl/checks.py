@@ -275,13 +275,18 @@ def evaluate(snap: Snapshot, opts: Options) -> Report:
                     )
                 )
     for top, numbers in sorted(orphan_ports.items()):
+        tree_devs = sorted({b for m in trees.get(top, []) for b in m.devices})
+        if not on_wanted(tree_devs):
+            continue
         numbers = sorted(set(numbers))
         pids = tuple(sorted({pt.pid for pt in snap.ports if pt.orphan and pt.pid and pt.port in numbers}))
         shown = ", ".join(map(str, numbers[:8])) + (f" and {len(numbers) - 8} more" if len(numbers) > 8 else "")
+        serving = opts.port in numbers
         findings.append(
             Finding(
                 "ports",
-                "fail",
+                # with --device, another device's orphans only matter if they hold our port
+                "fail" if serving or not (wanted and not tree_devs) else "warn",
                 f"orphaned vLLM processes of tree {top} still listen on port(s) {shown}",
                 f"xpuctl shutdown --pid {top}",
                 None,

@@ -442,9 +442,8 @@ def shutdown(
         raise typer.Exit(ExitCode.OK)
     for t in trees:
         if t.record is not None:
-            t.record.state = "stopping"
             try:
-                runs.write_record(sdir, t.record)
+                runs.update_record(sdir, t.record, state="stopping")
             except OSError:
                 pass
 
@@ -454,14 +453,15 @@ def shutdown(
             sys.stdout.flush()
 
     result = S.stop(a.host, trees, timeout=timeout, kill_after=kill_after, release_timeout=release_timeout, on_event=show)
+    import time as _time
+
     for t in trees:
         if t.record is not None:
-            t.record.state = "stopped" if result.verdict != "leftovers" else "failed"
-            import time as _time
-
-            t.record.stopped_at = _time.time()
             try:
-                runs.write_record(sdir, t.record)
+                runs.update_record(
+                    sdir, t.record, state="stopped" if result.verdict != "leftovers" else "failed",
+                    stopped_at=_time.time(),
+                )
             except OSError:
                 pass
     if as_json:

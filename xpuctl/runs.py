@@ -116,6 +116,27 @@ def write_record(state_dir: str, rec: RunRecord) -> None:
         raise
 
 
+def update_record(state_dir: str, rec: RunRecord, **changes: Any) -> RunRecord:
+    """Apply `changes` to the record on disk (read-modify-write under a lock), so the
+    supervisor and a `shutdown` never overwrite each other's fields. Returns the result;
+    `rec` is updated too."""
+    for k, v in changes.items():
+        setattr(rec, k, v)
+    lock = os.path.join(state_dir, "runs", f".{rec.name}.lock")
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        disk = read_record(state_dir, rec.name)
+        if disk is None or disk.run_id != rec.run_id:
+            disk = rec
+        for k, v in changes.items():
+            setattr(disk, k, v)
+        write_record(state_dir, disk)
+        return disk
+    finally:
+        os.close(fd)
+
+
 def read_record(state_dir: str, name: str) -> RunRecord | None:
     try:
         with open(_record_path(state_dir, name)) as fh:

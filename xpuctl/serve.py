@@ -27,7 +27,7 @@ from xpuctl import http
 from xpuctl.errors import ExitCode, UsageError, XpuctlError
 from xpuctl.host import Host
 from xpuctl.probes.devices import scan_devices, select_devices
-from xpuctl.runs import Locks, RunRecord, ensure_state_dir, list_records, write_record
+from xpuctl.runs import Locks, RunRecord, ensure_state_dir, list_records, update_record
 from xpuctl.supervisor import (
     EXITED,
     become_subreaper,
@@ -250,6 +250,8 @@ class _Pump(threading.Thread):
 
     def run(self) -> None:
         for raw in iter(self.stream.readline, b""):
+            if not raw.endswith(b"\n"):
+                raw += b"\n"
             try:
                 self.log.write(raw)
             except OSError:
@@ -285,9 +287,7 @@ class Supervisor:
         self.pump: _Pump | None = None
 
     def _set(self, **changes) -> None:
-        for k, v in changes.items():
-            setattr(self.rec, k, v)
-        write_record(self.state_dir, self.rec)
+        update_record(self.state_dir, self.rec, **changes)
 
     def _on_signal(self, signum, frame) -> None:  # noqa: ARG002
         self.signals += 1
@@ -394,7 +394,8 @@ class Supervisor:
                     self.say(f"xpuctl:   doctor {f.severity} {f.check}: {f.message}")
         except XpuctlError:
             pass
-        self.rec.notes.append(f"not ready after {self.opts.ready_timeout:g}s: {phase or 'unknown phase'}")
+        self._set(notes=[*self.rec.notes,
+                         f"not ready after {self.opts.ready_timeout:g}s: {phase or 'unknown phase'}"])
         self.stop_tree()
         self._set(state="failed", exit_code=int(ExitCode.NOT_READY), stopped_at=time.time())
         if self.notify:
@@ -413,17 +414,22 @@ class Supervisor:
 
         self.say(f"xpuctl: vLLM exited with code {code}")
         if self.pump is not None:
-            self.pump.join(timeout=2)
+            self.pump.join(timeout=0.5)  # orphans may keep the pipe open
         # its tree should follow; whatever carries our run id and stays is a leftover.
         # When `xpuctl shutdown` is stopping the run, it owns the ladder: only watch.
         from xpuctl.runs import read_record
 
         disk = read_record(self.state_dir, self.rec.name)
         passive = bool(disk and disk.run_id == self.rec.run_id and disk.state == "stopping")
+        def someone_else() -> bool:
+            disk = read_record(self.state_dir, self.rec.name)
+            return bool(disk and disk.run_id == self.rec.run_id and disk.state == "stopping")
+
         result = stop(self.host, [self._tree()], timeout=self.opts.teardown_timeout,
                       kill_after=self.opts.kill_after, release_timeout=self.opts.teardown_timeout,
                       on_event=lambda ev: self.say(f"xpuctl: {ev.t:7.2f}s {ev.phase:<17} {ev.detail}")
-                      if ev.phase not in ("gone", "drain") else None, passive=passive)
+                      if ev.phase not in ("gone", "drain") else None, passive=passive,
+                      yield_to=someone_else)
         leftovers = result.verdict != "clean"
         requested = requested or passive
         self._set(state="failed" if ((code != 0 and not requested) or leftovers) else "stopped",

@@ -147,7 +147,8 @@ def tree_from_record(rec: RunRecord, snap: Snapshot, host: Host) -> Tree | None:
     tree.record = rec
     tree.run_id = rec.run_id
     tree.session = rec.session
-    tree.devices = tuple(sorted(set(tree.devices) | set(rec.devices)))
+    # the devices the run claimed (its lock); another holder elsewhere is not its leftover
+    tree.devices = tuple(sorted(rec.devices)) if rec.devices else tree.devices
     tree.port = rec.port
     tree.bind = rec.host
     tree.shutdown_timeout = rec.shutdown_timeout
@@ -219,6 +220,8 @@ class _LogTail:
         out = []
         for raw in data[:cut].splitlines():
             line = raw.decode("utf-8", "replace")
+            if line.startswith("xpuctl:"):
+                continue  # the supervisor's own lines (a detached run logs here too)
             if any(m in line for m in _LOG_MARKERS):
                 idx = line.find("[shutdown]")
                 out.append((line[idx:] if idx >= 0 else line.split("] ", 1)[-1]).strip())
@@ -235,9 +238,10 @@ def stop(
     skip_drain: bool = False,
     poll: float = 0.05,
     passive: bool = False,
+    yield_to: Callable[[], bool] | None = None,
 ) -> StopResult:
     """Run the ladder on `trees`. `passive`: send nothing, only wait and verify (someone
-    else is already stopping them)."""
+    else is already stopping them); `yield_to()` returning True turns passive midway."""
     t0 = time.monotonic()
     events: list[Event] = []
 
@@ -261,8 +265,15 @@ def stop(
                 continue
             if tree.top.send(host, signal.SIGTERM):
                 emit("sigterm", f"SIGTERM to {tree.role or 'process'} {tree.top.pid} ({tree.name})")
-            else:
-                emit("gone", f"{tree.top.pid} had already exited")
+                continue
+            emit("gone", f"{tree.top.pid} had already exited")
+            # its remains coordinate their own teardown from their top-most survivor
+            # (a SIGTERM to an orphaned EngineCore stops its workers in order)
+            for t in _topmost(host, [m for m in everyone.values() if m.pid != tree.top.pid]):
+                if "resource_tracker" in t.label:
+                    continue
+                if t.send(host, signal.SIGTERM):
+                    emit("sigterm", f"SIGTERM to {t.pid} ({t.label}), top of what is left")
 
         # 2-3. wait for the whole set, watching the drain
         budget = timeout
@@ -284,6 +295,9 @@ def stop(
                     emit("vllm", phase)
             if not pending or now >= deadline:
                 break
+            if not passive and yield_to is not None and yield_to():
+                passive = True
+                emit("yield", "another xpuctl is stopping this run: watching only")
             if now >= next_probe:
                 next_probe = now + 0.5
                 for tree in trees:
@@ -306,6 +320,8 @@ def stop(
     pending = [t for t in pending if t.alive(host)]
 
     # 4. SIGTERM survivors, then SIGKILL
+    if not passive and yield_to is not None and yield_to():
+        passive = True
     if passive:
         pass
     elif pending and kill_after > 0 and not skip_drain:
@@ -352,6 +368,19 @@ def stop(
     verdict = "leftovers" if leftovers else ("escalated" if escalated else "clean")
     emit("verdict", verdict)
     return StopResult(trees, events, verdict, survivors, holders, stuck, busy_ports)
+
+
+def _topmost(host: Host, targets: list[Target]) -> list[Target]:
+    """Targets whose parent is not among the targets (alive ones only)."""
+    from xpuctl.supervisor import _stat
+
+    pids = {t.pid for t in targets}
+    out = []
+    for t in targets:
+        st = _stat(host, t.pid)
+        if st is not None and st.start_ticks == t.start_ticks and st.state != "Z" and st.ppid not in pids:
+            out.append(t)
+    return out
 
 
 def _listeners(host: Host, snap: Snapshot, ports: list[int]):

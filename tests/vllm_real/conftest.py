@@ -16,6 +16,9 @@ Fixtures:
                  teardown every process tagged with its token is SIGKILLed and
                  the files its run left (/dev/shm segments it held, /tmp/<uuid>
                  ZMQ sockets it bound, new /tmp/vllm_dist_*) are removed.
+- xpuctl_serve  (function) -> start(**serve_kw) running `xpuctl serve --detach`
+                 (xpuctl_run.XpuctlRun); same token-based teardown, which also
+                 catches the detached supervisor.
 
 Set XPUCTL_SKIP_REAL_VLLM=1 to skip the tier without touching the cache.
 """
@@ -140,3 +143,39 @@ def vllm_server(vllm_venv, tiny_model, tmp_path, vllm_log):
                      + " ".join(done.removed))
     if errors:
         pytest.fail("vLLM cleanup failed: " + "; ".join(errors), pytrace=False)
+
+
+@pytest.fixture
+def xpuctl_serve(vllm_venv, tiny_model, tmp_path, vllm_log):
+    """start(**serve_kw) -> XpuctlRun after `xpuctl serve --detach` returned (check
+    .serve_result). At teardown every process carrying the run's token (the detached
+    supervisor, vLLM, orphans) is SIGKILLed and the files the run left are removed."""
+    from .xpuctl_run import XpuctlRun
+
+    runs: list[XpuctlRun] = []
+
+    def start(**serve_kw) -> XpuctlRun:
+        run = XpuctlRun(venv=vllm_venv, model=tiny_model, work=tmp_path / f"run{len(runs)}")
+        runs.append(run)
+        run.serve(**serve_kw)
+        return run
+
+    yield start
+
+    errors = []
+    for run in runs:
+        try:
+            done = run.cleanup()
+        except Exception as e:  # keep cleaning the others
+            errors.append(f"{run.token}: {e}")
+            continue
+        if done.killed:
+            vllm_log(
+                f"[vllm-real] teardown SIGKILLed {len(done.killed)} process(es) of token "
+                f"{run.token}: " + ", ".join(f"{p.pid} {p.cmdline[:40]}" for p in done.killed)
+            )
+        if done.removed:
+            vllm_log(f"[vllm-real] teardown removed {len(done.removed)} leftover file(s): "
+                     + " ".join(done.removed))
+    if errors:
+        pytest.fail("xpuctl/vLLM cleanup failed: " + "; ".join(errors), pytrace=False)

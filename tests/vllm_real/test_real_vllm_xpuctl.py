@@ -1,0 +1,324 @@
+"""xpuctl driving real vLLM (CPU build): serve --detach, shutdown with requests in flight,
+and the orphans a SIGKILLed API server leaves (doctor finds them, shutdown removes them).
+
+Every xpuctl process runs with a unique XPUCTL_TEST_TOKEN in its environment; xpuctl hands
+its environment to vLLM, so the token marks exactly our supervisor and vLLM tree. Only
+those are ever signalled, and the fixture SIGKILLs whatever is left, even on failure.
+
+The detached supervisor is a child subreaper: when its API server is SIGKILLed the orphans
+reparent to it, and after --teardown-timeout (10 s here) it SIGTERMs them itself. The
+orphan test runs doctor and shutdown within about a second of the kill, well inside that
+window; `supervisor_escalated` in the timings says whether the supervisor got there first.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from . import env as E
+from .xpuctl_run import XpuctlRun, in_flight
+
+pytestmark = pytest.mark.vllm
+
+# One completion request: n sequences of MAX_TOKENS each, EOS ignored. On the 2-core
+# reference machine n=256 x 240 tokens takes about 4 s; two of them run in parallel.
+N_SEQS = 256
+MAX_TOKENS = 240
+N_REQUESTS = 2
+# Set to 1 to stop the orphans with a real `shutdown --all` (only when the dry run lists
+# nothing but ours): it would also stop any other vLLM tree started meanwhile on this host.
+ALLOW_ALL_VAR = "XPUCTL_REAL_VLLM_SHUTDOWN_ALL"
+
+
+def _cmdline(pid: int) -> list[str]:
+    raw = E._read(f"/proc/{pid}/cmdline") or b""
+    return [a.decode(errors="replace") for a in raw.split(b"\0") if a]
+
+
+def _environ(pid: int) -> dict[str, str]:
+    raw = E._read(f"/proc/{pid}/environ") or b""
+    out = {}
+    for item in raw.split(b"\0"):
+        k, sep, v = item.decode(errors="replace").partition("=")
+        if sep:
+            out[k] = v
+    return out
+
+
+def _served_ok(run: XpuctlRun) -> dict:
+    sr = run.serve_result
+    assert sr is not None and sr.rc == 0, (
+        f"xpuctl serve did not come up:\n{sr.describe() if sr else '-'}\n"
+        f"--- log tail\n{run.log_tail()}"
+    )
+    rec = run.record()
+    assert rec["state"] == "ready", rec
+    assert rec["pid"] and rec["supervisor_pid"], rec
+    return rec
+
+
+def _tree_roles(run: XpuctlRun, rec: dict) -> dict[str, list[E.ProcInfo]]:
+    parts = run.parts()
+    tree = run.describe_tree()
+    assert [p.pid for p in parts["api"]] == [rec["pid"]], tree
+    assert [p.pid for p in parts["supervisor"]] == [rec["supervisor_pid"]], tree
+    assert len(parts["engine"]) == 1 and len(parts["worker"]) == 1, tree
+    return parts
+
+
+def _vllm_lines(events: list[dict]) -> list[str]:
+    return [e["detail"] for e in events if e["phase"] == "vllm" and "[shutdown]" in e["detail"]]
+
+
+def _echoed_phases(events: list[dict], log_text: str) -> dict[str, tuple[int, int]]:
+    """Timeline `vllm` phases seen more often than vLLM itself logged them:
+    detail -> (times in the timeline, times in vLLM's own log lines)."""
+    own = [ln for ln in log_text.splitlines() if not ln.startswith("xpuctl:")]
+    counts: dict[str, int] = {}
+    for d in _vllm_lines(events):
+        counts[d] = counts.get(d, 0) + 1
+    out = {}
+    for detail, n in counts.items():
+        logged = sum(1 for ln in own if detail in ln)
+        if n > logged:
+            out[detail] = (n, logged)
+    return out
+
+
+def _wait(pred, timeout: float, poll: float = 0.1) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(poll)
+    return pred()
+
+
+def _gone(pid: int, start_cmd: str) -> bool:
+    """pid no longer runs the process we knew (exited, a zombie, or reused)."""
+    info = E.proc_info(pid)
+    return info is None or info.zombie or info.cmdline != start_cmd
+
+
+# --------------------------------------------------------------------------------------
+
+
+def test_xpuctl_shutdown_drains_inflight(xpuctl_serve, vllm_timings, request):
+    run = xpuctl_serve()
+    rec = _served_ok(run)
+    parts = _tree_roles(run, rec)
+    api, engine = parts["api"][0], parts["engine"][0]
+
+    # serve forced the drain deadline: drain 10 + teardown 10, passed to vLLM exactly once
+    argv = _cmdline(api.pid)
+    assert argv.count("--shutdown-timeout") == 1, argv
+    assert argv[argv.index("--shutdown-timeout") + 1] == "20", argv
+    assert rec["shutdown_timeout"] == 20, rec
+    # and set SPT_NOENV=1: the retitled EngineCore keeps a readable environment with the run id
+    eng_env = _environ(engine.pid)
+    assert eng_env.get("SPT_NOENV") == "1" and eng_env.get("XPUCTL_RUN_ID") == rec["run_id"], (
+        sorted(eng_env)[:20])
+    shm = E.shm_files_open_by(p.pid for p in run.tree())
+
+    # completions in flight
+    results: list[tuple[int, object, float]] = []
+
+    def complete() -> None:
+        body = {"model": str(run.model), "prompt": "Hello", "max_tokens": MAX_TOKENS,
+                "n": N_SEQS, "temperature": 1.0, "ignore_eos": True}
+        try:
+            status, data = E.http_json(run.base_url + "/v1/completions", body, timeout=120)
+        except Exception as e:  # noqa: BLE001 - reported by the assertion below
+            status, data = -1, repr(e)
+        results.append((status, data, time.monotonic()))
+
+    threads = [threading.Thread(target=complete, daemon=True) for _ in range(N_REQUESTS)]
+    t_req = time.monotonic()
+    for t in threads:
+        t.start()
+    assert _wait(lambda: (in_flight(run.base_url) or 0) > 0, 20), "no request ever in flight"
+    t_stop = time.monotonic()
+    res = run.xpuctl("shutdown", run.name, "--state-dir", run.state_dir, "--json", timeout=120)
+    shutdown_s = time.monotonic() - t_stop
+    for t in threads:
+        t.join(timeout=120)
+
+    assert res.rc == 0, res.describe() + "\n--- log tail\n" + run.log_tail()
+    data = res.json
+    assert data["verdict"] in ("clean", "escalated"), res.describe()
+    events = data["events"]
+    assert [t["top"] for t in data["targets"]] == [api.pid], data["targets"]
+    vllm_lines = _vllm_lines(events)
+    assert vllm_lines, f"no vLLM [shutdown] phase in the timeline:\n{res.describe(6000)}"
+    flights = [int(e["detail"].split()[0]) for e in events if e["phase"] == "in-flight"]
+    assert flights and flights[0] > 0, f"xpuctl saw no request in flight:\n{res.describe(6000)}"
+
+    # every request finished, with every token, after the shutdown began
+    assert len(results) == N_REQUESTS, results
+    for status, body, t_end in results:
+        assert status == 200, (status, str(body)[:500])
+        assert body["usage"]["completion_tokens"] == N_SEQS * MAX_TOKENS, body["usage"]
+        assert t_end > t_stop, "the completion finished before the shutdown started"
+    req_s = max(r[2] for r in results) - t_req
+
+    # the tree is gone, and so is the detached supervisor (zombies count as gone)
+    gone, secs = run.wait_gone(30)
+    assert gone, f"still alive after shutdown:\n{run.describe_tree()}"
+    assert not E.port_is_listening(run.port)
+    assert _wait(lambda: run.record().get("state") == "stopped", 10), run.record()
+    shm_left = sorted(p for p in shm if os.path.exists(p))
+
+    vllm_timings[request.node.name] = {
+        "serve_detach": run.serve_result.seconds,
+        "shutdown_cmd": shutdown_s,
+        "requests": req_s,
+        "verdict": data["verdict"],
+        "vllm_phases": len(vllm_lines),
+        "vllm_phases_distinct": len(set(vllm_lines)),
+        "in_flight": "->".join(map(str, flights)),
+        "gone_after_shutdown": secs,
+        "record": f"{run.record().get('state')}/{run.record().get('exit_code')}",
+        "shm_left": len(shm_left),
+    }
+    assert not shm_left, f"shm left after a clean stop: {shm_left}"
+    # last: each vLLM phase once, as vLLM logged it (not echoes of xpuctl's own log lines)
+    echoed = _echoed_phases(events, run.log_text())
+    assert not echoed, f"timeline repeats phases vLLM logged fewer times: {echoed}"
+
+
+def test_xpuctl_orphans_after_api_sigkill(xpuctl_serve, vllm_timings, request, vllm_log):
+    run = xpuctl_serve()
+    rec = _served_ok(run)
+    parts = _tree_roles(run, rec)
+    api, engine = parts["api"][0], parts["engine"][0]
+    workers = parts["worker"]
+    orphans = {p.pid: p.cmdline for p in [engine, *workers]}
+    psm = E.shm_files_open_by((p.pid for p in run.tree()), prefix="/dev/shm/psm_")
+    assert psm and all(pids <= set(orphans) for pids in psm.values()), psm
+    dist = sorted(run.dist_files())
+    assert dist and all(os.path.exists(p) for p in dist), dist
+
+    # SIGKILL the API server (pid from the run record): its EngineCore and worker stay
+    t_kill = time.monotonic()
+    assert E.signal_if_token(api.pid, run.token, signal.SIGKILL)
+    assert _wait(lambda: _gone(api.pid, api.cmdline), 10), run.describe_tree()
+
+    doc = run.xpuctl("doctor", "--json", "--port", run.port, timeout=60)
+    doctor_at = time.monotonic() - t_kill
+    assert doc.rc == 1, doc.describe()
+    d = doc.json
+    procs = {p["pid"]: p for p in d["processes"]}
+    assert engine.pid in procs, doc.describe(8000)
+    assert procs[engine.pid]["role"] == "engine-core" and procs[engine.pid]["orphan"], procs[engine.pid]
+    for w in workers:
+        assert w.pid in procs and procs[w.pid]["role"] == "worker" and procs[w.pid]["orphan"], (
+            procs.get(w.pid))
+    orphan_findings = [f for f in d["findings"] if f["check"] == "orphans" and set(orphans) <= set(f["pids"])]
+    assert orphan_findings and orphan_findings[0]["severity"] == "fail", d["findings"]
+    arts = {a["path"]: a for a in d["artifacts"]}
+    for path in psm:
+        a = arts.get(path)
+        assert a is not None, f"doctor does not list {path}"
+        assert a["kind"] == "shm" and not a["stale"] and set(a["open_by"]) & set(orphans), a
+    for path in dist:
+        a = arts.get(path)
+        assert a is not None, f"doctor does not list {path}"
+        assert a["kind"] == "filestore" and not a["stale"], a
+    port_rows = [p for p in d["ports"] if p["port"] == run.port]
+    orphan_ports = [p["port"] for p in d["ports"] if p["pid"] in orphans and p["orphan"]]
+
+    # `shutdown --all` would stop our orphaned tree (as one target, topped by EngineCore).
+    dry = run.xpuctl("shutdown", "--all", "--dry-run", "--json", "--state-dir", run.state_dir)
+    assert dry.rc == 0, dry.describe()
+    targets = dry.json["targets"]
+    mine = [t for t in targets if set(orphans) <= set(t["processes"])]
+    assert len(mine) == 1 and mine[0]["top"] == engine.pid and mine[0]["orphan"], targets
+    assert mine[0]["name"] == run.name and mine[0]["run_id"] == rec["run_id"], mine[0]
+    # The real stop names EngineCore (what doctor's remedy says). A real `--all` stops
+    # every vLLM tree on the machine, and other people's test trees come and go within
+    # seconds (a dry run proves nothing about the next second), so it is opt-in.
+    only_ours = all(E.has_token(pid, run.token) for t in targets for pid in t["processes"])
+    if os.environ.get(ALLOW_ALL_VAR) == "1" and only_ours:
+        how = ["--all"]
+    else:
+        how = ["--pid", str(engine.pid)]
+    t_stop = time.monotonic()
+    stop = run.xpuctl("shutdown", *how, "--state-dir", run.state_dir, "--json", timeout=120)
+    stop_s = time.monotonic() - t_stop
+    assert stop.rc == 0, stop.describe() + "\n--- log tail\n" + run.log_tail()
+    sdata = stop.json
+    assert sdata["verdict"] in ("clean", "escalated"), stop.describe()
+    assert any(e["phase"] == "sigterm" and str(engine.pid) in e["detail"] for e in sdata["events"]), (
+        stop.describe(6000))
+    vllm_lines = _vllm_lines(sdata["events"])
+
+    # the orphans are gone, and with them the shm they held
+    left = [pid for pid, cmd in orphans.items() if not _gone(pid, cmd)]
+    assert not left, f"orphans survive the shutdown: {left}\n{run.describe_tree()}"
+    assert _wait(lambda: not any(os.path.exists(p) for p in psm), 5), (
+        [p for p in psm if os.path.exists(p)])
+
+    after = run.xpuctl("doctor", "--json", "--port", run.port, timeout=60)
+    assert after.rc in (0, 1), after.describe()
+    d2 = after.json
+    still = [p for p in d2["processes"] if p["pid"] in orphans or p["run_id"] == rec["run_id"]]
+    assert not [p for p in still if p["orphan"] or p["state"] != "Z"], still
+    arts2 = {a["path"]: a for a in d2["artifacts"]}
+    assert not set(psm) & set(arts2), [arts2[p] for p in set(psm) & set(arts2)]
+    our_fail = [f for f in d2["findings"] if f["severity"] == "fail"
+                and set(f["pids"]) & (set(orphans) | {api.pid})]
+    assert not our_fail, our_fail
+
+    # what doctor says about the FileStore and vLLM's ZMQ socket files (before/after)
+    def verdict_of(path: str, artifacts: dict) -> str:
+        if path in artifacts:
+            a = artifacts[path]
+            return ("stale: " if a["stale"] else "not stale: ") + a["reason"]
+        return "exists, not listed" if os.path.lexists(path) else "gone"
+
+    def summary(paths, artifacts: dict) -> str:
+        counts: dict[str, int] = {}
+        for p in paths:
+            v = verdict_of(p, artifacts)
+            counts[v] = counts.get(v, 0) + 1
+        return "; ".join(f"{n}x {v}" for v, n in counts.items()) or "-"
+
+    # the supervisor saw its API server die; it exits once the tree is gone
+    sup_gone, _ = run.wait_gone(40)
+    sup_lines = [ln for ln in run.log_text().splitlines() if ln.startswith("xpuctl:")]
+    vllm_timings[request.node.name] = {
+        "serve_detach": run.serve_result.seconds,
+        "doctor_after_kill": doctor_at,
+        "doctor_cmd": doc.seconds,
+        "shutdown_how": " ".join(how),
+        "all_targets_ours": only_ours,
+        "shutdown_started_after_kill": t_stop - t_kill,
+        "shutdown_cmd": stop_s,
+        "verdict": sdata["verdict"],
+        "vllm_phases": len(vllm_lines),
+        "vllm_phases_distinct": len(set(vllm_lines)),
+        "supervisor_escalated": any("sigterm-survivors" in ln or "sigkill" in ln for ln in sup_lines),
+        "supervisor_gone": sup_gone,
+        "record": f"{run.record().get('state')}/{run.record().get('exit_code')}",
+        "serving_port_after_kill": ",".join(p["state"] for p in port_rows) or "-",
+        "orphan_ports": len(orphan_ports),
+        "psm_held": len(psm),
+        "doctor_after_rc": after.rc,
+        "dist_before_stop": summary(dist, arts),
+        "dist_after_stop": summary(dist, arts2),
+        "zmq_before_stop": summary(sorted(run.sockets_seen), arts),
+        "zmq_after_stop": summary(sorted(run.sockets_seen), arts2),
+    }
+    echoes = [ln for ln in sup_lines if " vllm " in ln]
+    vllm_log("[vllm-real] supervisor log after the kill (without its "
+             f"{len(echoes)} 'vllm' phase lines):\n  "
+             + "\n  ".join(ln for ln in sup_lines if ln not in echoes))
+    assert sup_gone, f"the supervisor did not exit:\n{run.describe_tree()}"
+    # last: each vLLM phase once, as vLLM logged it (not echoes of xpuctl's own log lines)
+    echoed = _echoed_phases(sdata["events"], run.log_text())
+    assert not echoed, f"timeline repeats phases vLLM logged fewer times: {echoed}"
