@@ -5,8 +5,6 @@ stderr and exits with its code; anything unexpected prints one line and exits 70
 `--debug` asks for the traceback.
 """
 
-from __future__ import annotations
-
 import functools
 import os
 import sys

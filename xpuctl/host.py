@@ -95,6 +95,35 @@ class Host:
     def readlink(self, hostpath: str) -> str:
         return os.readlink(self.root + hostpath)
 
+    def fd_links(self, pid: int) -> list[tuple[str, str]]:
+        """(fd, link text) of every fd of a process: one open of /proc/<pid>/fd, then
+        readlink relative to it (no path walk per fd). Raises OSError like listdir."""
+        dfd = os.open(f"{self.root}/proc/{pid}/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            out = []
+            rl = os.readlink
+            for name in os.listdir(dfd):
+                try:
+                    out.append((name, rl(name, dir_fd=dfd)))
+                except OSError:
+                    continue  # closed meanwhile
+            return out
+        finally:
+            os.close(dfd)
+
+    @property
+    def proc_is_live(self) -> bool:
+        """True when <root>/proc is the kernel's /proc we run in (a live host, or a root whose
+        proc links to /proc): pids are real, comm is kernel-maintained, signals make sense."""
+        cached = getattr(self, "_proc_live", None)
+        if cached is None:
+            try:
+                cached = self.live or os.path.realpath(self.root + "/proc") == "/proc"
+            except OSError:
+                cached = False
+            self._proc_live = cached
+        return cached
+
     def lstat(self, hostpath: str) -> FileInfo:
         st = os.lstat(self.root + hostpath)
         return FileInfo(st.st_mode, st.st_uid, st.st_size, st.st_mtime, st.st_ino, st.st_dev)

@@ -12,7 +12,7 @@ from xpuctl.parse.fdinfo import parse_dmabuf, parse_fdinfo
 from xpuctl.parse.net import parse_tcp, parse_unix_paths
 from xpuctl.parse.procfs import parse_boot_time, parse_environ, parse_maps_paths, parse_status_uid
 from xpuctl.probes.devices import DRM_MAJOR, scan_devices
-from xpuctl.probes.processes import FdScan, RawProcess, scan_processes
+from xpuctl.probes.processes import FdScan, RawProcess, fill_cmdline, scan_processes
 from xpuctl.rules import Facts, judge, match
 from xpuctl.parse.roles import API_SERVER
 from xpuctl.trees import Member, resolve
@@ -26,14 +26,7 @@ CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 def own_pids(host: Host) -> frozenset[int]:
     """Our own pid, when the scanned /proc is the one we run in."""
-    if host.live:
-        return frozenset({os.getpid()})
-    try:
-        if os.path.realpath(host.path("/proc")) == "/proc":
-            return frozenset({os.getpid()})
-    except OSError:
-        pass
-    return frozenset()
+    return frozenset({os.getpid()}) if host.proc_is_live else frozenset()
 
 
 class _Lazy:
@@ -61,10 +54,12 @@ class _Lazy:
                 if proc.stat.state == "Z":
                     continue
                 try:
-                    text = self.host.read_text(f"/proc/{pid}/maps")
+                    data = self.host.read_bytes(f"/proc/{pid}/maps", 64 << 20)
                 except OSError:
                     continue
-                for path in parse_maps_paths(text):
+                if b"/dev/shm/" not in data and b"/tmp/" not in data:
+                    continue  # the common case: nothing mapped from there
+                for path in parse_maps_paths(data.decode("utf-8", "surrogateescape")):
                     path = self.host.to_host(path)
                     if path.startswith("/dev/shm/") or path.startswith("/tmp/"):
                         self._maps.setdefault(path, []).append(pid)
@@ -219,7 +214,8 @@ def _artifacts(
     for path, kind, info in sorted(candidates):
         open_by = tuple(sorted(set(fds.files.get(path, ()))))
         mapped_by: tuple[int, ...] = ()
-        if not open_by and kind != "cache":
+        # sockets are never mmapped: only regular files need the (costly) maps pass
+        if not open_by and kind != "cache" and info.is_regular:  # type: ignore[attr-defined]
             mapped_by = tuple(sorted(set(lazy.mapped().get(path, ()))))
         bound = bool(info.is_socket and path in lazy.unix_bound())  # type: ignore[attr-defined]
         facts = Facts(open_by, mapped_by, bound, live, vllm_starts)
@@ -297,7 +293,10 @@ def take_snapshot(
     port: int | None = DEFAULT_PORT,
     want_env: bool = True,
     caller_env: dict[str, str] | None = None,
+    artifacts: bool = True,
 ) -> Snapshot:
+    """One scan. `artifacts=False` skips /dev/shm and /tmp (a release check needs only
+    holders and ports)."""
     now = time.time()
     devices, issues = scan_devices(host)
     fds = scan_processes(host, own_pids(host))
@@ -349,7 +348,7 @@ def take_snapshot(
             ppid=st.ppid,
             state=st.state,
             comm=st.comm,
-            cmdline=tuple(raw.cmdline),
+            cmdline=tuple(fill_cmdline(host, raw)),
             start_time=(boot + st.start_ticks / CLK_TCK) if boot is not None else None,
             start_ticks=st.start_ticks,
             session=st.session,
@@ -367,7 +366,7 @@ def take_snapshot(
             env=env,
         )
     ordered = sorted(procs.values(), key=lambda p: (p.top or p.pid, p.pid))
-    artifacts, art_issues = _artifacts(host, fds, lazy, ordered, now)
+    found, art_issues = _artifacts(host, fds, lazy, ordered, now) if artifacts else ([], [])
     issues.extend(art_issues)
     if fds.unreadable:
         issues.append(
@@ -383,7 +382,7 @@ def take_snapshot(
         processes=tuple(ordered),
         clients=tuple(clients),
         dmabufs=tuple(dmabufs),
-        artifacts=tuple(artifacts),
+        artifacts=tuple(found),
         ports=tuple(ports),
         issues=tuple(issues),
         unreadable=len(fds.unreadable),

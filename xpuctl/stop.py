@@ -18,7 +18,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from xpuctl import http
 from xpuctl.host import Host
 from xpuctl.model import Snapshot
 from xpuctl.parse.procfs import parse_environ
@@ -302,6 +301,8 @@ def stop(
                 next_probe = now + 0.5
                 for tree in trees:
                     if tree.port and not tree.orphan and tree.top.alive(host):
+                        from xpuctl import http  # only when there is a drain to watch
+
                         n = http.in_flight(http.local_host(tree.bind), tree.port, 0.3)
                         if n is not None and n != last_flight.get(tree.top.pid):
                             last_flight[tree.top.pid] = n
@@ -347,7 +348,7 @@ def stop(
     ports = sorted({t.port for t in trees if t.port})
     deadline = time.monotonic() + release_timeout
     while True:
-        snap = take_snapshot(host, port=None, want_env=False)
+        snap = take_snapshot(host, port=None, want_env=False, artifacts=False)
         holders = sorted({pid for b in devices for pid in snap.holders(b)})
         busy_ports = sorted({p.port for p in _listeners(host, snap, ports)})
         if (not holders and not busy_ports) or time.monotonic() >= deadline:

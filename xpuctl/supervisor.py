@@ -104,20 +104,22 @@ def wait_gone(host: Host, targets: Iterable[Target], timeout: float, interval: f
     """
     pending = [t for t in targets if t.alive(host)]
     deadline = time.monotonic() + timeout
-    fds: dict[int, int] = {}
+    fds: dict[int, int] = {}  # pid -> pidfd
     try:
         for t in pending:
             try:
-                fds[os.pidfd_open(t.pid)] = t.pid
+                fds[t.pid] = os.pidfd_open(t.pid)
             except OSError:
                 pass
         while pending:
             left = deadline - time.monotonic()
             if left <= 0:
                 break
-            if fds:
+            # only the pidfds of processes still pending: an exited one stays readable
+            live_fds = [fds[t.pid] for t in pending if t.pid in fds]
+            if live_fds:
                 poller = select.poll()
-                for fd in fds:
+                for fd in live_fds:
                     poller.register(fd, select.POLLIN)
                 poller.poll(int(min(interval, left) * 1000))
             else:
@@ -126,7 +128,7 @@ def wait_gone(host: Host, targets: Iterable[Target], timeout: float, interval: f
             pending = [t for t in pending if t.alive(host)]
         return pending
     finally:
-        for fd in fds:
+        for fd in fds.values():
             os.close(fd)
 
 
@@ -155,9 +157,4 @@ def reap_children() -> list[tuple[int, int]]:
 
 def can_signal(host: Host) -> bool:
     """Signals only make sense when the scanned /proc is the one we live in."""
-    if host.live:
-        return True
-    try:
-        return os.path.realpath(host.path("/proc")) == "/proc"
-    except OSError:
-        return False
+    return host.proc_is_live
