@@ -195,6 +195,18 @@ def prometheus(report: Report) -> str:
 
 # -- rich tables for people ------------------------------------------------------------
 
+def human_age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    s = int(seconds)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= size:
+            return f"{s // size}{unit}{(s % size) // (size // 60 if unit != 'd' else 3600)}" + (
+                "h" if unit == "d" else ("m" if unit == "h" else "s")
+            )
+    return f"{s}s"
+
+
 _SEV_STYLE = {"fail": "bold red", "warn": "yellow", "info": "cyan"}
 _STATUS_STYLE = {"clean": "bold green", "busy": "bold cyan", "dirty": "bold red"}
 
@@ -282,7 +294,7 @@ def print_doctor(console: Console, report: Report) -> None:
                 a.kind,
                 str(a.owner_uid),
                 human_bytes(a.size_bytes),
-                f"{a.age_seconds:.0f}s" if a.age_seconds is not None else "-",
+                human_age(a.age_seconds),
             )
         console.print(t)
     if report.findings:
