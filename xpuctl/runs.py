@@ -186,6 +186,15 @@ class Locks:
             os.pwrite(fd, owner.encode(), 0)
             self.fds.append(fd)
 
+    def relabel(self, owner: str) -> None:
+        """Rewrite who holds the locks (after a fork handed them to another process)."""
+        for fd in self.fds:
+            try:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, owner.encode(), 0)
+            except OSError:
+                pass
+
     def release(self) -> None:
         for fd in self.fds:
             try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import glob
+import math
 import os
 import re
 import shlex
@@ -174,7 +175,8 @@ def plan_launch(opts: ServeOptions, host: Host, environ: dict[str, str], run_id:
     version = vllm_version(cmd)
     supports_flag = version is None or _version_tuple(version) >= FLAG_VERSION
     args, given, had_flag = _strip_flag(list(opts.vllm_args), "--shutdown-timeout")
-    wanted = max(MIN_SHUTDOWN_TIMEOUT, int(round(opts.drain_timeout + opts.teardown_timeout)))
+    # whole seconds for vLLM, rounded up: never less than what was asked
+    wanted = max(MIN_SHUTDOWN_TIMEOUT, math.ceil(opts.drain_timeout + opts.teardown_timeout))
     shutdown_timeout: int | None = wanted
     if had_flag:
         if given is None or not given.isdigit():
@@ -485,9 +487,10 @@ def serve(host: Host, opts: ServeOptions, environ: dict[str, str], out: Callable
         finally:
             locks.release()
 
-    # --detach: a supervisor child keeps running; we return once it is ready or failed
-    locks.acquire(keys, f"{name} (detaching)")  # fail fast, before forking
-    locks.release()
+    # --detach: a supervisor child keeps running; we return once it is ready or failed.
+    # The locks are taken here and inherited: flock belongs to the open file, which the
+    # child shares, so there is no moment where another run could slip in.
+    locks.acquire(keys, f"{name} (starting)")
     rfd, wfd = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -497,7 +500,7 @@ def serve(host: Host, opts: ServeOptions, environ: dict[str, str], out: Callable
         code = 1
         try:
             os.setsid()
-            locks.acquire(keys, f"{name} pid {os.getpid()}")
+            locks.relabel(f"{name} pid {os.getpid()}")
             rec.supervisor_pid = os.getpid()
             devnull = os.open(os.devnull, os.O_RDWR)
             for fd in (0, 1, 2):
@@ -529,6 +532,7 @@ def serve(host: Host, opts: ServeOptions, environ: dict[str, str], out: Callable
         finally:
             os._exit(int(code) if isinstance(code, int) else 1)
     os.close(wfd)
+    locks.release()  # our copies only: the supervisor's keep the locks
     out(f"xpuctl: {name}: supervisor {pid}, log {log_path}; waiting for readiness "
         f"(up to {opts.ready_timeout:g}s)")
     with os.fdopen(rfd) as fh:
