@@ -9,7 +9,7 @@ import time
 from xpuctl.host import Host
 from xpuctl.model import Artifact, Device, DmabufHold, DrmClient, Issue, Port, Process, Snapshot
 from xpuctl.parse.fdinfo import parse_dmabuf, parse_fdinfo
-from xpuctl.parse.net import parse_tcp, parse_unix_paths
+from xpuctl.parse.net import TcpSocket, parse_tcp, parse_unix_paths
 from xpuctl.parse.procfs import parse_boot_time, parse_environ, parse_maps_paths, parse_status_uid
 from xpuctl.probes.devices import DRM_MAJOR, scan_devices
 from xpuctl.probes.processes import FdScan, RawProcess, fill_cmdline, scan_processes
@@ -236,13 +236,19 @@ def _artifacts(
     return out, issues
 
 
-def _ports(host: Host, fds: FdScan, procs: dict[int, Process], port: int | None) -> list[Port]:
-    listeners = []
+def listening_sockets(host: Host) -> list[TcpSocket]:
+    """TCP LISTEN sockets from /proc/net/tcp and tcp6."""
+    out: list[TcpSocket] = []
     for name in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
-            listeners.extend(parse_tcp(host.read_text(name)))
+            out.extend(parse_tcp(host.read_text(name)))
         except OSError:
             continue
+    return out
+
+
+def _ports(host: Host, fds: FdScan, procs: dict[int, Process], port: int | None) -> list[Port]:
+    listeners = listening_sockets(host)
     out: list[Port] = []
     seen: set[tuple[int, int | None]] = set()
     serving_found = False

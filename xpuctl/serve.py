@@ -421,11 +421,11 @@ class Supervisor:
         # When `xpuctl shutdown` is stopping the run, it owns the ladder: only watch.
         from xpuctl.runs import read_record
 
-        disk = read_record(self.state_dir, self.rec.name)
-        passive = bool(disk and disk.run_id == self.rec.run_id and disk.state == "stopping")
         def someone_else() -> bool:
             disk = read_record(self.state_dir, self.rec.name)
             return bool(disk and disk.run_id == self.rec.run_id and disk.state == "stopping")
+
+        passive = someone_else()
 
         result = stop(self.host, [self._tree()], timeout=self.opts.teardown_timeout,
                       kill_after=self.opts.kill_after, release_timeout=self.opts.teardown_timeout,

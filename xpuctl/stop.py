@@ -24,8 +24,8 @@ from xpuctl.parse.procfs import parse_environ
 from xpuctl.parse.roles import API_SERVER
 from xpuctl.probes.processes import list_pids, read_process
 from xpuctl.runs import RunRecord
-from xpuctl.scan import RUN_ID_VAR, take_snapshot
-from xpuctl.supervisor import Target, target_of, wait_gone
+from xpuctl.scan import RUN_ID_VAR, listening_sockets, take_snapshot
+from xpuctl.supervisor import Target, stat_of, target_of, wait_gone
 
 DRAIN_MARGIN = 10.0  # seconds on top of vLLM's own shutdown timeout
 DEFAULT_SHUTDOWN_TIMEOUT = 5  # what vLLM >= 0.25 forces on XPU when none is given
@@ -350,7 +350,7 @@ def stop(
     while True:
         snap = take_snapshot(host, port=None, want_env=False, artifacts=False)
         holders = sorted({pid for b in devices for pid in snap.holders(b)})
-        busy_ports = sorted({p.port for p in _listeners(host, snap, ports)})
+        busy_ports = sorted({s.port for s in listening_sockets(host) if s.port in ports}) if ports else []
         if (not holders and not busy_ports) or time.monotonic() >= deadline:
             break
         time.sleep(0.1)
@@ -373,28 +373,12 @@ def stop(
 
 def _topmost(host: Host, targets: list[Target]) -> list[Target]:
     """Targets whose parent is not among the targets (alive ones only)."""
-    from xpuctl.supervisor import _stat
-
     pids = {t.pid for t in targets}
     out = []
     for t in targets:
-        st = _stat(host, t.pid)
+        st = stat_of(host, t.pid)
         if st is not None and st.start_ticks == t.start_ticks and st.state != "Z" and st.ppid not in pids:
             out.append(t)
-    return out
-
-
-def _listeners(host: Host, snap: Snapshot, ports: list[int]):
-    if not ports:
-        return []
-    from xpuctl.parse.net import parse_tcp
-
-    out = []
-    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            out.extend(s for s in parse_tcp(host.read_text(name)) if s.port in ports)
-        except OSError:
-            continue
     return out
 
 

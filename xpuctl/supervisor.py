@@ -51,11 +51,11 @@ class Target:
 
     def alive(self, host: Host) -> bool:
         """Same process, still running (a zombie counts as gone: it holds nothing)."""
-        st = _stat(host, self.pid)
+        st = stat_of(host, self.pid)
         return st is not None and st.start_ticks == self.start_ticks and st.state != "Z"
 
     def state(self, host: Host) -> str | None:
-        st = _stat(host, self.pid)
+        st = stat_of(host, self.pid)
         if st is None or st.start_ticks != self.start_ticks:
             return None
         return st.state
@@ -67,7 +67,7 @@ class Target:
         except OSError:
             return False
         try:
-            st = _stat(host, self.pid)
+            st = stat_of(host, self.pid)
             if st is None or st.start_ticks != self.start_ticks or st.state == "Z":
                 return False
             if sig in (signal.SIGTERM, signal.SIGKILL, signal.SIGINT) and st.state == "T":
@@ -82,7 +82,8 @@ class Target:
             os.close(fd)
 
 
-def _stat(host: Host, pid: int):
+def stat_of(host: Host, pid: int):
+    """The parsed /proc/<pid>/stat, or None when it is gone or unreadable."""
     try:
         return parse_stat(host.read_bytes(f"/proc/{pid}/stat", 4096))
     except OSError:
@@ -90,7 +91,7 @@ def _stat(host: Host, pid: int):
 
 
 def target_of(host: Host, pid: int, label: str = "") -> Target | None:
-    st = _stat(host, pid)
+    st = stat_of(host, pid)
     if st is None or st.state == "Z":
         return None
     return Target(pid, st.start_ticks, label)
