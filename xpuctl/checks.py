@@ -6,7 +6,7 @@ device-memory, stuck-processes, stale-shm, stale-ipc, ports, env, inspection.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from xpuctl.model import Finding, Process, Report, Snapshot
 from xpuctl.parse import envvars
@@ -25,8 +25,7 @@ CHECKS = (
 )
 
 
-@dataclass(frozen=True, slots=True)
-class Options:
+class Options(NamedTuple):
     devices: tuple[str, ...] = ()  # BDFs to look at; empty = all
     port: int | None = 8000
     port_explicit: bool = False
@@ -295,7 +294,7 @@ def evaluate(snap: Snapshot, opts: Options) -> Report:
         )
 
     # -- the caller's environment ---------------------------------------------------
-    env = snap.caller_env
+    env = snap.caller_env or {}
     intel = sum(1 for d in snap.devices if d.is_intel)
     problems = []
     if "ZE_AFFINITY_MASK" in env:

@@ -6,7 +6,7 @@ unlink, and the file must still be the same inode that was planned.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from xpuctl.host import Host
 from xpuctl.model import Artifact, Snapshot
@@ -18,8 +18,7 @@ def may_delete(owner_uid: int, euid: int | None = None) -> bool:
     return me == 0 or owner_uid == me
 
 
-@dataclass(frozen=True, slots=True)
-class Removal:
+class Removal(NamedTuple):
     path: str
     kind: str
     size_bytes: int

@@ -234,7 +234,6 @@ def ps(
     as_json: JsonOpt = False,
 ) -> None:
     """vLLM process trees on this host: role, state, devices, memory, orphan, run."""
-    from dataclasses import replace
 
     from xpuctl import render
     from xpuctl.doctor import resolve_device_specs
@@ -258,7 +257,7 @@ def ps(
     if not procs:
         a.out.print("no vLLM processes")
         return
-    table = render.processes_table(replace(snap, processes=tuple(procs)), "vLLM processes", a.out.width)
+    table = render.processes_table(snap._replace(processes=tuple(procs)), "vLLM processes", a.out.width)
     a.out.print(table, no_wrap=True, crop=True)
 
 

@@ -4,19 +4,21 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass, field
 from typing import Any
 
 from xpuctl.host import Host
 
 
-@dataclass
 class AppContext:
-    host: Host
-    debug: bool = False
-    environ: dict[str, str] = field(default_factory=lambda: dict(os.environ))
-    _out: Any = None
-    _err: Any = None
+    __slots__ = ("host", "debug", "environ", "_out", "_err")
+
+    def __init__(self, host: Host, debug: bool = False, environ: dict[str, str] | None = None,
+                 _out: Any = None, _err: Any = None) -> None:
+        self.host = host
+        self.debug = debug
+        self.environ = dict(os.environ) if environ is None else environ
+        self._out = _out  # rich Consoles, made on first use (or injected by tests)
+        self._err = _err
 
     @property
     def out(self) -> Any:

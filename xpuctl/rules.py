@@ -19,7 +19,7 @@ every user, anyone else only their own files.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from xpuctl.host import FileInfo
 
@@ -58,8 +58,7 @@ def match(directory: str, name: str) -> tuple[str, bool] | None:
     return None
 
 
-@dataclass(frozen=True, slots=True)
-class Facts:
+class Facts(NamedTuple):
     """What the rest of the host says about one candidate file."""
 
     open_by: tuple[int, ...]

@@ -14,7 +14,7 @@ import select
 import signal
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from xpuctl.host import Host
 from xpuctl.parse.procfs import parse_stat
@@ -41,8 +41,7 @@ def set_parent_death_signal(sig: int = signal.SIGTERM) -> None:
     _prctl(PR_SET_PDEATHSIG, int(sig))
 
 
-@dataclass(frozen=True, slots=True)
-class Target:
+class Target(NamedTuple):
     """A process we may signal: pid plus the start time that proves it is still the same."""
 
     pid: int

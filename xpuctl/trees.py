@@ -10,13 +10,12 @@ process tree (double fork, setsid).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from xpuctl.parse import roles as R
 
 
-@dataclass(frozen=True, slots=True)
-class Member:
+class Member(NamedTuple):
     pid: int
     ppid: int
     session: int
@@ -25,8 +24,7 @@ class Member:
     zombie: bool = False  # holds nothing; never a live server, never an orphan
 
 
-@dataclass(frozen=True, slots=True)
-class Placement:
+class Placement(NamedTuple):
     role: str
     top: int
     orphan: bool

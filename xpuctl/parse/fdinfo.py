@@ -9,7 +9,7 @@ allocated by the client.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from typing import NamedTuple
 
 _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 # ASCII digits only, at most 24 of them (int() rejects '²' and very long numbers)
@@ -41,16 +41,15 @@ def _pairs(text: str) -> dict[str, str]:
     return out
 
 
-@dataclass(frozen=True, slots=True)
-class Fdinfo:
+class Fdinfo(NamedTuple):
     """The DRM part of one fdinfo file."""
 
     driver: str | None
     pdev: str | None
     client_id: int | None
     memory_bytes: int | None
-    regions: dict[str, int] = field(default_factory=dict)
-    keys: dict[str, str] = field(default_factory=dict)
+    regions: dict[str, int]  # drm-total-<region> sizes
+    keys: dict[str, str]  # every drm-* key
 
     @property
     def is_drm(self) -> bool:
@@ -79,8 +78,7 @@ def parse_fdinfo(text: str) -> Fdinfo:
     )
 
 
-@dataclass(frozen=True, slots=True)
-class Dmabuf:
+class Dmabuf(NamedTuple):
     """A dma-buf fd: a buffer exported by a driver, alive while any fd on it is open."""
 
     size_bytes: int | None

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import ipaddress
 import struct
-from dataclasses import dataclass
+from typing import NamedTuple
 
 TCP_LISTEN = "0A"
 
 
-@dataclass(frozen=True, slots=True)
-class TcpSocket:
+class TcpSocket(NamedTuple):
     address: str
     port: int
     state: str

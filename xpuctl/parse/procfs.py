@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 
-@dataclass(frozen=True, slots=True)
-class ProcStat:
+class ProcStat(NamedTuple):
     comm: str
     state: str
     ppid: int

@@ -120,12 +120,10 @@ def _norm_id(value: str | None) -> str | None:
 
 def number_devices(devices: list[Device]) -> list[Device]:
     """Intel devices first, in BDF order with their Level Zero index; then the others."""
-    from dataclasses import replace
-
     intel = sorted((d for d in devices if d.is_intel), key=lambda d: d.bdf)
     other = sorted((d for d in devices if not d.is_intel), key=lambda d: d.bdf)
-    return [replace(d, index=i) for i, d in enumerate(intel)] + [
-        replace(d, index=None) for d in other
+    return [d._replace(index=i) for i, d in enumerate(intel)] + [
+        d._replace(index=None) for d in other
     ]
 
 
