@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import os
 import stat as _stat
-from dataclasses import dataclass
+from typing import NamedTuple
 
 
-@dataclass(frozen=True, slots=True)
-class FileInfo:
+class FileInfo(NamedTuple):
     """What `lstat` says about a file, in host terms."""
 
     mode: int
@@ -53,6 +52,10 @@ def _readall(path: str, limit: int) -> bytes:
         return b"".join(chunks)
     finally:
         os.close(fd)
+
+
+#: fd names tried in order before falling back to listing /proc/<pid>/fd (see fd_links).
+_FD_NAMES = tuple(map(str, range(1024)))
 
 
 class Host:
@@ -95,18 +98,52 @@ class Host:
     def readlink(self, hostpath: str) -> str:
         return os.readlink(self.root + hostpath)
 
-    def fd_links(self, pid: int) -> list[tuple[str, str]]:
-        """(fd, link text) of every fd of a process: one open of /proc/<pid>/fd, then
-        readlink relative to it (no path walk per fd). Raises OSError like listdir."""
+    def read_once(self, hostpath: str, limit: int = 4096) -> bytes:
+        """One read(2): for kernel files the kernel renders whole on the first read
+        (/proc/<pid>/stat). Saves the read that would only see the end of the file."""
+        fd = os.open(self.root + hostpath, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            return os.read(fd, limit)
+        finally:
+            os.close(fd)
+
+    def fd_links(self, pid: int, keep: tuple[str, ...] = ("",)) -> list[tuple[str, str]]:
+        """(fd, link text) of the fds of a process whose link text starts with one of
+        `keep` (default: all): one open of /proc/<pid>/fd, then readlink relative to it, no
+        path walk per fd. Raises OSError like listdir.
+
+        On the kernel's /proc since Linux 6.2 the directory's st_size is the number of open
+        fds. When that many fds are numbered 0..n-1, as in most processes, they are read
+        without listing the directory (a listing makes the kernel build an entry per fd);
+        a gap, a count of 0 (older kernels) or a fake tree falls back to the listing.
+        """
         dfd = os.open(f"{self.root}/proc/{pid}/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            out = []
             rl = os.readlink
+            out = []
+            done = 0
+            n = os.fstat(dfd).st_size if self.proc_is_live else 0
+            if 0 < n <= len(_FD_NAMES):
+                for name in _FD_NAMES[:n]:
+                    try:
+                        link = rl(name, dir_fd=dfd)
+                    except OSError:
+                        break  # a gap (or closed meanwhile): list the rest
+                    if link.startswith(keep):
+                        out.append((name, link))
+                else:
+                    return out
+                done = int(name)  # fds 0..done-1 are read
+            seen = frozenset(_FD_NAMES[:done])
             for name in os.listdir(dfd):
+                if name in seen:
+                    continue
                 try:
-                    out.append((name, rl(name, dir_fd=dfd)))
+                    link = rl(name, dir_fd=dfd)
                 except OSError:
                     continue  # closed meanwhile
+                if link.startswith(keep):
+                    out.append((name, link))
             return out
         finally:
             os.close(dfd)

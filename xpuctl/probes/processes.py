@@ -1,14 +1,16 @@
-"""One pass over /proc: every process's stat and cmdline, and every fd's link text.
+"""One pass over /proc: every process's stat, and every fd's link text.
 
-Only fds that matter get a second look: DRM nodes (fdinfo), dma-bufs (fdinfo), sockets
-(inode, for ports) and files under /dev/shm and /tmp (for stale-artifact checks). A process
-that vanishes mid-scan is skipped; one whose fds cannot be read is counted.
-Equivalent: `fuser -v /dev/dri/*`, `lsof /dev/dri/*`.
+The cmdline is read only when `comm` could be vLLM. Only fds that matter are kept: DRM
+nodes (fdinfo later), dma-bufs (fdinfo later), sockets (inode, for ports) and files under
+/dev/shm and /tmp (for stale-artifact checks). A process that vanishes mid-scan is skipped;
+one whose fds cannot be read is counted. On a busy host the pass is split over two
+processes (see SPLIT_ABOVE). Equivalent: `fuser -v /dev/dri/*`, `lsof /dev/dri/*`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import marshal
+import os
 
 from xpuctl.host import Host
 from xpuctl.parse.procfs import ProcStat, parse_cmdline, parse_stat
@@ -17,27 +19,67 @@ from xpuctl.parse.roles import classify
 _GONE = (FileNotFoundError, ProcessLookupError)
 
 
-@dataclass(slots=True)
 class RawProcess:
-    pid: int
-    stat: ProcStat
-    cmdline: list[str] | None  # None: not read (comm rules vLLM out); see fill_cmdline
-    role: str | None
-    rank: str | None
-    fds_readable: bool = True
+    """One process as the pass saw it (mutable: roles are refined after the pass)."""
+
+    __slots__ = ("pid", "stat", "cmdline", "role", "rank", "fds_readable")
+
+    def __init__(self, pid: int, stat: ProcStat, cmdline: list[str] | None, role: str | None,
+                 rank: str | None, fds_readable: bool = True) -> None:
+        self.pid = pid
+        self.stat = stat
+        self.cmdline = cmdline  # None: not read (comm rules vLLM out); see fill_cmdline
+        self.role = role
+        self.rank = rank
+        self.fds_readable = fds_readable
+
+    def __repr__(self) -> str:
+        return f"RawProcess(pid={self.pid}, comm={self.stat.comm!r}, role={self.role!r})"
 
 
-@dataclass(slots=True)
 class FdScan:
     """What the pass over /proc found."""
 
-    procs: dict[int, RawProcess] = field(default_factory=dict)
-    drm_fds: list[tuple[int, str, str]] = field(default_factory=list)  # (pid, fd, host path)
-    dmabuf_fds: list[tuple[int, str]] = field(default_factory=list)  # (pid, fd)
-    sockets: dict[int, list[int]] = field(default_factory=dict)  # inode -> pids
-    files: dict[str, list[int]] = field(default_factory=dict)  # /dev/shm|/tmp path -> pids
-    unreadable: list[int] = field(default_factory=list)  # pids whose fds we could not read
-    malformed: list[int] = field(default_factory=list)  # pids whose stat we could not parse
+    __slots__ = ("procs", "drm_fds", "dmabuf_fds", "sockets", "files", "unreadable", "malformed")
+
+    def __init__(self) -> None:
+        self.procs: dict[int, RawProcess] = {}
+        self.drm_fds: list[tuple[int, str, str]] = []  # (pid, fd, host path)
+        self.dmabuf_fds: list[tuple[int, str]] = []  # (pid, fd)
+        self.sockets: dict[int, list[int]] = {}  # inode -> pids
+        self.files: dict[str, list[int]] = {}  # /dev/shm|/tmp path -> pids
+        self.unreadable: list[int] = []  # pids whose fds we could not read
+        self.malformed: list[int] = []  # pids whose stat we could not parse
+
+    def merge(self, other: FdScan) -> None:
+        self.procs.update(other.procs)
+        self.drm_fds.extend(other.drm_fds)
+        self.dmabuf_fds.extend(other.dmabuf_fds)
+        for inode, owners in other.sockets.items():
+            self.sockets.setdefault(inode, []).extend(owners)
+        for path, owners in other.files.items():
+            self.files.setdefault(path, []).extend(owners)
+        self.unreadable.extend(other.unreadable)
+        self.malformed.extend(other.malformed)
+
+    def dumps(self) -> bytes:
+        """Plain containers for `marshal` (the helper's half of a split pass)."""
+        procs = [(p.pid, tuple(p.stat), p.cmdline, p.role, p.rank, p.fds_readable)
+                 for p in self.procs.values()]
+        return marshal.dumps((procs, self.drm_fds, self.dmabuf_fds, self.sockets, self.files,
+                              self.unreadable, self.malformed))
+
+    @classmethod
+    def loads(cls, data: bytes) -> FdScan:
+        procs, drm, dmabuf, sockets, files, unreadable, malformed = marshal.loads(data)
+        out = cls()
+        for pid, st, argv, role, rank, readable in procs:
+            out.procs[pid] = RawProcess(pid, ProcStat(*st), argv, role, rank, readable)
+        out.drm_fds = [tuple(x) for x in drm]
+        out.dmabuf_fds = [tuple(x) for x in dmabuf]
+        out.sockets, out.files = sockets, files
+        out.unreadable, out.malformed = unreadable, malformed
+        return out
 
 
 def list_pids(host: Host) -> list[int]:
@@ -59,7 +101,7 @@ def read_process(host: Host, pid: int, argv_if: bool = True) -> RawProcess | Non
     """
     base = f"/proc/{pid}"
     try:
-        st = parse_stat(host.read_bytes(base + "/stat", 4096))
+        st = parse_stat(host.read_once(base + "/stat", 4096))
     except OSError:
         return None
     if st is None:
@@ -84,6 +126,11 @@ def fill_cmdline(host: Host, proc: RawProcess) -> list[str]:
     return proc.cmdline
 
 
+#: Link texts worth a second look; every other fd (pipes, eventfds, /dev/null, libraries,
+#: logs) is dropped inside `Host.fd_links` with one startswith per fd.
+_KEEP = ("/dev/dri/", "/dev/shm/", "/tmp/", "/dmabuf:", "socket:[", "anon_inode:dmabuf")
+
+
 def _scan_some(host: Host, pids: list[int], skip: frozenset[int], out: FdScan) -> None:
     procs = out.procs
     drm = out.drm_fds
@@ -92,6 +139,7 @@ def _scan_some(host: Host, pids: list[int], skip: frozenset[int], out: FdScan) -
     files = out.files
     root = host.root
     cut = len(root)
+    keep = _KEEP + ((root + "/dev/", root + "/tmp/") if root else ())
     fd_links = host.fd_links
     full_argv = not host.proc_is_live  # a fake tree's comm may not match its argv
     for pid in pids:
@@ -107,7 +155,7 @@ def _scan_some(host: Host, pids: list[int], skip: frozenset[int], out: FdScan) -
         if proc.stat.state == "Z":
             continue  # a zombie holds nothing: its fds are closed
         try:
-            links = fd_links(pid)
+            links = fd_links(pid, keep)
         except _GONE:
             del procs[pid]
             continue
@@ -130,19 +178,85 @@ def _scan_some(host: Host, pids: list[int], skip: frozenset[int], out: FdScan) -
                 elif link.startswith("/dmabuf:"):
                     dmabuf.append((pid, fd))
             elif c == "s":
-                if link.startswith("socket:["):
-                    try:
-                        sockets.setdefault(int(link[8:-1]), []).append(pid)
-                    except ValueError:
-                        pass
-            elif c == "a" and link.startswith("anon_inode:dmabuf"):
-                dmabuf.append((pid, fd))
+                try:
+                    sockets.setdefault(int(link[8:-1]), []).append(pid)
+                except ValueError:
+                    pass
+            else:
+                dmabuf.append((pid, fd))  # anon_inode:dmabuf
 
 
-#: Above this many processes the pass is split over two threads: readlink and listdir
-#: release the GIL, and the kernel work dominates (measured: 4.3 -> ~2.6 us per fd at
-#: 4000 processes with a core free; no loss when the other core is busy).
-THREAD_ABOVE = 500
+#: Above this many processes the pass is split in two: a forked copy of this process
+#: scans every other pid and sends back what it found through a pipe, while this one scans
+#: the rest. Most of the cost is kernel work per fd (readlink, the listing), which two
+#: processes do in parallel on two cores; two threads in one process contend for the GIL
+#: between those calls and gain far less (bench/README.md has the figures).
+SPLIT_ABOVE = 400
+
+
+def _can_split() -> bool:
+    """A second core, and no other thread in this process: a fork copies only the calling
+    thread, so a lock held elsewhere (logging, imports) would stay locked in the copy."""
+    try:
+        if len(os.sched_getaffinity(0)) < 2:
+            return False
+    except (AttributeError, OSError):
+        return False
+    import sys
+
+    threading = sys.modules.get("threading")
+    return threading is None or threading.active_count() == 1
+
+
+def _helper(host: Host, pids: list[int], skip: frozenset[int]) -> tuple[int, int] | None:
+    """Fork a helper that scans `pids`; (its pid, the read end of its pipe), or None."""
+    try:
+        r, w = os.pipe()
+    except OSError:
+        return None
+    try:
+        child = os.fork()
+    except OSError:
+        os.close(r)
+        os.close(w)
+        return None
+    if child == 0:  # the helper: scan, write, leave without running any exit handler
+        code = 1
+        try:
+            os.close(r)
+            half = FdScan()
+            _scan_some(host, pids, skip, half)
+            view = memoryview(half.dumps())
+            while view:
+                view = view[os.write(w, view):]
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    return child, r
+
+
+def _collect(child: int, r: int) -> FdScan | None:
+    """What the helper found; None when it failed (its half is then scanned here)."""
+    chunks = []
+    try:
+        while True:
+            chunk = os.read(r, 1 << 16)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(r)
+        try:
+            _, status = os.waitpid(child, 0)
+        except ChildProcessError:
+            status = 0  # reaped by someone else; the data decides
+    if status != 0:
+        return None
+    try:
+        return FdScan.loads(b"".join(chunks))
+    except (EOFError, ValueError, TypeError):
+        return None
 
 
 def scan_processes(host: Host, skip_pids: frozenset[int] = frozenset()) -> FdScan:
@@ -151,25 +265,18 @@ def scan_processes(host: Host, skip_pids: frozenset[int] = frozenset()) -> FdSca
         pids = list_pids(host)
     except OSError:
         return out
-    if len(pids) <= THREAD_ABOVE:
+    helper = _helper(host, pids[1::2], skip_pids) if len(pids) > SPLIT_ABOVE and _can_split() else None
+    if helper is None:
         _scan_some(host, pids, skip_pids, out)
         return out
-    import threading
-
-    half = FdScan()
-    t = threading.Thread(target=_scan_some, args=(host, pids[1::2], skip_pids, half), daemon=True)
-    t.start()
-    _scan_some(host, pids[0::2], skip_pids, out)
-    t.join()
-    out.procs.update(half.procs)
-    out.drm_fds.extend(half.drm_fds)
-    out.dmabuf_fds.extend(half.dmabuf_fds)
-    for inode, owners in half.sockets.items():
-        out.sockets.setdefault(inode, []).extend(owners)
-    for path, owners in half.files.items():
-        out.files.setdefault(path, []).extend(owners)
-    out.unreadable.extend(half.unreadable)
-    out.malformed.extend(half.malformed)
+    try:
+        _scan_some(host, pids[0::2], skip_pids, out)
+    finally:
+        half = _collect(*helper)
+    if half is None:
+        _scan_some(host, pids[1::2], skip_pids, out)
+    else:
+        out.merge(half)
     return out
 
 

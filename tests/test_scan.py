@@ -1,0 +1,210 @@
+"""The pass over a live /proc: fd reading with and without a listing, and the split pass.
+
+Real processes (tagged with a reaper token) hold stand-in device nodes and files under a
+StandInRoot whose `proc` links to /proc, on fd numbers chosen to make the fd table dense
+or gapped. The split pass (a forked helper scans every other pid) must find exactly what
+the plain pass finds, and fall back to scanning everything itself when the helper fails.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from proctools import (
+    holders,
+    proc_token,  # noqa: F401  (fixture)
+    standin_root,  # noqa: F401  (fixture)
+    token_env,
+    wait_for,
+)
+from xpuctl.host import Host
+from xpuctl.probes import processes as P
+
+PY = sys.executable
+
+# Holds argv[1] on fd argv[2] after closing every fd from 3 up, so its table is exactly
+# {0, 1, 2, fd} (dense when fd is 3, gapped above), plus a shm file when argv[3] is given.
+_HOLDER = r"""
+import os, sys, time
+node, fd = sys.argv[1], int(sys.argv[2])
+os.closerange(3, 1 << 16)
+t = os.open(node, os.O_RDWR)
+if t != fd:
+    os.dup2(t, fd)
+    os.close(t)
+if len(sys.argv) > 3:
+    os.open(sys.argv[3], os.O_RDWR | os.O_CREAT, 0o600)  # lands on fd 3: gap 4..fd-1
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def start_holder(token: str, *args: str) -> subprocess.Popen:
+    p = subprocess.Popen([PY, "-c", _HOLDER, *args], env=token_env(token),
+                         stdout=subprocess.PIPE, close_fds=True)
+    assert p.stdout.readline().strip() == b"ready"
+    return p
+
+
+def fds_by_listing(pid: int) -> dict[str, str]:
+    base = f"/proc/{pid}/fd"
+    out = {}
+    for name in os.listdir(base):
+        try:
+            out[name] = os.readlink(f"{base}/{name}")
+        except OSError:
+            pass
+    return out
+
+
+@pytest.fixture
+def population(standin_root, proc_token):
+    root = standin_root
+    shm = os.path.join(root.root, "dev/shm/psm_scan_test")
+    procs = [
+        start_holder(proc_token, root.node(0), "3"),  # dense: 0 1 2 3
+        start_holder(proc_token, root.node(0), "9"),  # gapped: 0 1 2 9
+        start_holder(proc_token, root.node(1), "700", shm),  # gapped, and a shm file
+    ]
+    try:
+        assert wait_for(lambda: len(holders(root.node(0))) == 2, 10)
+        yield root, [p.pid for p in procs], shm
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_fd_links_reads_dense_and_gapped_tables_completely(population):
+    root, pids, _ = population
+    host = Host(root.root)
+    for pid in pids:
+        got = dict(host.fd_links(pid))
+        assert got == fds_by_listing(pid), pid
+    # the filter keeps only the fds that start with one of the prefixes
+    node = root.node(1)
+    assert host.fd_links(pids[2], (node,)) == [("700", node)]
+
+
+def test_fd_links_on_a_fake_tree_lists_the_directory(tmp_path):
+    fd_dir = tmp_path / "proc/42/fd"
+    fd_dir.mkdir(parents=True)
+    for name, target in {"0": "/dev/null", "5": "/dev/dri/renderD128", "7": "socket:[99]"}.items():
+        os.symlink(target, fd_dir / name)
+    host = Host(str(tmp_path))
+    assert not host.proc_is_live
+    assert sorted(host.fd_links(42)) == [("0", "/dev/null"), ("5", "/dev/dri/renderD128"),
+                                         ("7", "socket:[99]")]
+
+
+def summary(scan: P.FdScan, pids: list[int]) -> dict:
+    mine = set(pids)
+    return {
+        "procs": sorted(p for p in scan.procs if p in mine),
+        "stats": {p: tuple(scan.procs[p].stat) for p in pids},
+        "drm": sorted(x for x in scan.drm_fds if x[0] in mine),
+        "files": {k: sorted(v) for k, v in scan.files.items() if set(v) & mine},
+        "sockets": sorted(i for i, owners in scan.sockets.items() if set(owners) & mine),
+    }
+
+
+def children_left() -> list[int]:
+    """Our children, zombies included (a helper must be reaped, not just gone)."""
+    me = str(os.getpid())
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat", "rb") as f:
+                    fields = f.read().rsplit(b")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[1].decode() == me:
+                out.append(int(d))
+    return out
+
+
+def test_split_pass_finds_what_the_plain_pass_finds(population, monkeypatch):
+    root, pids, shm = population
+    host = Host(root.root)
+    before = set(children_left())
+    monkeypatch.setattr(P, "SPLIT_ABOVE", 10**9)
+    plain = P.scan_processes(host)
+    forks = []
+    real_fork = os.fork
+    monkeypatch.setattr(P.os, "fork", lambda: forks.append(1) or real_fork())
+    monkeypatch.setattr(P, "SPLIT_ABOVE", 0)
+    split = P.scan_processes(host)
+    if len(os.sched_getaffinity(0)) < 2:
+        assert forks == []  # one core: nothing to gain from a helper
+    else:
+        assert forks == [1]
+    assert summary(split, pids) == summary(plain, pids)
+    assert {(pid, path) for pid, _, path in split.drm_fds if pid in pids} == {
+        (pids[0], "/dev/dri/renderD128"), (pids[1], "/dev/dri/renderD128"),
+        (pids[2], "/dev/dri/renderD129")}
+    assert split.files["/dev/shm/psm_scan_test"] == [pids[2]]
+    assert set(split.procs) >= set(pids)
+    assert set(children_left()) <= before  # the helper was reaped
+
+
+def test_split_pass_falls_back_when_the_helper_fails(population, monkeypatch):
+    root, pids, _ = population
+    host = Host(root.root)
+    monkeypatch.setattr(P, "SPLIT_ABOVE", 0)
+    monkeypatch.setattr(P, "_can_split", lambda: True)
+    plain_pids = set(P.list_pids(host))
+
+    def broken(self):  # runs in the helper: it exits 1 without writing anything
+        raise RuntimeError("helper broke")
+
+    monkeypatch.setattr(P.FdScan, "dumps", broken)
+    before = set(children_left())
+    scan = P.scan_processes(host)
+    assert set(pids) <= set(scan.procs)
+    assert len(scan.procs) >= len(plain_pids) - 5  # both halves (give or take exits)
+    assert sorted(p for p, _, _ in scan.drm_fds if p in pids) == sorted(pids)
+    assert set(children_left()) <= before
+
+
+def test_no_split_while_other_threads_run(monkeypatch):
+    monkeypatch.setattr(P, "SPLIT_ABOVE", 0)
+    monkeypatch.setattr(P.os, "fork", lambda: pytest.fail("forked with a second thread running"))
+    stop = threading.Event()
+    t = threading.Thread(target=stop.wait)
+    t.start()
+    try:
+        scan = P.scan_processes(Host("/"))
+        assert os.getppid() in scan.procs or os.getpid() in scan.procs
+    finally:
+        stop.set()
+        t.join()
+
+
+def test_fdscan_survives_the_pipe():
+    st = P.ProcStat("python3", "S", 1, 10, 10, 4, 123456)
+    scan = P.FdScan()
+    scan.procs[10] = P.RawProcess(10, st, ["vllm", "serve", "caf\udcc3"], "api-server", None)
+    scan.procs[11] = P.RawProcess(11, st._replace(state="D"), None, None, None, False)
+    scan.drm_fds.append((10, "5", "/dev/dri/renderD128"))
+    scan.dmabuf_fds.append((10, "6"))
+    scan.sockets[777] = [10, 11]
+    scan.files["/tmp/odd \udcff name"] = [11]
+    scan.unreadable.append(11)
+    scan.malformed.append(12)
+    back = P.FdScan.loads(scan.dumps())
+    assert {p: (r.stat, r.cmdline, r.role, r.rank, r.fds_readable) for p, r in back.procs.items()} == {
+        10: (st, ["vllm", "serve", "caf\udcc3"], "api-server", None, True),
+        11: (st._replace(state="D"), None, None, None, False),
+    }
+    assert isinstance(back.procs[10].stat, P.ProcStat)
+    assert back.drm_fds == [(10, "5", "/dev/dri/renderD128")]
+    assert back.dmabuf_fds == [(10, "6")]
+    assert back.sockets == {777: [10, 11]}
+    assert back.files == {"/tmp/odd \udcff name": [11]}
+    assert (back.unreadable, back.malformed) == ([11], [12])
