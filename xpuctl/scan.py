@@ -237,7 +237,16 @@ def _artifacts(
 
 
 def listening_sockets(host: Host) -> list[TcpSocket]:
-    """TCP LISTEN sockets from /proc/net/tcp and tcp6."""
+    """TCP LISTEN sockets: from the kernel over netlink when the scanned /proc is ours (same
+    network namespace as /proc/net), else (a fake tree, or no sock_diag) from
+    /proc/net/tcp and tcp6."""
+    if host.proc_is_live:
+        from xpuctl.probes.sockdiag import tcp_listeners
+
+        try:
+            return tcp_listeners()
+        except OSError:
+            pass
     out: list[TcpSocket] = []
     for name in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:

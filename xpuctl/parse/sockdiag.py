@@ -1,0 +1,71 @@
+"""Netlink sock_diag for TCP LISTEN sockets: the request, and the parser of the kernel's
+answer (bytes in, `TcpSocket` records out). Layouts from linux/netlink.h and
+linux/inet_diag.h; all fields are host byte order except ports and addresses.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import struct
+
+from xpuctl.parse.net import TCP_LISTEN, TcpSocket
+
+NETLINK_SOCK_DIAG = 4
+SOCK_DIAG_BY_FAMILY = 20
+NLMSG_ERROR = 2
+NLMSG_DONE = 3
+NLM_F_REQUEST = 0x1
+NLM_F_DUMP = 0x300
+AF_INET = 2
+AF_INET6 = 10
+IPPROTO_TCP = 6
+_TCP_STATE_LISTEN = 10
+
+_NLMSGHDR = struct.Struct("=IHHII")  # len, type, flags, seq, pid
+# inet_diag_req_v2: family, protocol, ext, pad, states; then a zeroed inet_diag_sockid (48)
+_REQ = struct.Struct("=BBBBI48x")
+# inet_diag_msg: family, state, timer, retrans; sockid (sport, dport, src, dst, if,
+# cookie); expires, rqueue, wqueue, uid, inode
+_MSG = struct.Struct("=BBBB2s2s16s16sI8sIIIII")
+
+
+class NetlinkError(Exception):
+    """The kernel answered with an error (errno), or with something we cannot parse."""
+
+
+def listen_request(family: int, seq: int) -> bytes:
+    """A dump request for the TCP sockets of `family` in LISTEN state. The kernel then walks
+    only its listening hash, not the established one that /proc/net/tcp walks."""
+    body = _REQ.pack(family, IPPROTO_TCP, 0, 0, 1 << _TCP_STATE_LISTEN)
+    return _NLMSGHDR.pack(_NLMSGHDR.size + len(body), SOCK_DIAG_BY_FAMILY,
+                          NLM_F_REQUEST | NLM_F_DUMP, seq, 0) + body
+
+
+def parse_listen_reply(data: bytes, out: list[TcpSocket]) -> bool:
+    """Append the sockets in one datagram of the answer to `out`; True once the dump is done.
+    Raises NetlinkError for an error message or a malformed one."""
+    off = 0
+    while off + _NLMSGHDR.size <= len(data):
+        length, kind, _, _, _ = _NLMSGHDR.unpack_from(data, off)
+        if length < _NLMSGHDR.size or off + length > len(data):
+            raise NetlinkError(f"bad netlink message length {length}")
+        body = off + _NLMSGHDR.size
+        if kind == NLMSG_DONE:
+            return True
+        if kind == NLMSG_ERROR:
+            errno = -struct.unpack_from("=i", data, body)[0] if length >= _NLMSGHDR.size + 4 else 0
+            raise NetlinkError(f"sock_diag error {errno}")
+        if kind == SOCK_DIAG_BY_FAMILY:
+            if length < _NLMSGHDR.size + _MSG.size:
+                raise NetlinkError("short inet_diag_msg")
+            family, state, _, _, sport, _, src, _, _, _, _, _, _, uid, inode = _MSG.unpack_from(data, body)
+            if state == _TCP_STATE_LISTEN:
+                if family == AF_INET:
+                    address = str(ipaddress.IPv4Address(src[:4]))
+                elif family == AF_INET6:
+                    address = str(ipaddress.IPv6Address(src))
+                else:
+                    raise NetlinkError(f"unexpected family {family}")
+                out.append(TcpSocket(address, int.from_bytes(sport, "big"), TCP_LISTEN, inode, uid))
+        off += (length + 3) & ~3  # NLMSG_ALIGN
+    return False
