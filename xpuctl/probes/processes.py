@@ -191,7 +191,7 @@ def _scan_some(host: Host, pids: list[int], skip: frozenset[int], out: FdScan) -
 #: the rest. Most of the cost is kernel work per fd (readlink, the listing), which two
 #: processes do in parallel on two cores; two threads in one process contend for the GIL
 #: between those calls and gain far less (bench/README.md has the figures).
-SPLIT_ABOVE = 400
+SPLIT_ABOVE = 200
 
 
 def _can_split() -> bool:
