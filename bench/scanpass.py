@@ -9,7 +9,7 @@ process, interleaved, in these ways:
 
   plain        one process, one thread
   two threads  the same work split over two threads (what xpuctl did before the split)
-  split        a forked helper scans every other pid (what xpuctl does above SPLIT_ABOVE)
+  split        a forked helper scans every other pid (what xpuctl does above split.SPLIT_ABOVE)
 
 each with and without the dense fd read (fd tables read as 0..n-1 from st_size instead of
 a listing, see Host.fd_links). This is the evidence for how the pass is run; the whole-CLI
@@ -31,14 +31,15 @@ import run as bench  # noqa: E402  (Population, StandInRoot via proctools)
 import xpuctl.host as H  # noqa: E402
 from xpuctl.host import Host  # noqa: E402
 from xpuctl.probes import processes as P  # noqa: E402
+from xpuctl.probes import split as Sp  # noqa: E402
 
 
 def plain(host: Host) -> P.FdScan:
-    saved, P.SPLIT_ABOVE = P.SPLIT_ABOVE, 1 << 30
+    saved, Sp.SPLIT_ABOVE = Sp.SPLIT_ABOVE, 1 << 30
     try:
         return P.scan_processes(host)
     finally:
-        P.SPLIT_ABOVE = saved
+        Sp.SPLIT_ABOVE = saved
 
 
 def two_threads(host: Host) -> P.FdScan:
@@ -53,11 +54,11 @@ def two_threads(host: Host) -> P.FdScan:
 
 
 def split(host: Host) -> P.FdScan:
-    saved, P.SPLIT_ABOVE = P.SPLIT_ABOVE, 0
+    saved, Sp.SPLIT_ABOVE = Sp.SPLIT_ABOVE, 0
     try:
         return P.scan_processes(host)
     finally:
-        P.SPLIT_ABOVE = saved
+        Sp.SPLIT_ABOVE = saved
 
 
 def main() -> int:

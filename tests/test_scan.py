@@ -24,6 +24,7 @@ from proctools import (
 )
 from xpuctl.host import Host
 from xpuctl.probes import processes as P
+from xpuctl.probes import split as Sp
 
 PY = sys.executable
 
@@ -133,12 +134,12 @@ def test_split_pass_finds_what_the_plain_pass_finds(population, monkeypatch):
     root, pids, shm = population
     host = Host(root.root)
     before = set(children_left())
-    monkeypatch.setattr(P, "SPLIT_ABOVE", 10**9)
+    monkeypatch.setattr(Sp, "SPLIT_ABOVE", 10**9)
     plain = P.scan_processes(host)
     forks = []
     real_fork = os.fork
-    monkeypatch.setattr(P.os, "fork", lambda: forks.append(1) or real_fork())
-    monkeypatch.setattr(P, "SPLIT_ABOVE", 0)
+    monkeypatch.setattr(Sp.os, "fork", lambda: forks.append(1) or real_fork())
+    monkeypatch.setattr(Sp, "SPLIT_ABOVE", 0)
     split = P.scan_processes(host)
     if len(os.sched_getaffinity(0)) < 2:
         assert forks == []  # one core: nothing to gain from a helper
@@ -156,8 +157,8 @@ def test_split_pass_finds_what_the_plain_pass_finds(population, monkeypatch):
 def test_split_pass_falls_back_when_the_helper_fails(population, monkeypatch):
     root, pids, _ = population
     host = Host(root.root)
-    monkeypatch.setattr(P, "SPLIT_ABOVE", 0)
-    monkeypatch.setattr(P, "_can_split", lambda: True)
+    monkeypatch.setattr(Sp, "SPLIT_ABOVE", 0)
+    monkeypatch.setattr(Sp, "can_split", lambda: True)
     plain_pids = set(P.list_pids(host))
 
     def broken(self):  # runs in the helper: it exits 1 without writing anything
@@ -173,8 +174,8 @@ def test_split_pass_falls_back_when_the_helper_fails(population, monkeypatch):
 
 
 def test_no_split_while_other_threads_run(monkeypatch):
-    monkeypatch.setattr(P, "SPLIT_ABOVE", 0)
-    monkeypatch.setattr(P.os, "fork", lambda: pytest.fail("forked with a second thread running"))
+    monkeypatch.setattr(Sp, "SPLIT_ABOVE", 0)
+    monkeypatch.setattr(Sp.os, "fork", lambda: pytest.fail("forked with a second thread running"))
     stop = threading.Event()
     t = threading.Thread(target=stop.wait)
     t.start()
@@ -208,3 +209,39 @@ def test_fdscan_survives_the_pipe():
     assert back.sockets == {777: [10, 11]}
     assert back.files == {"/tmp/odd \udcff name": [11]}
     assert (back.unreadable, back.malformed) == ([11], [12])
+
+
+_MAPPER = r"""
+import mmap, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)
+os.ftruncate(fd, 4096)
+m = mmap.mmap(fd, 4096)
+os.close(fd)  # only the mapping keeps the file in use
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_split_maps_pass_sees_a_file_kept_only_by_a_mapping(standin_root, proc_token, monkeypatch):
+    from xpuctl.scan import take_snapshot
+
+    root = standin_root
+    mapped = os.path.join(root.root, "dev/shm/psm_mapped_only")
+    unused = os.path.join(root.root, "dev/shm/psm_nobody")
+    with open(unused, "w"):
+        pass
+    p = subprocess.Popen([PY, "-c", _MAPPER, mapped], env=token_env(proc_token), stdout=subprocess.PIPE)
+    try:
+        assert p.stdout.readline().strip() == b"ready"
+        monkeypatch.setattr(Sp, "SPLIT_ABOVE", 0)
+        monkeypatch.setattr(Sp, "can_split", lambda: True)
+        before = set(children_left())
+        snap = take_snapshot(Host(root.root), port=None, want_env=False)
+        arts = {a.path: a for a in snap.artifacts}
+        assert arts["/dev/shm/psm_mapped_only"].stale is False
+        assert p.pid in arts["/dev/shm/psm_mapped_only"].open_by
+        assert arts["/dev/shm/psm_nobody"].stale is True
+        assert set(children_left()) <= before
+    finally:
+        p.kill()
+        p.wait()

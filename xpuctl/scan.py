@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import marshal
 import os
 import re
 import time
@@ -13,6 +14,7 @@ from xpuctl.parse.net import TcpSocket, parse_tcp, parse_unix_paths
 from xpuctl.parse.procfs import parse_boot_time, parse_environ, parse_maps_paths, parse_status_uid
 from xpuctl.probes.devices import DRM_MAJOR, scan_devices
 from xpuctl.probes.processes import FdScan, RawProcess, fill_cmdline, scan_processes
+from xpuctl.probes.split import in_two
 from xpuctl.rules import Facts, judge, match
 from xpuctl.parse.roles import API_SERVER
 from xpuctl.trees import Member, resolve
@@ -48,22 +50,30 @@ class _Lazy:
         return self._boot  # type: ignore[return-value]
 
     def mapped(self) -> dict[str, list[int]]:
+        """/dev/shm and /tmp paths -> pids that map them (a mapping outlives its fd)."""
         if self._maps is None:
-            self._maps = {}
-            for pid, proc in self.fds.procs.items():
-                if proc.stat.state == "Z":
-                    continue
-                try:
-                    data = self.host.read_bytes(f"/proc/{pid}/maps", 64 << 20)
-                except OSError:
-                    continue
-                if b"/dev/shm/" not in data and b"/tmp/" not in data:
-                    continue  # the common case: nothing mapped from there
-                for path in parse_maps_paths(data.decode("utf-8", "surrogateescape")):
-                    path = self.host.to_host(path)
-                    if path.startswith("/dev/shm/") or path.startswith("/tmp/"):
-                        self._maps.setdefault(path, []).append(pid)
+            pids = [pid for pid, proc in self.fds.procs.items() if proc.stat.state != "Z"]
+            first, *rest = in_two(self._mapped_by, pids, marshal.dumps, marshal.loads)
+            for part in rest:
+                for path, owners in part.items():
+                    first.setdefault(path, []).extend(owners)
+            self._maps = first
         return self._maps
+
+    def _mapped_by(self, pids: list[int]) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {}
+        for pid in pids:
+            try:
+                data = self.host.read_bytes(f"/proc/{pid}/maps", 64 << 20)
+            except OSError:
+                continue
+            if b"/dev/shm/" not in data and b"/tmp/" not in data:
+                continue  # the common case: nothing mapped from there
+            for path in parse_maps_paths(data.decode("utf-8", "surrogateescape")):
+                path = self.host.to_host(path)
+                if path.startswith("/dev/shm/") or path.startswith("/tmp/"):
+                    out.setdefault(path, []).append(pid)
+        return out
 
     def unix_bound(self) -> set[str]:
         if self._unix is None:

@@ -4,7 +4,7 @@ The cmdline is read only when `comm` could be vLLM. Only fds that matter are kep
 nodes (fdinfo later), dma-bufs (fdinfo later), sockets (inode, for ports) and files under
 /dev/shm and /tmp (for stale-artifact checks). A process that vanishes mid-scan is skipped;
 one whose fds cannot be read is counted. On a busy host the pass is split over two
-processes (see SPLIT_ABOVE). Equivalent: `fuser -v /dev/dri/*`, `lsof /dev/dri/*`.
+processes (probes/split.py). Equivalent: `fuser -v /dev/dri/*`, `lsof /dev/dri/*`.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import os
 from xpuctl.host import Host
 from xpuctl.parse.procfs import ProcStat, parse_cmdline, parse_stat
 from xpuctl.parse.roles import classify
+from xpuctl.probes.split import in_two
 
 _GONE = (FileNotFoundError, ProcessLookupError)
 
@@ -186,97 +187,20 @@ def _scan_some(host: Host, pids: list[int], skip: frozenset[int], out: FdScan) -
                 dmabuf.append((pid, fd))  # anon_inode:dmabuf
 
 
-#: Above this many processes the pass is split in two: a forked copy of this process
-#: scans every other pid and sends back what it found through a pipe, while this one scans
-#: the rest. Most of the cost is kernel work per fd (readlink, the listing), which two
-#: processes do in parallel on two cores; two threads in one process contend for the GIL
-#: between those calls and gain far less (bench/README.md has the figures).
-SPLIT_ABOVE = 200
-
-
-def _can_split() -> bool:
-    """A second core, and no other thread in this process: a fork copies only the calling
-    thread, so a lock held elsewhere (logging, imports) would stay locked in the copy."""
-    try:
-        if len(os.sched_getaffinity(0)) < 2:
-            return False
-    except (AttributeError, OSError):
-        return False
-    import sys
-
-    threading = sys.modules.get("threading")
-    return threading is None or threading.active_count() == 1
-
-
-def _helper(host: Host, pids: list[int], skip: frozenset[int]) -> tuple[int, int] | None:
-    """Fork a helper that scans `pids`; (its pid, the read end of its pipe), or None."""
-    try:
-        r, w = os.pipe()
-    except OSError:
-        return None
-    try:
-        child = os.fork()
-    except OSError:
-        os.close(r)
-        os.close(w)
-        return None
-    if child == 0:  # the helper: scan, write, leave without running any exit handler
-        code = 1
-        try:
-            os.close(r)
-            half = FdScan()
-            _scan_some(host, pids, skip, half)
-            view = memoryview(half.dumps())
-            while view:
-                view = view[os.write(w, view):]
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(w)
-    return child, r
-
-
-def _collect(child: int, r: int) -> FdScan | None:
-    """What the helper found; None when it failed (its half is then scanned here)."""
-    chunks = []
-    try:
-        while True:
-            chunk = os.read(r, 1 << 16)
-            if not chunk:
-                break
-            chunks.append(chunk)
-    finally:
-        os.close(r)
-        try:
-            _, status = os.waitpid(child, 0)
-        except ChildProcessError:
-            status = 0  # reaped by someone else; the data decides
-    if status != 0:
-        return None
-    try:
-        return FdScan.loads(b"".join(chunks))
-    except (EOFError, ValueError, TypeError):
-        return None
-
-
 def scan_processes(host: Host, skip_pids: frozenset[int] = frozenset()) -> FdScan:
-    out = FdScan()
     try:
         pids = list_pids(host)
     except OSError:
-        return out
-    helper = _helper(host, pids[1::2], skip_pids) if len(pids) > SPLIT_ABOVE and _can_split() else None
-    if helper is None:
-        _scan_some(host, pids, skip_pids, out)
-        return out
-    try:
-        _scan_some(host, pids[0::2], skip_pids, out)
-    finally:
-        half = _collect(*helper)
-    if half is None:
-        _scan_some(host, pids[1::2], skip_pids, out)
-    else:
-        out.merge(half)
+        return FdScan()
+
+    def work(some: list[int]) -> FdScan:
+        part = FdScan()
+        _scan_some(host, some, skip_pids, part)
+        return part
+
+    out, *rest = in_two(work, pids, FdScan.dumps, FdScan.loads)
+    for part in rest:
+        out.merge(part)
     return out
 
 
