@@ -245,3 +245,64 @@ def test_split_maps_pass_sees_a_file_kept_only_by_a_mapping(standin_root, proc_t
     finally:
         p.kill()
         p.wait()
+
+
+def _split_env(monkeypatch):
+    monkeypatch.setattr(Sp, "SPLIT_ABOVE", 0)
+    monkeypatch.setattr(Sp, "can_split", lambda: True)
+
+
+def test_in_two_covers_every_item_once(monkeypatch):
+    import marshal
+
+    _split_env(monkeypatch)
+    items = list(range(1000))
+    parts = Sp.in_two(lambda xs: list(xs), items, marshal.dumps, marshal.loads)
+    assert len(parts) == 2
+    assert sorted(parts[0] + parts[1]) == items
+
+
+def test_in_two_shares_by_speed(monkeypatch):
+    """The items go to whoever takes them: a slow process takes fewer chunks."""
+    import marshal
+    import time
+
+    _split_env(monkeypatch)
+    me = os.getpid()
+
+    def work(xs):
+        out = []
+        for x in xs:
+            if os.getpid() == me:
+                time.sleep(0.002)  # this process is the slow one
+            out.append(x)
+        return out
+
+    items = list(range(800))
+    here, helper = Sp.in_two(work, items, marshal.dumps, marshal.loads)
+    assert sorted(here + helper) == items
+    assert len(helper) > 2 * len(here)
+
+
+def test_in_two_without_fork_or_helper_still_covers_everything(monkeypatch):
+    import marshal
+
+    _split_env(monkeypatch)
+    items = list(range(300))
+
+    def no_fork():
+        raise OSError("EAGAIN")
+
+    monkeypatch.setattr(Sp.os, "fork", no_fork)
+    parts = Sp.in_two(lambda xs: list(xs), items, marshal.dumps, marshal.loads)
+    assert sorted(sum(parts, [])) == items
+    monkeypatch.undo()
+    _split_env(monkeypatch)
+    before = set(children_left())
+
+    def garbled(_):
+        return b"\xff\xfe"  # not marshal data
+
+    parts = Sp.in_two(lambda xs: list(xs), items, garbled, marshal.loads)
+    assert sorted(sum(parts, [])) == items
+    assert set(children_left()) <= before

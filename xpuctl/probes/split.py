@@ -1,21 +1,23 @@
 """Run a per-process pass over /proc in two processes.
 
 A pass over every process costs kernel work per process and per fd (readlink, listing,
-rendering maps). Above SPLIT_ABOVE items, a forked copy of this process does every other
-item and sends its result back through a pipe while this process does the rest. Two
-threads would gain far less: each needs the GIL between two syscalls, and handing it over
-costs about as much as the syscall it wraps (bench/scanpass.py has the figures).
+rendering maps). Above SPLIT_ABOVE items, a forked copy of this process shares the work
+with this one. Two threads would gain far less: each needs the GIL between two syscalls,
+and handing it over costs about as much as the syscall it wraps (bench/scanpass.py).
 
-The helper only reads /proc and writes to its pipe, then leaves with os._exit: no exit
-handlers, no buffered output. If it fails (fork refused, a crash, garbled data) this
-process does its half too, so a split pass never sees less than a plain one.
+The items are cut into chunks whose numbers are written to a pipe before the fork; each
+process takes the next number with one read(2) until the pipe is empty, so a process that
+gets less CPU (another task on its core) simply takes fewer chunks. The helper sends its
+result back through a second pipe and leaves with os._exit: no exit handlers, no buffered
+output. If it fails (fork refused, a crash, garbled data) this process does the helper's
+chunks too, so a split pass never sees less than a plain one.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -23,6 +25,9 @@ T = TypeVar("T")
 #: Measured on 2 cores with 35 fds per process: the split pays from about 100 processes
 #: (bench/README.md).
 SPLIT_ABOVE = 200
+CHUNK = 16  # items per chunk: ~1 ms of work; one read(2) to take it
+_ID = 2  # bytes per chunk number in the queue pipe
+_MAX_CHUNKS = 2048  # 4 KiB of chunk numbers: one atomic write into even a one-page pipe
 
 
 def can_split() -> bool:
@@ -37,30 +42,72 @@ def can_split() -> bool:
     return threading is None or threading.active_count() == 1
 
 
-def _fork_helper(work: Callable[[list], T], items: list, dumps: Callable[[T], bytes]) -> tuple[int, int] | None:
-    """(pid, read end of its pipe) of a helper doing work(items), or None."""
+def _take(queue: int, chunks: list[list], taken: list[int]) -> Iterator:
+    """The items of every chunk this process takes from the queue, in order."""
+    while True:
+        b = os.read(queue, _ID)
+        if len(b) < _ID:
+            return  # empty: the writer is closed, so this is the end
+        n = int.from_bytes(b, "little")
+        taken.append(n)
+        yield from chunks[n]
+
+
+def in_two(work: Callable[[Iterable], T], items: list, dumps: Callable[[T], bytes],
+           loads: Callable[[bytes], T]) -> list[T]:
+    """work(items) as one or two partial results: [work(items)] when a split does not pay
+    or is not possible, else one result from here and one from a helper, over disjoint
+    parts of `items` that together are all of it. `dumps`/`loads` carry a result through
+    a pipe."""
+    if len(items) <= SPLIT_ABOVE or not can_split():
+        return [work(items)]
+    size = max(CHUNK, -(-len(items) // _MAX_CHUNKS))
+    chunks = [items[i:i + size] for i in range(0, len(items), size)]
     try:
+        q_r, q_w = os.pipe()
+    except OSError:
+        return [work(items)]
+    try:
+        os.set_blocking(q_w, False)  # never wait on our own pipe; too small means no split
+        os.write(q_w, b"".join(n.to_bytes(_ID, "little") for n in range(len(chunks))))
+        os.close(q_w)
+        q_w = -1
         r, w = os.pipe()
     except OSError:
-        return None
+        os.close(q_r)
+        if q_w >= 0:
+            os.close(q_w)
+        return [work(items)]
     try:
         child = os.fork()
     except OSError:
-        os.close(r)
-        os.close(w)
-        return None
+        child = -1
     if child == 0:  # the helper
         code = 1
         try:
             os.close(r)
-            view = memoryview(dumps(work(items)))
+            view = memoryview(dumps(work(_take(q_r, chunks, []))))
             while view:
                 view = view[os.write(w, view):]
             code = 0
         finally:
             os._exit(code)
     os.close(w)
-    return child, r
+    mine: list[int] = []
+    theirs = None
+    try:
+        if child < 0:
+            os.close(r)
+            r = -1
+        first = work(_take(q_r, chunks, mine))
+    finally:
+        os.close(q_r)
+        if child > 0:
+            theirs = _collect(child, r, loads)
+    if theirs is None:  # no helper, or it failed: do every chunk this process did not take
+        done = set(mine)
+        theirs = work([x for n, chunk in enumerate(chunks) if n not in done for x in chunk])
+    return [first, theirs]
 
 
 def _collect(child: int, r: int, loads: Callable[[bytes], T]) -> T | None:
@@ -84,19 +131,3 @@ def _collect(child: int, r: int, loads: Callable[[bytes], T]) -> T | None:
         return loads(b"".join(chunks))
     except (EOFError, ValueError, TypeError):
         return None
-
-
-def in_two(work: Callable[[list], T], items: list, dumps: Callable[[T], bytes],
-           loads: Callable[[bytes], T]) -> list[T]:
-    """work(items) as one or two partial results: [work(items)] when a split does not pay
-    or is not possible, else [work(items[0::2]), work(items[1::2])] with the second done by
-    a helper. `dumps`/`loads` carry a result through the pipe."""
-    helper = (_fork_helper(work, items[1::2], dumps)
-              if len(items) > SPLIT_ABOVE and can_split() else None)
-    if helper is None:
-        return [work(items)]
-    try:
-        mine = work(items[0::2])
-    finally:
-        theirs = _collect(*helper, loads)
-    return [mine, theirs if theirs is not None else work(items[1::2])]
