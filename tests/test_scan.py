@@ -306,3 +306,27 @@ def test_in_two_without_fork_or_helper_still_covers_everything(monkeypatch):
     parts = Sp.in_two(lambda xs: list(xs), items, garbled, marshal.loads)
     assert sorted(sum(parts, [])) == items
     assert set(children_left()) <= before
+
+
+def test_helper_runs_no_signal_handler_of_the_caller(monkeypatch, tmp_path):
+    import marshal
+    import signal
+
+    _split_env(monkeypatch)
+    me = os.getpid()
+    ran = tmp_path / "handler-ran"
+    old = signal.signal(signal.SIGUSR1, lambda *a: ran.write_text(str(os.getpid())))
+    try:
+        def work(xs):
+            out = list(xs)
+            if os.getpid() != me:  # the helper: the signal must end it, not run our handler
+                os.kill(os.getpid(), signal.SIGUSR1)
+            return out
+
+        before = set(children_left())
+        parts = Sp.in_two(work, list(range(400)), marshal.dumps, marshal.loads)
+        assert sorted(sum(parts, [])) == list(range(400))  # its chunks were redone here
+        assert not ran.exists()
+        assert set(children_left()) <= before
+    finally:
+        signal.signal(signal.SIGUSR1, old)

@@ -42,6 +42,20 @@ def can_split() -> bool:
     return threading is None or threading.active_count() == 1
 
 
+def _default_signals() -> None:
+    """In the helper: no Python signal handler of the caller's (serve forwards SIGTERM to a
+    vLLM tree) may run here. With the defaults a signal just ends the helper, and the
+    caller redoes its chunks."""
+    import signal
+
+    for sig in signal.valid_signals():
+        try:
+            if callable(signal.getsignal(sig)):
+                signal.signal(sig, signal.SIG_DFL)
+        except (OSError, ValueError):
+            continue
+
+
 def _take(queue: int, chunks: list[list], taken: list[int]) -> Iterator:
     """The items of every chunk this process takes from the queue, in order."""
     while True:
@@ -85,6 +99,7 @@ def in_two(work: Callable[[Iterable], T], items: list, dumps: Callable[[T], byte
     if child == 0:  # the helper
         code = 1
         try:
+            _default_signals()
             os.close(r)
             view = memoryview(dumps(work(_take(q_r, chunks, []))))
             while view:
