@@ -16,6 +16,7 @@ chunks too, so a split pass never sees less than a plain one.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
@@ -46,8 +47,6 @@ def _default_signals() -> None:
     """In the helper: no Python signal handler of the caller's (serve forwards SIGTERM to a
     vLLM tree) may run here. With the defaults a signal just ends the helper, and the
     caller redoes its chunks."""
-    import signal
-
     for sig in signal.valid_signals():
         try:
             if callable(signal.getsignal(sig)):
@@ -92,6 +91,8 @@ def in_two(work: Callable[[Iterable], T], items: list, dumps: Callable[[T], byte
         if q_w >= 0:
             os.close(q_w)
         return [work(items)]
+    # Signals wait until the helper has dropped the caller's handlers (see _default_signals).
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
     try:
         child = os.fork()
     except OSError:
@@ -100,6 +101,7 @@ def in_two(work: Callable[[Iterable], T], items: list, dumps: Callable[[T], byte
         code = 1
         try:
             _default_signals()
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
             os.close(r)
             view = memoryview(dumps(work(_take(q_r, chunks, []))))
             while view:
@@ -107,6 +109,7 @@ def in_two(work: Callable[[Iterable], T], items: list, dumps: Callable[[T], byte
             code = 0
         finally:
             os._exit(code)
+    signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     os.close(w)
     mine: list[int] = []
     theirs = None
