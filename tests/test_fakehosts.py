@@ -906,3 +906,24 @@ def test_data_parallel_roles(tmp_path):
     assert not any(p["orphan"] for p in procs.values())
     assert procs[3311]["devices"] == [fh.BDF1]
     assert code == 0 and data["status"] == "busy"
+
+
+# --- only doctor and reset pay for the maps pass ----------------------------------------------
+
+
+def test_only_doctor_reads_maps(hosts, monkeypatch):
+    """The maps pass (is a stale-looking file still mapped?) reads every process's maps, and
+    a busy process can hold its mmap lock for long: ps, devices and shutdown need no files."""
+    from xpuctl import scan
+
+    def trap(self):
+        raise AssertionError("maps read")
+
+    root = hosts["orphan"].root
+    monkeypatch.setattr(scan._Lazy, "mapped", trap)
+    for args in (["ps", "--json"], ["devices", "--json"], ["shutdown", "--dry-run", "--all", "--json"]):
+        result = runner.invoke(app, ["--root", str(root), *args])
+        assert result.exit_code == 0, (args, result.stdout, result.exception)
+    doctor_run = runner.invoke(app, ["--root", str(root), "doctor", "--json"])
+    assert doctor_run.exit_code == 70, doctor_run.stdout  # the trap is on the path it guards
+    assert "maps read" in doctor_run.stdout + (doctor_run.stderr or "")

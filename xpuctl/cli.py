@@ -241,7 +241,7 @@ def ps(
 
     a = _app(ctx)
     bdfs = set(resolve_device_specs(a.host, list(device or [])))
-    snap = take_snapshot(a.host, port=None)
+    snap = take_snapshot(a.host, port=None, artifacts=False)
     procs = [
         p
         for p in snap.processes
@@ -269,7 +269,7 @@ def devices(ctx: typer.Context, as_json: JsonOpt = False) -> None:
     from xpuctl.scan import take_snapshot
 
     a = _app(ctx)
-    snap = take_snapshot(a.host, port=None, want_env=False)
+    snap = take_snapshot(a.host, port=None, want_env=False, artifacts=False)
     if as_json:
         data = {"schema": "xpuctl.devices/1", "devices": [render.device_dict(d, snap) for d in snap.devices]}
         sys.stdout.write(render.to_json(data) + "\n")
@@ -407,7 +407,7 @@ def shutdown(
     sdir = state_dir or runs.default_state_dir(a.environ)
     records = runs.list_records(runs.ensure_state_dir(sdir, create=False)) if os.path.isdir(sdir) else []
     bdfs = resolve_device_specs(a.host, list(device or []))
-    snap = take_snapshot(a.host, port=port)
+    snap = take_snapshot(a.host, port=port, artifacts=False)  # finding trees needs no files
     trees = S.find_trees(a.host, snap, records, name, pid, port, bdfs, all_)
     plan = [
         {
