@@ -417,6 +417,7 @@ def test_serve_launch_contract(rig):
     assert res.rc == 0, str(res)
     assert res.json["verdict"] == "clean", str(res)
     assert res.json["targets"][0]["devices"] == [BDF1]
+    assert 0 < res.json["resolve_seconds"] < 30, res.json["resolve_seconds"]  # start to SIGTERM
     rig.assert_clean()
     rec = rig.record("contract")
     # exit_code: see test_shutdown_keeps_the_exit_code_the_supervisor_recorded (a lost update)

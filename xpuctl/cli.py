@@ -8,6 +8,7 @@ stderr and exits with its code; anything unexpected prints one line and exits 70
 import functools
 import os
 import sys
+import time
 from enum import Enum
 from typing import Annotated, Any, Callable, Optional, TypeVar
 
@@ -108,6 +109,20 @@ def _main(
     if root is not None and not os.path.isdir(root):
         raise fail(f"--root {root}: not a directory", ExitCode.USAGE)
     ctx.obj = AppContext(host=Host(root or "/"), debug=debug)
+
+
+def _age_seconds() -> float | None:
+    """Wall seconds since this process started (its /proc start time against CLOCK_BOOTTIME)."""
+    from xpuctl.parse.procfs import parse_stat
+    from xpuctl.scan import CLK_TCK
+
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            st = parse_stat(f.read())
+        now = time.clock_gettime(time.CLOCK_BOOTTIME)
+    except (OSError, AttributeError):
+        return None
+    return max(0.0, now - st.start_ticks / CLK_TCK) if st else None
 
 
 def _app(ctx: typer.Context) -> AppContext:
@@ -449,15 +464,19 @@ def shutdown(
             sys.stdout.write(f"{ev.t:7.2f}s  {ev.phase:<18} {ev.detail}\n")
             sys.stdout.flush()
 
-    result = S.stop(a.host, trees, timeout=timeout, kill_after=kill_after, release_timeout=release_timeout, on_event=show)
-    import time as _time
+    # From our own start to the first signal: start-up plus finding the trees. On the
+    # critical path of every restart, and the first thing to look at when a drain began late.
+    resolve_s = _age_seconds()
+    if not as_json and resolve_s is not None:
+        sys.stdout.write(f"found {len(trees)} server tree(s) {resolve_s:.2f}s after start\n")
 
+    result = S.stop(a.host, trees, timeout=timeout, kill_after=kill_after, release_timeout=release_timeout, on_event=show)
     for t in trees:
         if t.record is not None:
             try:
                 runs.update_record(
                     sdir, t.record, state="stopped" if result.verdict != "leftovers" else "failed",
-                    stopped_at=_time.time(),
+                    stopped_at=time.time(),
                 )
             except OSError:
                 pass
@@ -467,6 +486,7 @@ def shutdown(
             "dry_run": False,
             "targets": plan,
             "events": [{"t": e.t, "phase": e.phase, "detail": e.detail} for e in result.events],
+            "resolve_seconds": round(resolve_s, 3) if resolve_s is not None else None,
             "verdict": result.verdict,
             "survivors": result.survivors,
             "holders": result.holders,
