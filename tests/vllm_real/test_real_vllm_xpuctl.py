@@ -25,9 +25,13 @@ from .xpuctl_run import XpuctlRun, in_flight
 
 pytestmark = pytest.mark.vllm
 
-# One completion request: n sequences of MAX_TOKENS each, EOS ignored. On the 2-core
-# reference machine n=256 x 240 tokens takes about 4 s; two of them run in parallel.
-N_SEQS = 256
+# One completion request: n sequences of MAX_TOKENS each, EOS ignored; two run in parallel.
+# On the 2-core reference machine two of n=256 x 240 tokens took 4-10 s, and once xpuctl
+# needed ~8 s from its start to the SIGTERM, so the requests were over before the drain.
+# n=384 lasts about 6-15 s, and the drain test serves with drain 30 + teardown 10 so that
+# vLLM's deadline (40 s) never cuts the drain short (1024 sequences once needed > 20 s).
+N_SEQS = 384
+DRAIN_S, TEARDOWN_S = 30, 10
 MAX_TOKENS = 240
 N_REQUESTS = 2
 # Set to 1 to stop the orphans with a real `shutdown --all` (only when the dry run lists
@@ -109,16 +113,16 @@ def _gone(pid: int, start_cmd: str) -> bool:
 
 
 def test_xpuctl_shutdown_drains_inflight(xpuctl_serve, vllm_timings, request):
-    run = xpuctl_serve()
+    run = xpuctl_serve(drain=DRAIN_S, teardown=TEARDOWN_S)
     rec = _served_ok(run)
     parts = _tree_roles(run, rec)
     api, engine = parts["api"][0], parts["engine"][0]
 
-    # serve forced the drain deadline: drain 10 + teardown 10, passed to vLLM exactly once
+    # serve forced the drain deadline: drain + teardown, passed to vLLM exactly once
     argv = _cmdline(api.pid)
     assert argv.count("--shutdown-timeout") == 1, argv
-    assert argv[argv.index("--shutdown-timeout") + 1] == "20", argv
-    assert rec["shutdown_timeout"] == 20, rec
+    assert argv[argv.index("--shutdown-timeout") + 1] == str(DRAIN_S + TEARDOWN_S), argv
+    assert rec["shutdown_timeout"] == DRAIN_S + TEARDOWN_S, rec
     # and set SPT_NOENV=1: the retitled EngineCore keeps a readable environment with the run id
     eng_env = _environ(engine.pid)
     assert eng_env.get("SPT_NOENV") == "1" and eng_env.get("XPUCTL_RUN_ID") == rec["run_id"], (
