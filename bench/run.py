@@ -686,7 +686,7 @@ def build_report(c: Ctx) -> tuple[str, list[dict]]:
     L.append("  " + "-" * 86)
     scans = res.get("scan", {})
     for n, s in sorted(scans.items()):
-        scn = "idle N=0" if n == 0 else f"scan N={n}"  # N=0: before + after, pooled
+        scn = "idle N=0" if n == 0 else f"scan N={n}"  # N=0: every idle stage, pooled
         for key in ("doctor", "doctor_stale", "fuser", "lsof", "floor"):
             if key in s["samples"]:
                 L.append(row(scn, s["labels"][key], s["samples"][key]))
@@ -705,11 +705,11 @@ def build_report(c: Ctx) -> tuple[str, list[dict]]:
     # ratios
     L.append("ratios (of medians)")
     idle = scans.get(0)
-    d0 = med(idle["samples"]["doctor"]) if idle else None
     for n, s in sorted(scans.items()):
         if n == 0:
             continue
         m = {k: med(v) for k, v in s["samples"].items()}
+        d0 = baseline(scans, n, "doctor")
         extra = ""
         if d0 is not None:
             extra = (f"   doctor above idle {m['doctor'] - d0:.3f}s "
@@ -719,10 +719,10 @@ def build_report(c: Ctx) -> tuple[str, list[dict]]:
         L.append(f"  N={n:<5} doctor/fuser {m['doctor'] / m['fuser']:.2f}   doctor/lsof {m['doctor'] / m['lsof']:.2f}"
                  f"   doctor/floor {m['doctor'] / m['floor']:.2f}   fuser/floor {m['fuser'] / m['floor']:.2f}"
                  f"   lsof/floor {m['lsof'] / m['floor']:.2f}{extra}")
-    if idle and "doctor_before_after" in idle:
-        b, e = idle["doctor_before_after"]
-        L.append(f"  idle N=0 is measured before and after the populations and pooled: doctor median {b:.3f}s "
-                 f"before, {e:.3f}s after")
+    if idle and "doctor_by_stage" in idle:
+        stages = ", ".join(f"{x:.3f}s" for x in idle["doctor_by_stage"])
+        L.append(f"  idle N=0 is measured before, between and after the populations (doctor medians {stages}); "
+                 "the table pools them; each N's figures above idle use the idle right before and after it")
     growth = growth_figure(scans)
     if growth:
         lo, hi, g, lim = growth
@@ -776,6 +776,16 @@ def build_report(c: Ctx) -> tuple[str, list[dict]]:
     return "\n".join(L), targets
 
 
+def baseline(scans: dict, n: int, key: str, stat: Callable[[list[float]], float] = med) -> float | None:
+    """The idle time of `key` around population N: the idle stages right before and after
+    it, pooled (all idle stages pooled when the run has no per-stage record)."""
+    around = scans.get(n, {}).get("idle_samples", {}).get(key)
+    if around:
+        return stat(around)
+    idle = scans.get(0)
+    return stat(idle["samples"][key]) if idle else None
+
+
 def growth_figure(scans: dict, key: str = "doctor", stat: Callable[[list[float]], float] = med
                   ) -> tuple[int, int, float, float] | None:
     """(smallest N, largest N, time above idle at largest / at smallest, limit)."""
@@ -783,9 +793,8 @@ def growth_figure(scans: dict, key: str = "doctor", stat: Callable[[list[float]]
     if 0 not in scans or len(sizes) < 2:
         return None
     lo, hi = sizes[0], sizes[-1]
-    d0 = stat(scans[0]["samples"][key])
-    dl = stat(scans[lo]["samples"][key]) - d0
-    dh = stat(scans[hi]["samples"][key]) - d0
+    dl = stat(scans[lo]["samples"][key]) - baseline(scans, lo, key, stat)
+    dh = stat(scans[hi]["samples"][key]) - baseline(scans, hi, key, stat)
     limit = 18 / 16 * hi / lo  # the issue: 18 x for 16 x the fds
     return lo, hi, (dh / dl if dl > 0 else float("inf")), limit
 
@@ -939,16 +948,23 @@ def _main(a: argparse.Namespace, xpuctl: str, env: dict[str, str]) -> int:
         c.results["scan"] = {}
         root = pt.StandInRoot(n_devices=2)
         try:
-            for n in [0] + a.sizes:
+            # Idle is measured before, between and after the populations. Each population's
+            # "above idle" figures use the idle right before and right after it (pooled), so
+            # a slow stretch of the host (this VM is slower for a while after large frees)
+            # shifts a population and its own baseline together, not one of them alone.
+            idles = [scenario_scan(c, 0, root)]
+            for n in a.sizes:
                 c.results["scan"][n] = scenario_scan(c, n, root)
-            # The idle baseline again, after the populations: every growth figure is taken
-            # above it, so one noisy stretch of time must not skew it. Samples are pooled.
-            again = scenario_scan(c, 0, root)
-            idle = c.results["scan"][0]
-            idle["doctor_before_after"] = [med(idle["samples"]["doctor"]), med(again["samples"]["doctor"])]
-            for key, xs in again["samples"].items():
-                idle["samples"][key].extend(xs)
-            idle["rss_kib"].extend(again["rss_kib"])
+                idles.append(scenario_scan(c, 0, root))
+                c.results["scan"][n]["idle_samples"] = {
+                    key: idles[-2]["samples"][key] + idles[-1]["samples"][key] for key in idles[-1]["samples"]}
+            idle = idles[0]
+            idle["doctor_by_stage"] = [med(x["samples"]["doctor"]) for x in idles]
+            for again in idles[1:]:
+                for key, xs in again["samples"].items():
+                    idle["samples"][key].extend(xs)
+                idle["rss_kib"].extend(again["rss_kib"])
+            c.results["scan"][0] = idle
         finally:
             root.close()
     if "start" in a.only:
