@@ -6,6 +6,7 @@ import marshal
 import os
 import re
 import time
+from collections.abc import Iterable
 
 from xpuctl.host import Host
 from xpuctl.model import Artifact, Device, DmabufHold, DrmClient, Issue, Port, Process, Snapshot
@@ -60,7 +61,7 @@ class _Lazy:
             self._maps = first
         return self._maps
 
-    def _mapped_by(self, pids: list[int]) -> dict[str, list[int]]:
+    def _mapped_by(self, pids: Iterable[int]) -> dict[str, list[int]]:
         out: dict[str, list[int]] = {}
         for pid in pids:
             try:

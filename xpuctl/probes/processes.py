@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import marshal
 import os
+from collections.abc import Iterable
 
 from xpuctl.host import Host
 from xpuctl.parse.procfs import ProcStat, parse_cmdline, parse_stat
@@ -76,8 +77,7 @@ class FdScan:
         out = cls()
         for pid, st, argv, role, rank, readable in procs:
             out.procs[pid] = RawProcess(pid, ProcStat(*st), argv, role, rank, readable)
-        out.drm_fds = [tuple(x) for x in drm]
-        out.dmabuf_fds = [tuple(x) for x in dmabuf]
+        out.drm_fds, out.dmabuf_fds = drm, dmabuf  # marshal keeps tuples tuples
         out.sockets, out.files = sockets, files
         out.unreadable, out.malformed = unreadable, malformed
         return out
@@ -132,7 +132,7 @@ def fill_cmdline(host: Host, proc: RawProcess) -> list[str]:
 _KEEP = ("/dev/dri/", "/dev/shm/", "/tmp/", "/dmabuf:", "socket:[", "anon_inode:dmabuf")
 
 
-def _scan_some(host: Host, pids: list[int], skip: frozenset[int], out: FdScan) -> None:
+def _scan_some(host: Host, pids: Iterable[int], skip: frozenset[int], out: FdScan) -> None:
     procs = out.procs
     drm = out.drm_fds
     dmabuf = out.dmabuf_fds
@@ -193,7 +193,7 @@ def scan_processes(host: Host, skip_pids: frozenset[int] = frozenset()) -> FdSca
     except OSError:
         return FdScan()
 
-    def work(some: list[int]) -> FdScan:
+    def work(some: Iterable[int]) -> FdScan:
         part = FdScan()
         _scan_some(host, some, skip_pids, part)
         return part
