@@ -131,7 +131,7 @@ def children_left() -> list[int]:
 
 
 def test_split_pass_finds_what_the_plain_pass_finds(population, monkeypatch):
-    root, pids, shm = population
+    root, pids, _ = population
     host = Host(root.root)
     before = set(children_left())
     monkeypatch.setattr(Sp, "SPLIT_ABOVE", 10**9)

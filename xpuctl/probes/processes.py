@@ -10,7 +10,6 @@ processes (probes/split.py). Equivalent: `fuser -v /dev/dri/*`, `lsof /dev/dri/*
 from __future__ import annotations
 
 import marshal
-import os
 from collections.abc import Iterable
 
 from xpuctl.host import Host
