@@ -22,7 +22,7 @@ from xpuctl.parse.sockdiag import (
     parse_listen_reply,
 )
 
-TIMEOUT_S = 2.0
+TIMEOUT_S = 0.5  # the kernel answers a LISTEN dump in well under a millisecond
 
 
 def tcp_listeners() -> list[TcpSocket]:
