@@ -1,4 +1,5 @@
-"""The pass over a live /proc: fd reading with and without a listing, and the split pass.
+"""The passes over a live /proc: fd reading with and without a listing, the split pass,
+and the member pass of shutdown (which reads little of what it does not need).
 
 Real processes (tagged with a reaper token) hold stand-in device nodes and files under a
 StandInRoot whose `proc` links to /proc, on fd numbers chosen to make the fd table dense
@@ -327,3 +328,48 @@ def test_helper_runs_no_signal_handler_of_the_caller(monkeypatch, tmp_path):
         assert set(children_left()) <= before
     finally:
         signal.signal(signal.SIGUSR1, old)
+
+
+def test_shutdown_members_read_environ_only_since_the_run_and_cmdline_only_of_members(proc_token):
+    """members() reads stat for every process, but environ (run id) only for processes
+    started since the run began, and cmdline only for the members it returns: both take
+    the target's mmap lock, which a process stuck in the kernel can hold for good."""
+    import time
+
+    from xpuctl import stop as S
+    from xpuctl.supervisor import target_of
+
+    run_id = "scan-test-" + proc_token[-8:]
+    env = token_env(proc_token, XPUCTL_RUN_ID=run_id)
+    old = subprocess.Popen(["sleep", "60"], env=env)  # carries the id, but predates the run
+    time.sleep(0.1)  # start times have a 10 ms grain
+    top = subprocess.Popen(["sleep", "60"], env=env, start_new_session=True)
+    time.sleep(0.1)
+    tagged = subprocess.Popen(["sleep", "60"], env=env, start_new_session=True)  # left the session
+    try:
+        class Recording(Host):
+            def __init__(self, root):
+                super().__init__(root)
+                self.reads: list[str] = []
+
+            def read_bytes(self, hostpath, limit=None):
+                self.reads.append(hostpath)
+                return super().read_bytes(hostpath, limit)
+
+        host = Recording("/")
+        t = target_of(host, top.pid, "sleep")
+        tree = S.Tree(top=t, role="api-server", orphan=False, run_id=run_id,
+                      session=top.pid)
+        got = {m.pid for m in S.members(host, tree)}
+        assert top.pid in got and tagged.pid in got and old.pid not in got
+        environ_read = {int(p.split("/")[2]) for p in host.reads if p.endswith("/environ")}
+        assert old.pid not in environ_read and tagged.pid in environ_read
+        for pid in environ_read:
+            st = S.stat_of(host, pid)
+            assert st is None or st.start_ticks >= t.start_ticks, pid
+        cmdline_read = {int(p.split("/")[2]) for p in host.reads if p.endswith("/cmdline")}
+        assert cmdline_read == got
+    finally:
+        for p in (old, top, tagged):
+            p.kill()
+            p.wait()

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 
 from xpuctl.host import Host
 from xpuctl.model import Snapshot
-from xpuctl.parse.procfs import parse_environ
+from xpuctl.parse.procfs import parse_cmdline, parse_environ
 from xpuctl.parse.roles import API_SERVER
-from xpuctl.probes.processes import list_pids, read_process
+from xpuctl.probes.processes import list_pids
 from xpuctl.runs import RunRecord
 from xpuctl.scan import RUN_ID_VAR, listening_sockets, take_snapshot
 from xpuctl.supervisor import Target, stat_of, target_of, wait_gone
@@ -156,25 +156,31 @@ def tree_from_record(rec: RunRecord, snap: Snapshot, host: Host) -> Tree | None:
 
 
 def members(host: Host, tree: Tree) -> list[Target]:
-    """Every live process of the tree: known ones, descendants, its session, its run id."""
+    """Every live process of the tree: known ones, descendants, its session, its run id.
+
+    Only /proc/<pid>/stat is read for every process. The environ (for the run id) is read
+    only for processes started since the run began, and the cmdline only for members (as a
+    label): both reads take the target's mmap lock, which a process stuck in the kernel
+    can hold for good, and an unrelated stuck process must not hang a shutdown."""
     stats = {}
     for pid in list_pids(host):
-        proc = read_process(host, pid)
-        if proc is not None and proc.stat.state != "Z":
-            stats[pid] = proc
+        st = stat_of(host, pid)
+        if st is not None and st.state != "Z":
+            stats[pid] = st
     chosen: set[int] = {t.pid for t in tree.known if t.pid in stats}
     if tree.top.pid in stats:
         chosen.add(tree.top.pid)
     children: dict[int, list[int]] = {}
-    for pid, proc in stats.items():
-        children.setdefault(proc.stat.ppid, []).append(pid)
-        if tree.session and proc.stat.session == tree.session:
+    for pid, st in stats.items():
+        children.setdefault(st.ppid, []).append(pid)
+        if tree.session and st.session == tree.session:
             chosen.add(pid)
     if tree.run_id:
         needle = f"{RUN_ID_VAR}={tree.run_id}".encode()
-        for pid in stats:
-            if pid in chosen:
-                continue
+        since = _run_start_ticks(tree)
+        for pid, st in stats.items():
+            if pid in chosen or st.start_ticks < since:
+                continue  # a process older than the run cannot carry its id
             try:
                 data = host.read_bytes(f"/proc/{pid}/environ")
             except OSError:
@@ -190,9 +196,20 @@ def members(host: Host, tree: Tree) -> list[Target]:
     chosen.discard(os.getpid())
     out = []
     for pid in sorted(chosen):
-        proc = stats[pid]
-        out.append(Target(pid, proc.stat.start_ticks, proc.cmdline[0] if proc.cmdline else proc.stat.comm))
+        try:
+            argv = parse_cmdline(host.read_bytes(f"/proc/{pid}/cmdline", 1 << 16))
+        except OSError:
+            argv = []
+        out.append(Target(pid, stats[pid].start_ticks, argv[0] if argv else stats[pid].comm))
     return out
+
+
+def _run_start_ticks(tree: Tree) -> int:
+    """The earliest start (clock ticks since boot) of what we know of the run."""
+    ticks = [tree.top.start_ticks, *(t.start_ticks for t in tree.known)]
+    if tree.record is not None and tree.record.start_ticks:
+        ticks.append(tree.record.start_ticks)
+    return min(ticks)
 
 
 class _LogTail:
