@@ -113,16 +113,14 @@ def _main(
 
 def _age_seconds() -> float | None:
     """Wall seconds since this process started (its /proc start time against CLOCK_BOOTTIME)."""
-    from xpuctl.parse.procfs import parse_stat
+    from xpuctl.probes.processes import stat_of
     from xpuctl.scan import CLK_TCK
 
-    try:
-        with open("/proc/self/stat", "rb") as f:
-            st = parse_stat(f.read())
-        now = time.clock_gettime(time.CLOCK_BOOTTIME)
-    except (OSError, AttributeError):
+    st = stat_of(Host("/"), os.getpid())
+    boottime = getattr(time, "CLOCK_BOOTTIME", None)
+    if st is None or boottime is None:
         return None
-    return max(0.0, now - st.start_ticks / CLK_TCK) if st else None
+    return max(0.0, time.clock_gettime(boottime) - st.start_ticks / CLK_TCK)
 
 
 def _app(ctx: typer.Context) -> AppContext:

@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 
 from xpuctl.host import Host
 from xpuctl.model import Snapshot
-from xpuctl.parse.procfs import parse_cmdline, parse_environ
+from xpuctl.parse.procfs import parse_environ
 from xpuctl.parse.roles import API_SERVER
-from xpuctl.probes.processes import list_pids
+from xpuctl.probes.processes import list_pids, read_cmdline, stat_of
 from xpuctl.runs import RunRecord
 from xpuctl.scan import RUN_ID_VAR, listening_sockets, take_snapshot
-from xpuctl.supervisor import Target, stat_of, target_of, wait_gone
+from xpuctl.supervisor import Target, target_of, wait_gone
 
 DRAIN_MARGIN = 10.0  # seconds on top of vLLM's own shutdown timeout
 DEFAULT_SHUTDOWN_TIMEOUT = 5  # what vLLM >= 0.25 forces on XPU when none is given
@@ -196,10 +196,7 @@ def members(host: Host, tree: Tree) -> list[Target]:
     chosen.discard(os.getpid())
     out = []
     for pid in sorted(chosen):
-        try:
-            argv = parse_cmdline(host.read_bytes(f"/proc/{pid}/cmdline", 1 << 16))
-        except OSError:
-            argv = []
+        argv = read_cmdline(host, pid)
         out.append(Target(pid, stats[pid].start_ticks, argv[0] if argv else stats[pid].comm))
     return out
 

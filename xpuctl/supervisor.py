@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 from xpuctl.host import Host
-from xpuctl.parse.procfs import parse_stat
+from xpuctl.probes.processes import stat_of
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -79,14 +79,6 @@ class Target(NamedTuple):
             raise
         finally:
             os.close(fd)
-
-
-def stat_of(host: Host, pid: int):
-    """The parsed /proc/<pid>/stat, or None when it is gone or unreadable."""
-    try:
-        return parse_stat(host.read_bytes(f"/proc/{pid}/stat", 4096))
-    except OSError:
-        return None
 
 
 def target_of(host: Host, pid: int, label: str = "") -> Target | None:

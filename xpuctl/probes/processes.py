@@ -93,25 +93,35 @@ def _maybe_vllm(comm: str) -> bool:
     return "::" in comm or comm.startswith(("python", "vllm", "pt_", "pypy", "uv"))
 
 
+def stat_of(host: Host, pid: int) -> ProcStat | None:
+    """The parsed /proc/<pid>/stat (one read: the kernel renders it whole), or None when
+    the process is gone or the file unreadable or garbled."""
+    try:
+        return parse_stat(host.read_once(f"/proc/{pid}/stat", 4096))
+    except OSError:
+        return None
+
+
+def read_cmdline(host: Host, pid: int) -> list[str]:
+    """argv of a process; [] when it is gone, unreadable or a kernel thread."""
+    try:
+        return parse_cmdline(host.read_bytes(f"/proc/{pid}/cmdline", 1 << 20))
+    except OSError:
+        return []
+
+
 def read_process(host: Host, pid: int, argv_if: bool = True) -> RawProcess | None:
     """stat + cmdline of one process; None when it is gone or unparsable.
 
     With `argv_if` False the cmdline is read only when `comm` could be vLLM (see
     `_maybe_vllm`); `RawProcess.cmdline` is then None until `fill_cmdline`.
     """
-    base = f"/proc/{pid}"
-    try:
-        st = parse_stat(host.read_once(base + "/stat", 4096))
-    except OSError:
-        return None
+    st = stat_of(host, pid)
     if st is None:
         return None
     if not argv_if and not _maybe_vllm(st.comm):
         return RawProcess(pid, st, None, None, None)
-    try:
-        argv = parse_cmdline(host.read_bytes(base + "/cmdline", 1 << 20))
-    except OSError:
-        argv = []
+    argv = read_cmdline(host, pid)
     role, rank = classify(argv)
     return RawProcess(pid, st, argv, role, rank)
 
@@ -119,10 +129,7 @@ def read_process(host: Host, pid: int, argv_if: bool = True) -> RawProcess | Non
 def fill_cmdline(host: Host, proc: RawProcess) -> list[str]:
     """Read a deferred cmdline (for display of a device holder)."""
     if proc.cmdline is None:
-        try:
-            proc.cmdline = parse_cmdline(host.read_bytes(f"/proc/{proc.pid}/cmdline", 1 << 20))
-        except OSError:
-            proc.cmdline = []
+        proc.cmdline = read_cmdline(host, proc.pid)
     return proc.cmdline
 
 
