@@ -422,28 +422,32 @@ def shutdown(
     bdfs = resolve_device_specs(a.host, list(device or []))
     snap = take_snapshot(a.host, port=port, artifacts=False)  # finding trees needs no files
     trees = S.find_trees(a.host, snap, records, name, pid, port, bdfs, all_)
-    plan = [
-        {
-            "name": t.name,
-            "top": t.top.pid,
-            "role": t.role,
-            "orphan": t.orphan,
-            "run_id": t.run_id,
-            "devices": list(t.devices),
-            "port": t.port,
-            "shutdown_timeout": t.shutdown_timeout,
-            "processes": [m.pid for m in S.members(a.host, t)],
-        }
-        for t in trees
-    ]
+
+    def plan(processes: dict[int, list[int]]) -> list[dict[str, Any]]:
+        return [
+            {
+                "name": t.name,
+                "top": t.top.pid,
+                "role": t.role,
+                "orphan": t.orphan,
+                "run_id": t.run_id,
+                "devices": list(t.devices),
+                "port": t.port,
+                "shutdown_timeout": t.shutdown_timeout,
+                "processes": processes[t.top.pid],
+            }
+            for t in trees
+        ]
+
     if dry_run or not trees:
+        planned = plan({t.top.pid: [m.pid for m in S.members(a.host, t)] for t in trees})
         if as_json:
-            sys.stdout.write(render.to_json({"schema": "xpuctl.shutdown/1", "dry_run": dry_run, "targets": plan,
+            sys.stdout.write(render.to_json({"schema": "xpuctl.shutdown/1", "dry_run": dry_run, "targets": planned,
                                              "events": [], "verdict": "nothing" if not trees else "planned"}) + "\n")
         else:
             if not trees:
                 sys.stdout.write("nothing to stop\n")
-            for t in plan:
+            for t in planned:
                 sys.stdout.write(
                     f"would stop {t['name']}: SIGTERM {t['role']} {t['top']}"
                     f"{' (orphaned)' if t['orphan'] else ''}, then wait for {len(t['processes'])} process(es) "
@@ -482,7 +486,7 @@ def shutdown(
         data = {
             "schema": "xpuctl.shutdown/1",
             "dry_run": False,
-            "targets": plan,
+            "targets": plan(result.members),  # the processes the ladder waited for
             "events": [{"t": e.t, "phase": e.phase, "detail": e.detail} for e in result.events],
             "resolve_seconds": round(resolve_s, 3) if resolve_s is not None else None,
             "verdict": result.verdict,

@@ -71,6 +71,7 @@ class StopResult:
     holders: list[int]
     stuck: list[tuple[int, str | None]]  # D-state holders and their wchan
     port_busy: list[int]
+    members: dict[int, list[int]]  # top pid -> the tree's processes when the ladder began
 
 
 def shutdown_timeout_from_argv(argv: tuple[str, ...] | list[str]) -> int | None:
@@ -266,8 +267,11 @@ def stop(
 
     escalated = False
     everyone: dict[int, Target] = {}
+    first_members: dict[int, list[int]] = {}
     for tree in trees:
-        for t in members(host, tree):
+        found = members(host, tree)
+        first_members[tree.top.pid] = [t.pid for t in found]
+        for t in found:
             everyone[t.pid] = t
     tails = {id(tree): _LogTail(tree.log_path) for tree in trees}
 
@@ -382,7 +386,7 @@ def stop(
     leftovers = bool(survivors or holders or busy_ports)
     verdict = "leftovers" if leftovers else ("escalated" if escalated else "clean")
     emit("verdict", verdict)
-    return StopResult(trees, events, verdict, survivors, holders, stuck, busy_ports)
+    return StopResult(trees, events, verdict, survivors, holders, stuck, busy_ports, first_members)
 
 
 def _topmost(host: Host, targets: list[Target]) -> list[Target]:
