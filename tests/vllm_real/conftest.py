@@ -111,6 +111,28 @@ def vllm_timings(vllm_log):
         pass
 
 
+def _clean_up(started, vllm_log, what: str) -> None:
+    """Tear down every server or run a fixture started (each has .token and .cleanup()),
+    log what had to be killed or removed, and fail the test if any cleanup failed."""
+    errors = []
+    for item in started:
+        try:
+            done = item.cleanup()
+        except Exception as e:  # keep cleaning the others
+            errors.append(f"{item.token}: {e}")
+            continue
+        if done.killed:
+            vllm_log(
+                f"[vllm-real] teardown SIGKILLed {len(done.killed)} process(es) of token "
+                f"{item.token}: " + ", ".join(f"{p.pid} {p.cmdline[:40]}" for p in done.killed)
+            )
+        if done.removed:
+            vllm_log(f"[vllm-real] teardown removed {len(done.removed)} leftover file(s): "
+                     + " ".join(done.removed))
+    if errors:
+        pytest.fail(f"{what} cleanup failed: " + "; ".join(errors), pytrace=False)
+
+
 @pytest.fixture
 def vllm_server(vllm_venv, tiny_model, tmp_path, vllm_log):
     servers: list[E.VllmServer] = []
@@ -126,23 +148,7 @@ def vllm_server(vllm_venv, tiny_model, tmp_path, vllm_log):
 
     yield start
 
-    errors = []
-    for srv in servers:
-        try:
-            done = srv.cleanup()
-        except Exception as e:  # keep cleaning the others
-            errors.append(f"{srv.token}: {e}")
-            continue
-        if done.killed:
-            vllm_log(
-                f"[vllm-real] teardown SIGKILLed {len(done.killed)} process(es) of token "
-                f"{srv.token}: " + ", ".join(f"{p.pid} {p.cmdline[:40]}" for p in done.killed)
-            )
-        if done.removed:
-            vllm_log(f"[vllm-real] teardown removed {len(done.removed)} leftover file(s): "
-                     + " ".join(done.removed))
-    if errors:
-        pytest.fail("vLLM cleanup failed: " + "; ".join(errors), pytrace=False)
+    _clean_up(servers, vllm_log, "vLLM")
 
 
 @pytest.fixture
@@ -162,20 +168,4 @@ def xpuctl_serve(vllm_venv, tiny_model, tmp_path, vllm_log):
 
     yield start
 
-    errors = []
-    for run in runs:
-        try:
-            done = run.cleanup()
-        except Exception as e:  # keep cleaning the others
-            errors.append(f"{run.token}: {e}")
-            continue
-        if done.killed:
-            vllm_log(
-                f"[vllm-real] teardown SIGKILLed {len(done.killed)} process(es) of token "
-                f"{run.token}: " + ", ".join(f"{p.pid} {p.cmdline[:40]}" for p in done.killed)
-            )
-        if done.removed:
-            vllm_log(f"[vllm-real] teardown removed {len(done.removed)} leftover file(s): "
-                     + " ".join(done.removed))
-    if errors:
-        pytest.fail("xpuctl/vLLM cleanup failed: " + "; ".join(errors), pytrace=False)
+    _clean_up(runs, vllm_log, "xpuctl/vLLM")

@@ -481,6 +481,32 @@ def _read(path: str) -> bytes | None:
         return None
 
 
+#: The API server's argv, as `vllm_command` starts it (directly or through xpuctl --vllm).
+API_ARGV_MARK = "-m vllm.entrypoints.openai.api_server"
+
+
+def by_title(tree: Iterable[ProcInfo]) -> dict[str, list[ProcInfo]]:
+    """A tree's processes by part, from their titles and argv: the xpuctl supervisor (its
+    --vllm value names the API server, so it is tested first), the API server, EngineCore,
+    workers, the resource tracker, and anything else."""
+    out: dict[str, list[ProcInfo]] = {
+        "supervisor": [], "api": [], "engine": [], "worker": [], "tracker": [], "other": []}
+    for p in tree:
+        if "-m xpuctl serve" in p.cmdline:
+            out["supervisor"].append(p)
+        elif p.cmdline.startswith("VLLM::EngineCore"):
+            out["engine"].append(p)
+        elif p.cmdline.startswith("VLLM::Worker"):
+            out["worker"].append(p)
+        elif API_ARGV_MARK in p.cmdline:
+            out["api"].append(p)
+        elif "multiprocessing.resource_tracker" in p.cmdline:
+            out["tracker"].append(p)
+        else:
+            out["other"].append(p)
+    return out
+
+
 def proc_info(pid: int) -> ProcInfo | None:
     raw = _read(f"/proc/{pid}/stat")
     if raw is None:

@@ -17,22 +17,6 @@ from . import env as E
 
 pytestmark = pytest.mark.vllm
 
-TOP_ARGV_PREFIX = "-m vllm.entrypoints.openai.api_server"
-
-
-def _by_title(tree: list[E.ProcInfo]) -> dict[str, list[E.ProcInfo]]:
-    out: dict[str, list[E.ProcInfo]] = {"api": [], "engine": [], "worker": [], "tracker": []}
-    for p in tree:
-        if p.cmdline.startswith("VLLM::EngineCore"):
-            out["engine"].append(p)
-        elif p.cmdline.startswith("VLLM::Worker"):
-            out["worker"].append(p)
-        elif TOP_ARGV_PREFIX in p.cmdline:
-            out["api"].append(p)
-        elif "multiprocessing.resource_tracker" in p.cmdline:
-            out["tracker"].append(p)
-    return out
-
 
 def _describe(tree: list[E.ProcInfo]) -> str:
     return "\n".join(f"  {p.pid} ppid={p.ppid} {p.state} {p.cmdline[:90]}" for p in tree)
@@ -60,7 +44,7 @@ def test_real_vllm_smoke(vllm_server, vllm_timings, request):
     # The tree: API server (keeps its argv), resource tracker, EngineCore, one worker,
     # all in the session we created, all carrying our token thanks to SPT_NOENV=1.
     tree = srv.tree()
-    parts = _by_title(tree)
+    parts = E.by_title(tree)
     assert [p.pid for p in parts["api"]] == [srv.proc.pid], _describe(tree)
     assert len(parts["engine"]) == 1, _describe(tree)
     assert len(parts["worker"]) == 1, _describe(tree)
@@ -106,7 +90,7 @@ def test_real_vllm_orphans(vllm_server, vllm_timings, request):
     ready = srv.wait_ready(300)
 
     tree = srv.tree()
-    parts = _by_title(tree)
+    parts = E.by_title(tree)
     assert len(parts["engine"]) == 1 and parts["worker"], _describe(tree)
     engine = parts["engine"][0]
     workers = parts["worker"]
@@ -131,10 +115,9 @@ def test_real_vllm_orphans(vllm_server, vllm_timings, request):
     shm_after = E.shm_files_open_by(alive)
     assert set(shm) <= set(shm_after), (shm, shm_after)
     assert all(os.path.exists(p) for p in dist_new)
-    tracker_survived = bool(_by_title(orphans)["tracker"])
+    tracker_survived = bool(E.by_title(orphans)["tracker"])
 
     # SIGTERM to the orphaned EngineCore shuts the rest down.
-    t1 = time.monotonic()
     assert E.signal_if_token(engine.pid, srv.token, signal.SIGTERM)
     gone, secs = E.wait_token_gone(srv.token, timeout=60)
     assert gone, f"orphans still alive 60 s after SIGTERM:\n{_describe(srv.tree())}"

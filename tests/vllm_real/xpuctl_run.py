@@ -28,7 +28,6 @@ from pathlib import Path
 from . import env as E
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-API_ARGV_MARK = "-m vllm.entrypoints.openai.api_server"
 
 
 @dataclass
@@ -209,22 +208,7 @@ class XpuctlRun:
         return E.tree_with_token(self.token)
 
     def parts(self) -> dict[str, list[E.ProcInfo]]:
-        out: dict[str, list[E.ProcInfo]] = {
-            "supervisor": [], "api": [], "engine": [], "worker": [], "tracker": [], "other": []}
-        for p in self.tree():
-            if "-m xpuctl serve" in p.cmdline:  # its --vllm value names the API server
-                out["supervisor"].append(p)
-            elif p.cmdline.startswith("VLLM::EngineCore"):
-                out["engine"].append(p)
-            elif p.cmdline.startswith("VLLM::Worker"):
-                out["worker"].append(p)
-            elif API_ARGV_MARK in p.cmdline:
-                out["api"].append(p)
-            elif "multiprocessing.resource_tracker" in p.cmdline:
-                out["tracker"].append(p)
-            else:
-                out["other"].append(p)
-        return out
+        return E.by_title(self.tree())
 
     def describe_tree(self) -> str:
         return "\n".join(f"  {p.pid} ppid={p.ppid} {p.state} {p.cmdline[:100]}"
