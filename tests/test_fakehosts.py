@@ -927,3 +927,12 @@ def test_only_doctor_reads_maps(hosts, monkeypatch):
     doctor_run = runner.invoke(app, ["--root", str(root), "doctor", "--json"])
     assert doctor_run.exit_code == 70, doctor_run.stdout  # the trap is on the path it guards
     assert "maps read" in doctor_run.stdout + (doctor_run.stderr or "")
+
+
+def test_every_check_id_has_one_registered_function() -> None:
+    from xpuctl import checks
+
+    assert set(checks.REGISTRY) == set(checks.CHECKS) == CHECKS
+    assert len(checks.CHECKS) == len(set(checks.CHECKS))
+    for check_id, fn in checks.REGISTRY.items():
+        assert fn.__doc__, f"check {check_id} has no docstring"

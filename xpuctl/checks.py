@@ -1,28 +1,17 @@
 """Pure judgement: Snapshot → findings and a status. No I/O.
 
-Check ids are stable (scripts and alerts key on them): device-holders, orphans,
-device-memory, stuck-processes, stale-shm, stale-ipc, ports, env, inspection.
+One small function per stable check id, registered in `REGISTRY` (id → function) with the
+`@check` decorator; `evaluate` runs them all. Check ids are stable (scripts and alerts key on
+them) and `CHECKS` is their order in the output.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from xpuctl.model import Finding, Process, Report, Snapshot
 from xpuctl.parse import envvars
 from xpuctl.parse import roles as R
-
-CHECKS = (
-    "device-holders",
-    "orphans",
-    "device-memory",
-    "stuck-processes",
-    "stale-shm",
-    "stale-ipc",
-    "ports",
-    "env",
-    "inspection",
-)
 
 
 class Options(NamedTuple):
@@ -30,6 +19,35 @@ class Options(NamedTuple):
     port: int | None = 8000
     port_explicit: bool = False
     expect_idle: bool = False
+
+
+class Ctx(NamedTuple):
+    """What every check needs, computed once per evaluation."""
+
+    snap: Snapshot
+    opts: Options
+    wanted: frozenset[str]
+    by_pid: dict[int, Process]
+    trees: dict[int, list[Process]]  # orphaned trees: top pid → live members
+
+    def on_wanted(self, bdfs: tuple[str, ...] | set[str] | list[str]) -> bool:
+        """True when nothing was asked for, the thing holds no device, or it holds a wanted one."""
+        return not self.wanted or not bdfs or bool(self.wanted & set(bdfs))
+
+    def devices(self):  # -> Iterator[Device]
+        return (d for d in self.snap.devices if not self.wanted or d.bdf in self.wanted)
+
+
+Check = Callable[[Ctx], list[Finding]]
+REGISTRY: dict[str, Check] = {}
+
+
+def check(check_id: str) -> Callable[[Check], Check]:
+    def register(fn: Check) -> Check:
+        REGISTRY[check_id] = fn
+        return fn
+
+    return register
 
 
 def human_bytes(n: int | None) -> str:
@@ -52,35 +70,23 @@ def _pids(procs: list[Process]) -> tuple[int, ...]:
     return tuple(sorted(p.pid for p in procs))
 
 
-def evaluate(snap: Snapshot, opts: Options) -> Report:
-    wanted = set(opts.devices)
-
-    def on_wanted(bdfs: tuple[str, ...] | set[str]) -> bool:
-        return not wanted or not bdfs or bool(wanted & set(bdfs))
-
-    findings: list[Finding] = []
-    procs = list(snap.processes)
-    by_pid = {p.pid: p for p in procs}
-    live = [p for p in procs if not p.is_zombie]
-
-    # -- orphans: one finding per orphaned tree --------------------------------------
-    trees: dict[int, list[Process]] = {}
-    for p in live:
-        if p.orphan:
-            trees.setdefault(p.top or p.pid, []).append(p)
-    for top, members in sorted(trees.items()):
+@check("orphans")
+def orphans(c: Ctx) -> list[Finding]:
+    """One finding per orphaned vLLM tree (its API server is gone)."""
+    out = []
+    for top, members in sorted(c.trees.items()):
         devs = sorted({b for m in members for b in m.devices})
-        if not on_wanted(devs):
+        if not c.on_wanted(devs):
             continue
         # with --device, an orphaned tree that holds none of the devices is a warning
-        severity = "warn" if wanted and not devs else "fail"
-        head = by_pid.get(top) or members[0]
+        severity = "warn" if c.wanted and not devs else "fail"
+        head = c.by_pid.get(top) or members[0]
         mem = sum(m.memory_bytes or 0 for m in members)
         what = ", ".join(f"{m.cmdline[0] if m.cmdline else m.comm} ({m.pid})" for m in members)
         held = f"; they hold {', '.join(devs)}" if devs else ""
         if mem:
             held += f" ({human_bytes(mem)} of device memory)"
-        findings.append(
+        out.append(
             Finding(
                 "orphans",
                 severity,
@@ -90,33 +96,40 @@ def evaluate(snap: Snapshot, opts: Options) -> Report:
                 _pids(members),
             )
         )
+    return out
 
-    # -- per device: holders and memory -----------------------------------------------
-    for dev in snap.devices:
-        if wanted and dev.bdf not in wanted:
-            continue
-        holders = [by_pid[pid] for pid in snap.holders(dev.bdf) if pid in by_pid]
+
+def _holders(c: Ctx, bdf: str) -> list[Process]:
+    return [c.by_pid[pid] for pid in c.snap.holders(bdf) if pid in c.by_pid]
+
+
+@check("device-holders")
+def device_holders(c: Ctx) -> list[Finding]:
+    """Who holds each device: a live server (busy), or a process that is not vLLM."""
+    out = []
+    for dev in c.devices():
+        holders = _holders(c, dev.bdf)
         serving = [p for p in holders if p.role is not None and not p.orphan]
-        foreign = [p for p in holders if p.role is None]
-        orphaned = [p for p in holders if p.orphan]
         if serving:
             tops = sorted({p.top or p.pid for p in serving})
-            findings.append(
+            out.append(
                 Finding(
                     "device-holders",
-                    "fail" if opts.expect_idle else "info",
+                    "fail" if c.opts.expect_idle else "info",
                     f"{dev.bdf} is busy: held by the live vLLM server {', '.join(map(str, tops))} "
                     f"({len(serving)} process(es))",
-                    f"xpuctl shutdown --pid {tops[0]}" if opts.expect_idle else None,
+                    f"xpuctl shutdown --pid {tops[0]}" if c.opts.expect_idle else None,
                     dev.bdf,
                     _pids(serving),
                 )
             )
-        for p in foreign:
+        for p in holders:
+            if p.role is not None:
+                continue
             has_mem = bool(p.memory_bytes)
-            sev = "fail" if opts.expect_idle else ("warn" if has_mem else "info")
+            sev = "fail" if c.opts.expect_idle else ("warn" if has_mem else "info")
             mem = f" with {human_bytes(p.memory_bytes)} of device memory" if has_mem else ""
-            findings.append(
+            out.append(
                 Finding(
                     "device-holders",
                     sev,
@@ -129,9 +142,20 @@ def evaluate(snap: Snapshot, opts: Options) -> Report:
                     (p.pid,),
                 )
             )
+    return out
+
+
+@check("device-memory")
+def device_memory(c: Ctx) -> list[Finding]:
+    """Device memory held by orphans, kept alive by exported buffers, or in use when idle is expected."""
+    out = []
+    snap = c.snap
+    for dev in c.devices():
+        holders = _holders(c, dev.bdf)
+        orphaned = [p for p in holders if p.orphan]
         orphan_mem = sum(p.memory_bytes or 0 for p in orphaned)
         if orphan_mem:
-            findings.append(
+            out.append(
                 Finding(
                     "device-memory",
                     "fail",
@@ -144,16 +168,16 @@ def evaluate(snap: Snapshot, opts: Options) -> Report:
             )
         dmabuf_only = sorted(
             {b.pid for b in snap.dmabufs if b.bdf == dev.bdf}
-            - {pid for c in snap.clients if c.bdf == dev.bdf for pid in c.pids}
+            - {pid for cl in snap.clients if cl.bdf == dev.bdf for pid in cl.pids}
         )
         if dmabuf_only:
             size = sum(
                 b.size_bytes or 0 for b in snap.dmabufs if b.bdf == dev.bdf and b.pid in dmabuf_only
             )
-            findings.append(
+            out.append(
                 Finding(
                     "device-memory",
-                    "fail" if opts.expect_idle else "warn",
+                    "fail" if c.opts.expect_idle else "warn",
                     f"{human_bytes(size)} of {dev.bdf} memory is kept alive by exported buffers "
                     f"(dma-buf) held by pid(s) {', '.join(map(str, dmabuf_only))}",
                     "stop the processes holding the buffers",
@@ -162,20 +186,25 @@ def evaluate(snap: Snapshot, opts: Options) -> Report:
                 )
             )
         used = snap.memory_used(dev.bdf)
-        if opts.expect_idle and used and not holders and not dmabuf_only:
-            findings.append(
+        if c.opts.expect_idle and used and not holders and not dmabuf_only:
+            out.append(
                 Finding("device-memory", "fail", f"{human_bytes(used)} of {dev.bdf} in use", None, dev.bdf)
             )
+    return out
 
-    # -- stuck processes ---------------------------------------------------------------
-    for p in procs:
-        if not on_wanted(p.devices):
+
+@check("stuck-processes")
+def stuck_processes(c: Ctx) -> list[Finding]:
+    """Holders in uninterruptible sleep, stopped vLLM processes, unreaped vLLM zombies."""
+    out = []
+    for p in c.snap.processes:
+        if not c.on_wanted(p.devices):
             continue
         if p.state == "D" and (p.devices or p.role):
-            findings.append(
+            out.append(
                 Finding(
                     "stuck-processes",
-                    "fail" if p.orphan or opts.expect_idle else "warn",
+                    "fail" if p.orphan or c.opts.expect_idle else "warn",
                     f"pid {p.pid} ({short_cmd(p, 40)}) is in uninterruptible sleep (D) in "
                     f"{p.wchan or 'an unknown kernel function'}; it cannot die until the driver "
                     "returns",
@@ -186,7 +215,7 @@ def evaluate(snap: Snapshot, opts: Options) -> Report:
                 )
             )
         elif p.state == "T" and p.role:
-            findings.append(
+            out.append(
                 Finding(
                     "stuck-processes",
                     "warn",
@@ -197,7 +226,7 @@ def evaluate(snap: Snapshot, opts: Options) -> Report:
                 )
             )
         elif p.state == "Z" and p.role in (R.ENGINE_CORE, R.WORKER):
-            findings.append(
+            out.append(
                 Finding(
                     "stuck-processes",
                     "info",
@@ -208,50 +237,66 @@ def evaluate(snap: Snapshot, opts: Options) -> Report:
                     (p.pid,),
                 )
             )
+    return out
 
-    # -- stale files -----------------------------------------------------------------
-    stale_shm = [a for a in snap.artifacts if a.stale and a.kind == "shm"]
-    stale_ipc = [a for a in snap.artifacts if a.stale and a.kind != "shm"]
-    if stale_shm:
-        size = sum(a.size_bytes for a in stale_shm)
-        findings.append(
-            Finding(
-                "stale-shm",
-                "warn",
-                f"{len(stale_shm)} stale shared-memory segment(s) in /dev/shm "
-                f"({human_bytes(size)}) left by killed processes",
-                "xpuctl reset",
-                None,
-                (),
-                tuple(a.path for a in stale_shm),
-            )
-        )
-    if stale_ipc:
-        kinds = sorted({a.kind for a in stale_ipc})
-        findings.append(
-            Finding(
-                "stale-ipc",
-                "warn",
-                f"{len(stale_ipc)} stale IPC file(s) ({', '.join(kinds)}) in /tmp",
-                "xpuctl reset",
-                None,
-                (),
-                tuple(a.path for a in stale_ipc),
-            )
-        )
 
-    # -- ports -----------------------------------------------------------------------
+@check("stale-shm")
+def stale_shm(c: Ctx) -> list[Finding]:
+    """Shared-memory segments in /dev/shm that no live process has open or mapped."""
+    stale = [a for a in c.snap.artifacts if a.stale and a.kind == "shm"]
+    if not stale:
+        return []
+    size = sum(a.size_bytes for a in stale)
+    return [
+        Finding(
+            "stale-shm",
+            "warn",
+            f"{len(stale)} stale shared-memory segment(s) in /dev/shm "
+            f"({human_bytes(size)}) left by killed processes",
+            "xpuctl reset",
+            None,
+            (),
+            tuple(a.path for a in stale),
+        )
+    ]
+
+
+@check("stale-ipc")
+def stale_ipc(c: Ctx) -> list[Finding]:
+    """oneCCL, vLLM FileStore and ZMQ files in /tmp that nothing uses any more."""
+    stale = [a for a in c.snap.artifacts if a.stale and a.kind != "shm"]
+    if not stale:
+        return []
+    kinds = sorted({a.kind for a in stale})
+    return [
+        Finding(
+            "stale-ipc",
+            "warn",
+            f"{len(stale)} stale IPC file(s) ({', '.join(kinds)}) in /tmp",
+            "xpuctl reset",
+            None,
+            (),
+            tuple(a.path for a in stale),
+        )
+    ]
+
+
+@check("ports")
+def ports(c: Ctx) -> list[Finding]:
+    """The serving port taken by a live server or by something else; ports kept by orphans."""
+    out = []
+    snap, opts = c.snap, c.opts
     orphan_ports: dict[int, list[int]] = {}
     for port in snap.ports:
         if port.pid is None:
             continue
-        p = by_pid.get(port.pid)
+        p = c.by_pid.get(port.pid)
         if port.orphan:
             top = p.top if p and p.top else port.pid
             orphan_ports.setdefault(top, []).append(port.port)
         elif port.port == opts.port:
             if p is not None and p.role is not None:
-                findings.append(
+                out.append(
                     Finding(
                         "ports",
                         "fail" if opts.expect_idle else "info",
@@ -262,7 +307,7 @@ def evaluate(snap: Snapshot, opts: Options) -> Report:
                     )
                 )
             else:
-                findings.append(
+                out.append(
                     Finding(
                         "ports",
                         "fail" if opts.port_explicit or opts.expect_idle else "warn",
@@ -274,54 +319,84 @@ def evaluate(snap: Snapshot, opts: Options) -> Report:
                     )
                 )
     for top, numbers in sorted(orphan_ports.items()):
-        tree_devs = sorted({b for m in trees.get(top, []) for b in m.devices})
-        if not on_wanted(tree_devs):
+        tree_devs = sorted({b for m in c.trees.get(top, []) for b in m.devices})
+        if not c.on_wanted(tree_devs):
             continue
         numbers = sorted(set(numbers))
         pids = tuple(sorted({pt.pid for pt in snap.ports if pt.orphan and pt.pid and pt.port in numbers}))
         shown = ", ".join(map(str, numbers[:8])) + (f" and {len(numbers) - 8} more" if len(numbers) > 8 else "")
         serving = opts.port in numbers
-        findings.append(
+        out.append(
             Finding(
                 "ports",
                 # with --device, another device's orphans only matter if they hold our port
-                "fail" if serving or not (wanted and not tree_devs) else "warn",
+                "fail" if serving or not (c.wanted and not tree_devs) else "warn",
                 f"orphaned vLLM processes of tree {top} still listen on port(s) {shown}",
                 f"xpuctl shutdown --pid {top}",
                 None,
                 pids,
             )
         )
+    return out
 
-    # -- the caller's environment ---------------------------------------------------
-    env = snap.caller_env or {}
-    intel = sum(1 for d in snap.devices if d.is_intel)
+
+@check("env")
+def env(c: Ctx) -> list[Finding]:
+    """Malformed device-selection variables in the caller's environment."""
+    environ = c.snap.caller_env or {}
+    intel = sum(1 for d in c.snap.devices if d.is_intel)
     problems = []
-    if "ZE_AFFINITY_MASK" in env:
-        problems.append(envvars.check_affinity_mask(env["ZE_AFFINITY_MASK"], intel or None))
-    if "ONEAPI_DEVICE_SELECTOR" in env:
-        problems.append(envvars.check_device_selector(env["ONEAPI_DEVICE_SELECTOR"]))
-    if "ZE_FLAT_DEVICE_HIERARCHY" in env:
-        problems.append(envvars.check_hierarchy(env["ZE_FLAT_DEVICE_HIERARCHY"]))
-    for problem in filter(None, problems):
-        findings.append(
-            Finding("env", "fail", problem, "fix or unset the variable before serving")
-        )
+    if "ZE_AFFINITY_MASK" in environ:
+        problems.append(envvars.check_affinity_mask(environ["ZE_AFFINITY_MASK"], intel or None))
+    if "ONEAPI_DEVICE_SELECTOR" in environ:
+        problems.append(envvars.check_device_selector(environ["ONEAPI_DEVICE_SELECTOR"]))
+    if "ZE_FLAT_DEVICE_HIERARCHY" in environ:
+        problems.append(envvars.check_hierarchy(environ["ZE_FLAT_DEVICE_HIERARCHY"]))
+    return [Finding("env", "fail", problem, "fix or unset the variable before serving") for problem in filter(None, problems)]
 
-    # -- what we could not see -------------------------------------------------------
-    for issue in snap.issues:
-        sev = "warn" if issue.source == "/proc" else "info"
-        findings.append(
-            Finding(
-                "inspection",
-                sev,
-                f"{issue.source}: {issue.reason}",
-                "run as root to see every process" if issue.source == "/proc" else None,
-            )
-        )
 
+@check("inspection")
+def inspection(c: Ctx) -> list[Finding]:
+    """What the scan could not see (processes of other users, unreadable files)."""
+    return [
+        Finding(
+            "inspection",
+            "warn" if issue.source == "/proc" else "info",
+            f"{issue.source}: {issue.reason}",
+            "run as root to see every process" if issue.source == "/proc" else None,
+        )
+        for issue in c.snap.issues
+    ]
+
+
+# Output order of the ids; every registered check has a place here (a test holds them equal).
+CHECKS = (
+    "device-holders",
+    "orphans",
+    "device-memory",
+    "stuck-processes",
+    "stale-shm",
+    "stale-ipc",
+    "ports",
+    "env",
+    "inspection",
+)
+
+
+def _context(snap: Snapshot, opts: Options) -> Ctx:
+    by_pid = {p.pid: p for p in snap.processes}
+    trees: dict[int, list[Process]] = {}
+    for p in snap.processes:
+        if p.orphan and not p.is_zombie:
+            trees.setdefault(p.top or p.pid, []).append(p)
+    return Ctx(snap, opts, frozenset(opts.devices), by_pid, trees)
+
+
+def evaluate(snap: Snapshot, opts: Options) -> Report:
+    c = _context(snap, opts)
+    findings = [f for check_id in CHECKS for f in REGISTRY[check_id](c)]
     failed = any(f.severity == "fail" for f in findings)
-    busy = any(snap.holders(d.bdf) for d in snap.devices if not wanted or d.bdf in wanted) or any(
+    busy = any(snap.holders(d.bdf) for d in c.devices()) or any(
         p.pid is not None and p.port == opts.port for p in snap.ports
     )
     status = "dirty" if failed else ("busy" if busy else "clean")
