@@ -197,16 +197,32 @@ def doctor(
     ] = None,
     fmt: Annotated[Optional[Format], typer.Option("--format", "-f", help="table, json or prometheus.", show_default=False)] = None,
     as_json: JsonOpt = False,
+    textfile: Annotated[
+        Optional[str],
+        typer.Option(
+            "--textfile",
+            metavar="PATH",
+            help="Write the Prometheus text atomically to PATH (*.prom, for node_exporter's "
+            "textfile collector) instead of stdout; implies --format prometheus.",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Read-only health check: who holds the GPU, orphans, memory, stale IPC/shm, ports.
 
     Exit 0: nothing fails. 1: failing findings (warnings too with --strict; also when
-    --wait-clean runs out). 2: usage error.
+    --wait-clean runs out; also when --textfile cannot be written). 2: usage error.
     """
     from xpuctl import doctor as D
 
     a = _app(ctx)
-    out_fmt = _format(fmt, as_json)
+    out_fmt = _format(fmt, as_json, Format.prometheus if textfile is not None else Format.table)
+    if textfile is not None:
+        from xpuctl.textfile import check_target
+
+        if out_fmt is not Format.prometheus:
+            raise UsageError("--textfile writes Prometheus text: drop --json/--format or use --format prometheus")
+        check_target(textfile)  # a bad PATH is a usage error before any work
     devices = list(device or [])
 
     def run() -> Any:
@@ -229,6 +245,10 @@ def doctor(
 
     if out_fmt is Format.json:
         sys.stdout.write(render.to_json(render.doctor_dict(report)) + "\n")
+    elif out_fmt is Format.prometheus and textfile is not None:
+        from xpuctl.textfile import write_atomic
+
+        write_atomic(textfile, render.prometheus(report))
     elif out_fmt is Format.prometheus:
         sys.stdout.write(render.prometheus(report))
     else:

@@ -7,6 +7,7 @@ table renderers (it costs ~60 ms to import, and scripts asking for JSON never ne
 from __future__ import annotations
 
 import json
+import math
 from typing import TYPE_CHECKING, Any
 
 from xpuctl import __version__
@@ -118,6 +119,20 @@ def _label(value: object) -> str:
     return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
+def _value(value: float) -> str:
+    """A sample value, exact: whole numbers as integers, others as Python's shortest
+    round-trip repr (`:g` keeps 6 digits: 8 GiB became 8.58993e+09 and a timestamp lost
+    whole minutes)."""
+    v = float(value)
+    if math.isnan(v):
+        return "NaN"
+    if math.isinf(v):
+        return "+Inf" if v > 0 else "-Inf"
+    if v.is_integer() and abs(v) < 2**53:
+        return str(int(v))
+    return repr(v)
+
+
 def prometheus(report: Report) -> str:
     snap = report.snapshot
     lines: list[str] = []
@@ -127,7 +142,7 @@ def prometheus(report: Report) -> str:
         lines.append(f"# TYPE {name} {kind}")
         for labels, value in samples:
             lab = ",".join(f'{k}="{_label(v)}"' for k, v in labels.items())
-            lines.append(f"{name}{{{lab}}} {value:g}" if lab else f"{name} {value:g}")
+            lines.append(f"{name}{{{lab}}} {_value(value)}" if lab else f"{name} {_value(value)}")
 
     metric("xpuctl_build_info", "gauge", "xpuctl version.", [({"version": __version__}, 1)])
     metric("xpuctl_doctor_last_run_timestamp_seconds", "gauge", "When doctor ran.", [({}, snap.taken_at)])
