@@ -551,5 +551,25 @@ def serve(host: Host, opts: ServeOptions, environ: dict[str, str], out: Callable
     return ExitCode.PROBLEMS
 
 
+#: seconds serve may take to notice a signal (its loop polls; a readiness probe waits 1 s)
+NOTICE_SECONDS = 2.0
+
+
+def worst_stop_seconds(drain_timeout: float, teardown_timeout: float, kill_after: float) -> float:
+    """The longest a foreground serve can take from a SIGTERM to its own exit.
+
+    What a supervisor's stop timeout (systemd `TimeoutStopSec`, Kubernetes
+    `terminationGracePeriodSeconds`) must exceed, or it SIGKILLs vLLM in the middle of the
+    Level Zero/oneCCL teardown this whole tool exists to protect. The steps of
+    `Supervisor.stop_tree` -> `stop.stop`: notice the signal; wait for the tree up to vLLM's
+    shutdown timeout + the drain margin; SIGTERM survivors and wait `kill_after`; SIGKILL and
+    wait; wait up to the teardown timeout for the devices and port to be released.
+    """
+    from xpuctl.stop import DRAIN_MARGIN, KILL_WAIT
+
+    vllm_deadline = max(MIN_SHUTDOWN_TIMEOUT, math.ceil(drain_timeout + teardown_timeout))
+    return NOTICE_SECONDS + vllm_deadline + DRAIN_MARGIN + kill_after + KILL_WAIT + teardown_timeout
+
+
 def active_records(state_dir: str) -> list[RunRecord]:
     return [r for r in list_records(state_dir) if r.state in ("starting", "ready", "stopping")]

@@ -29,6 +29,7 @@ from xpuctl.supervisor import Target, target_of, wait_gone
 
 DRAIN_MARGIN = 10.0  # seconds on top of vLLM's own shutdown timeout
 DEFAULT_SHUTDOWN_TIMEOUT = 5  # what vLLM >= 0.25 forces on XPU when none is given
+KILL_WAIT = 5.0  # seconds to wait for SIGKILLed processes before calling them survivors
 _TIMEOUT_ARG = re.compile(r"^--shutdown[-_]timeout(?:=(\d+))?$")
 _LOG_MARKERS = ("[shutdown]", "XPUWorker shutdown", "force killing", "sending SIGKILL", "sending SIGTERM")
 
@@ -354,7 +355,7 @@ def stop(
         sent = [t for t in reversed(pending) if t.send(host, signal.SIGKILL)]
         if sent:
             emit("sigkill", "SIGKILL to " + ", ".join(f"{t.pid} ({t.label})" for t in sent))
-        pending = wait_gone(host, pending, 5.0, poll)
+        pending = wait_gone(host, pending, KILL_WAIT, poll)
     for tree in trees:
         for phase in tails[id(tree)].new_phases():
             emit("vllm", phase)
