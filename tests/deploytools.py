@@ -54,7 +54,8 @@ def expand(command: str, env: dict[str, str], instance: str) -> list[str]:
         if m:
             words += env.get(m.group(1), "").split()
             continue
-        words.append(re.sub(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}", lambda g: env.get(g.group(1), ""), word))
+        braced = r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}"
+        words.append(re.sub(braced, lambda g: env.get(g.group(1), ""), word))
     return words
 
 
@@ -72,7 +73,8 @@ def parse_xpuctl(argv: list[str]) -> tuple[str, dict]:
     command runs). Returns (command, its parameters); an unknown option raises."""
     cmd = typer.main.get_command(app)
     ctx = cmd.make_context("xpuctl", list(argv), resilient_parsing=False)
-    words = list(getattr(ctx, "protected_args", None) or getattr(ctx, "_protected_args", [])) + ctx.args
+    protected = getattr(ctx, "protected_args", None) or getattr(ctx, "_protected_args", [])
+    words = list(protected) + ctx.args
     name, rest = words[0], words[1:]
     sub = cmd.get_command(ctx, name)
     assert sub is not None, f"unknown command {name}"

@@ -5,8 +5,8 @@ command, and the restart policy cannot loop on a refused gate."""
 from __future__ import annotations
 
 import os
-import signal
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -136,7 +136,8 @@ def test_restart_policy_cannot_loop_on_a_refused_gate(unit):
     after one, so a refused gate ends the unit in "failed"."""
     assert one(unit, "Service", "Restart") in ("no", "on-abnormal", "on-abort", "on-watchdog")
     force = {int(c) for c in one(unit, "Service", "RestartForceExitStatus").split()}
-    never = {ExitCode.OK, ExitCode.USAGE, ExitCode.NOT_FOUND, ExitCode.NOT_READY, ExitCode.LOCKED, 70}
+    never = {ExitCode.OK, ExitCode.USAGE, ExitCode.NOT_FOUND, ExitCode.NOT_READY,
+             ExitCode.LOCKED, 70}
     assert not force & {int(c) for c in never}
     assert ExitCode.PROBLEMS in force  # a crashed tree: restart through the gate
     assert seconds(one(unit, "Service", "RestartSec")) >= 10
@@ -169,8 +170,18 @@ def test_exec_start_drains_on_sigterm(unit, env, tmp_path):
     """The unit's ExecStart, as systemd expands it, with the fake vLLM and short budgets: serve
     stays in the foreground, and a SIGTERM to it alone (what KillMode=mixed sends) becomes the
     drain: SIGTERM to vLLM's API server only, the tree exits by itself, serve exits 0."""
-    from proctools import (FAKE_VLLM, StandInRoot, free_port, http_get, new_token, pids_with_token,
-                           read_events, reap_token, token_env, wait_for)
+    from proctools import (
+        FAKE_VLLM,
+        StandInRoot,
+        free_port,
+        http_get,
+        new_token,
+        pids_with_token,
+        read_events,
+        reap_token,
+        token_env,
+        wait_for,
+    )
 
     token = new_token()
     root = StandInRoot(tmp_path, n_devices=1)
@@ -195,8 +206,11 @@ def test_exec_start_drains_on_sigterm(unit, env, tmp_path):
                                         stdin=subprocess.DEVNULL, start_new_session=True)
             procs.append(proc)
             url = f"http://127.0.0.1:{port}/health"
-            assert wait_for(lambda: proc.poll() is not None or "xpuctl: ready on" in
-                            err_path.read_text(errors="replace"), 120, 0.1), err_path.read_text()
+            def started(proc=proc, err_path=err_path) -> bool:
+                return (proc.poll() is not None
+                        or "xpuctl: ready on" in err_path.read_text(errors="replace"))
+
+            assert wait_for(started, 120, 0.1), err_path.read_text()
             text = err_path.read_text(errors="replace")
             if proc.poll() == 1 and "preflight failed" in text and attempt == 1:
                 # refused because of vLLM processes of others on this shared machine

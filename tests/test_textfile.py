@@ -21,6 +21,7 @@ import xpuctl.textfile as textfile
 from xpuctl.cli import app
 
 runner = CliRunner()
+NOT_PROM = "--textfile writes Prometheus text"
 HOSTS = {
     "clean": fh.clean_host,
     "healthy": fh.healthy_host,
@@ -29,6 +30,7 @@ HOSTS = {
     "mixed": fh.mixed_vendor_host,
 }
 # units that are not base units (https://prometheus.io/docs/practices/naming/)
+BDF = re.compile(r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")
 NOT_BASE = re.compile(r"_(k|m|g|ki|mi|gi)?b$|_(kib|mib|gib|kb|mb|gb|ms|us|ns|milliseconds|minutes|"
                       r"hours|days|percent|percentage|celsius_milli)$|_(mib|gib|kib)_")
 
@@ -97,7 +99,7 @@ def test_prometheus_text_parses_and_follows_the_naming_rules(hosts, name):
             assert s.timestamp is None
             assert "pid" not in s.labels and "cmdline" not in s.labels  # cardinality
             if "device" in s.labels:
-                assert re.fullmatch(r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]", s.labels["device"])
+                assert BDF.fullmatch(s.labels["device"]), s.labels
 
 
 @pytest.mark.parametrize("name", sorted(HOSTS))
@@ -142,7 +144,8 @@ def test_value_formatting_is_exact():
     assert _value(1796107093.486507) == "1796107093.486507"
     assert _value(0.5) == "0.5"
     assert float(_value(2.0**60)) == 2.0**60
-    assert (_value(float("nan")), _value(float("inf")), _value(-float("inf"))) == ("NaN", "+Inf", "-Inf")
+    specials = (_value(float("nan")), _value(float("inf")), _value(-float("inf")))
+    assert specials == ("NaN", "+Inf", "-Inf")
 
 
 # --- --textfile: atomic write ---------------------------------------------------------------
@@ -212,9 +215,9 @@ def test_failed_write_leaves_the_old_file_and_no_temporary(hosts, tmp_path, monk
         (["--textfile", "{d}/missing/xpuctl.prom"], "does not exist"),
         (["--textfile", "{d}/xpuctl.txt"], "must end in .prom"),
         (["--textfile", "{d}/dir.prom"], "is a directory"),
-        (["--json", "--textfile", "{d}/xpuctl.prom"], "--textfile writes Prometheus text"),
-        (["--format", "table", "--textfile", "{d}/xpuctl.prom"], "--textfile writes Prometheus text"),
-        (["--format", "json", "--textfile", "{d}/xpuctl.prom"], "--textfile writes Prometheus text"),
+        (["--json", "--textfile", "{d}/xpuctl.prom"], NOT_PROM),
+        (["--format", "table", "--textfile", "{d}/xpuctl.prom"], NOT_PROM),
+        (["--format", "json", "--textfile", "{d}/xpuctl.prom"], NOT_PROM),
     ],
 )
 def test_textfile_usage_errors(hosts, tmp_path, args, needle):
