@@ -239,3 +239,22 @@ def test_exec_start_drains_on_sigterm(unit, env, tmp_path):
             except subprocess.TimeoutExpired:
                 pass
         root.close()
+
+
+def test_doctor_device_takes_the_units_comma_list(tmp_path):
+    """XPUCTL_DEVICES feeds both serve --devices and doctor --device: both take "0,1"."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from xpuctl.cli import app
+
+    h = fh.orphan_host(tmp_path / "root")
+    runner = CliRunner()
+    both = runner.invoke(app, ["--root", str(h.root), "doctor", "--json", "--device", "0,1"])
+    one_ = runner.invoke(app, ["--root", str(h.root), "doctor", "--json", "--device", "1"])
+    devs = {f["device"] for f in json.loads(both.stdout)["findings"] if f["device"]}
+    assert len(devs) == 2, devs
+    assert {f["device"] for f in json.loads(one_.stdout)["findings"] if f["device"]} < devs
+    bad = runner.invoke(app, ["--root", str(h.root), "doctor", "--device", "0,7"])
+    assert bad.exit_code == 2 and "unknown device '7'" in bad.stderr
