@@ -18,6 +18,7 @@ from xpuctl import __version__
 from xpuctl.context import AppContext
 from xpuctl.errors import ExitCode, UsageError, XpuctlError
 from xpuctl.host import Host
+from xpuctl.safetext import emit, safe
 
 app = typer.Typer(
     name="xpuctl",
@@ -37,7 +38,8 @@ def _debug_requested() -> bool:
 
 
 def fail(message: str, code: int) -> typer.Exit:
-    sys.stderr.write(f"xpuctl: error: {message}\n")
+    # one line: a path or device spec in the message is the user's or the host's text
+    emit(sys.stderr, f"xpuctl: error: {safe(message)}")
     return typer.Exit(int(code))
 
 
@@ -254,7 +256,7 @@ def doctor(
     else:
         render.print_doctor(a.out, report)
         if wait_clean is not None and not clean:
-            a.err.print(f"[red]still not clean after {wait_clean:g}s[/]")
+            a.err.print(f"still not clean after {wait_clean:g}s", style="red")
     raise typer.Exit(ExitCode.OK if clean else ExitCode.PROBLEMS)
 
 
@@ -326,9 +328,9 @@ def _print_findings(a: AppContext, report: Any) -> None:
     for f in report.findings:
         if f.severity == "info":
             continue
-        sys.stderr.write(f"xpuctl: preflight {f.severity} {f.check}: {f.message}\n")
+        emit(sys.stderr, f"xpuctl: preflight {f.severity} {f.check}: {safe(f.message)}")
         if f.remedy:
-            sys.stderr.write(f"xpuctl:   fix: {f.remedy}\n")
+            emit(sys.stderr, f"xpuctl:   fix: {safe(f.remedy)}")
 
 
 @app.command(
@@ -395,8 +397,7 @@ def serve(
     )
 
     def say(msg: str) -> None:
-        sys.stderr.write(msg + "\n")
-        sys.stderr.flush()
+        emit(sys.stderr, msg)
 
     code = S.serve(a.host, opts, a.environ, say, lambda r: _print_findings(a, r))
     raise typer.Exit(int(code))
@@ -466,12 +467,13 @@ def shutdown(
                                              "events": [], "verdict": "nothing" if not trees else "planned"}) + "\n")
         else:
             if not trees:
-                sys.stdout.write("nothing to stop\n")
+                emit(sys.stdout, "nothing to stop")
             for t in planned:
-                sys.stdout.write(
-                    f"would stop {t['name']}: SIGTERM {t['role']} {t['top']}"
+                emit(
+                    sys.stdout,
+                    f"would stop {safe(t['name'])}: SIGTERM {t['role']} {t['top']}"
                     f"{' (orphaned)' if t['orphan'] else ''}, then wait for {len(t['processes'])} process(es) "
-                    f"{t['processes']}, devices {', '.join(t['devices']) or '-'}, port {t['port'] or '-'}\n"
+                    f"{t['processes']}, devices {safe(', '.join(t['devices'])) or '-'}, port {t['port'] or '-'}",
                 )
         raise typer.Exit(ExitCode.OK)
     for t in trees:
@@ -483,14 +485,13 @@ def shutdown(
 
     def show(ev: Any) -> None:
         if not as_json:
-            sys.stdout.write(f"{ev.t:7.2f}s  {ev.phase:<18} {ev.detail}\n")
-            sys.stdout.flush()
+            emit(sys.stdout, f"{ev.t:7.2f}s  {ev.phase:<18} {safe(ev.detail)}")
 
     # From our own start to the first signal: start-up plus finding the trees. On the
     # critical path of every restart, and the first thing to look at when a drain began late.
     resolve_s = _age_seconds()
     if not as_json and resolve_s is not None:
-        sys.stdout.write(f"found {len(trees)} server tree(s) {resolve_s:.2f}s after start\n")
+        emit(sys.stdout, f"found {len(trees)} server tree(s) {resolve_s:.2f}s after start")
 
     result = S.stop(a.host, trees, timeout=timeout, kill_after=kill_after, release_timeout=release_timeout, on_event=show)
     for t in trees:
@@ -556,22 +557,26 @@ def reset(
             "notes": plan.notes,
         }
 
-    err = sys.stderr if as_json else sys.stdout
+    stream = sys.stderr if as_json else sys.stdout
+
+    def say(line: str) -> None:
+        emit(stream, line)
+
     if not as_json:
         if plan.empty:
-            err.write("nothing to clean\n")
+            say("nothing to clean")
         for t in plan.orphan_trees:
-            err.write(f"stop orphaned vLLM tree {t.top.pid} ({t.role}) holding {', '.join(t.devices) or 'no device'}\n")
+            say(f"stop orphaned vLLM tree {t.top.pid} ({t.role}) holding {safe(', '.join(t.devices)) or 'no device'}")
         for f in plan.files:
-            err.write(f"remove {f.path} ({f.kind}, uid {f.owner_uid}, {f.size_bytes} bytes): {f.reason}\n")
+            say(f"remove {safe(f.path)} ({f.kind}, uid {f.owner_uid}, {f.size_bytes} bytes): {safe(f.reason)}")
         for f in plan.pending_files:
-            err.write(f"remove {f.path} ({f.kind}) once the orphans holding it are gone\n")
+            say(f"remove {safe(f.path)} ({f.kind}) once the orphans holding it are gone")
         for f, why in plan.skipped_files:
-            err.write(f"skip {f.path}: {why}\n")
+            say(f"skip {safe(f.path)}: {safe(why)}")
         for b in plan.device_reset:
-            err.write(f"reset device {b} (PCI function reset) once nothing holds it\n")
+            say(f"reset device {safe(b)} (PCI function reset) once nothing holds it")
         for n in plan.notes:
-            err.write(f"note: {n}\n")
+            say(f"note: {safe(n)}")
     if dry_run or plan.empty:
         if as_json:
             sys.stdout.write(render.to_json({"schema": "xpuctl.reset/1", "dry_run": dry_run, "plan": plan_dict()}) + "\n")
@@ -581,7 +586,7 @@ def reset(
             raise UsageError("refusing to clean without confirmation: pass --yes (no terminal to ask)")
         if not typer.confirm("Proceed?", default=False):
             raise typer.Exit(ExitCode.PROBLEMS)
-    outcome = R.execute(a.host, plan, bdfs, port, kill_after, timeout, lambda m: err.write(m + "\n"))
+    outcome = R.execute(a.host, plan, bdfs, port, kill_after, timeout, say)
     remaining = [f for f in outcome.after.findings if f.severity == "fail"]
     if as_json:
         data = {
@@ -598,8 +603,8 @@ def reset(
         sys.stdout.write(render.to_json(data) + "\n")
     else:
         for f in remaining:
-            err.write(f"still failing: {f.check}: {f.message}\n")
-        err.write(f"status: {outcome.after.status}\n")
+            say(f"still failing: {f.check}: {safe(f.message)}")
+        say(f"status: {outcome.after.status}")
     raise typer.Exit(ExitCode.PROBLEMS if remaining else ExitCode.OK)
 
 
@@ -624,6 +629,15 @@ def completion(shell: Annotated[Shell, typer.Argument(help="bash, zsh or fish.")
 
 
 def main() -> None:
+    # Last net under the sinks (safetext): a character the stream cannot encode (a stray
+    # surrogate, or non-ASCII on an ASCII locale) is written as a backslash escape, never as
+    # a raw byte (what surrogateescape, the default in a C/UTF-8-mode locale, would do) and
+    # never as an exit-70 UnicodeEncodeError.
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
+        except (AttributeError, ValueError):
+            pass
     app(prog_name="xpuctl")
 
 

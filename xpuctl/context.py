@@ -22,21 +22,22 @@ class AppContext:
 
     @property
     def out(self) -> Any:
-        """rich Console on stdout (created on first use: rich is slow to import)."""
+        """rich Console on stdout (created on first use: rich is slow to import). It escapes
+        every text it prints and reads no markup (safetext.console)."""
         if self._out is None:
-            from rich.console import Console
+            from xpuctl.safetext import console
 
             # Not a terminal (a pipe, a log): wide enough that nothing useful is cut.
             width = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 200
-            self._out = Console(highlight=False, soft_wrap=False, width=width)
+            self._out = console(soft_wrap=False, width=width)
         return self._out
 
     @property
     def err(self) -> Any:
         if self._err is None:
-            from rich.console import Console
+            from xpuctl.safetext import console
 
-            self._err = Console(stderr=True, highlight=False)
+            self._err = console(stderr=True)
         return self._err
 
     @property

@@ -2,6 +2,10 @@
 
 JSON and text come from the same dicts, so they always agree. rich is imported only by the
 table renderers (it costs ~60 ms to import, and scripts asking for JSON never need it).
+
+Host text: JSON carries it exactly (`to_json`); Prometheus labels go through
+`safetext.prom_label`; every cell and line of the tables goes through `safetext.safe` (`_cell`),
+and the console that prints them (`safetext.console`) escapes whatever reaches it again.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from xpuctl import __version__
 from xpuctl.checks import CHECKS, human_bytes
 from xpuctl.model import Artifact, Device, Finding, Port, Process, Report, Snapshot
+from xpuctl.safetext import prom_label, safe
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -40,6 +45,8 @@ def process_dict(p: Process) -> dict[str, Any]:
         "ppid": p.ppid,
         "state": p.state,
         "cmdline": p.command,
+        "argv": list(p.cmdline),
+        "comm": p.comm,
         "role": p.role,
         "rank": p.rank,
         "orphan": p.orphan,
@@ -109,14 +116,13 @@ def doctor_dict(report: Report) -> dict[str, Any]:
 
 
 def to_json(data: dict[str, Any]) -> str:
-    return json.dumps(data, indent=2, sort_keys=False)
+    """Exact text, printable ASCII only: non-ASCII as \\uXXXX, and a byte that was not UTF-8
+    (read as a lone surrogate U+DC80-U+DCFF, "surrogateescape") as \\udcXX, which a reader
+    turns back into the byte (README, "JSON output"). Never raw bytes, never a crash."""
+    return json.dumps(data, indent=2, sort_keys=False, ensure_ascii=True)
 
 
 # -- Prometheus text exposition (node_exporter textfile collector) ----------------------
-
-
-def _label(value: object) -> str:
-    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def _value(value: float) -> str:
@@ -141,7 +147,7 @@ def prometheus(report: Report) -> str:
         lines.append(f"# HELP {name} {help_}")
         lines.append(f"# TYPE {name} {kind}")
         for labels, value in samples:
-            lab = ",".join(f'{k}="{_label(v)}"' for k, v in labels.items())
+            lab = ",".join(f'{k}="{prom_label(v)}"' for k, v in labels.items())
             lines.append(f"{name}{{{lab}}} {_value(value)}" if lab else f"{name} {_value(value)}")
 
     metric("xpuctl_build_info", "gauge", "xpuctl version.", [({"version": __version__}, 1)])
@@ -226,6 +232,13 @@ _SEV_STYLE = {"fail": "bold red", "warn": "yellow", "info": "cyan"}
 _STATUS_STYLE = {"clean": "bold green", "busy": "bold cyan", "dirty": "bold red"}
 
 
+def _cell(value: object) -> Any:
+    """A table cell holding host text: escaped (safetext.safe), never read as markup."""
+    from rich.text import Text
+
+    return Text(safe(value))
+
+
 def _dev_label(snap: Snapshot, bdf: str) -> str:
     """The Level Zero index when there is one (short), else the BDF."""
     d = snap.device(bdf)
@@ -244,10 +257,10 @@ def devices_table(snap: Snapshot) -> Any:
         holders = snap.holders(d.bdf)
         t.add_row(
             "-" if d.index is None else str(d.index),
-            d.bdf,
-            (d.render_node or d.card_node or "-").rsplit("/", 1)[-1],
-            d.driver or "?",
-            f"{d.vendor_id}:{d.device_id}",
+            _cell(d.bdf),
+            _cell((d.render_node or d.card_node or "-").rsplit("/", 1)[-1]),
+            _cell(d.driver or "?"),
+            _cell(f"{d.vendor_id}:{d.device_id}"),
             human_bytes(snap.memory_used(d.bdf)) if snap.memory_used(d.bdf) is not None else "-",
             human_bytes(d.memory_total_bytes) if d.memory_total_bytes else "-",
             ", ".join(map(str, holders)) or "-",
@@ -257,7 +270,6 @@ def devices_table(snap: Snapshot) -> Any:
 
 def processes_table(snap: Snapshot, title: str = "Processes", width: int = 120) -> Any:
     """A ps-style listing (rich's Table squeezes short columns when a command is long)."""
-    from rich.markup import escape
     from rich.text import Text
 
     heads = ["PID", "PPID", "S", "ROLE", "DEV", "MEMORY", "RUN", "COMMAND"]
@@ -267,31 +279,35 @@ def processes_table(snap: Snapshot, title: str = "Processes", width: int = 120) 
             [
                 str(p.pid),
                 str(p.ppid),
-                p.state + (f"({p.wchan})" if p.wchan else ""),
-                (p.role or "-") + (f" {p.rank}" if p.rank else "") + (" ORPHAN" if p.orphan else ""),
-                ",".join(_dev_label(snap, b) for b in p.devices) or "-",
+                safe(p.state + (f"({p.wchan})" if p.wchan else ""), 64),
+                safe((p.role or "-") + (f" {p.rank}" if p.rank else "") + (" ORPHAN" if p.orphan else ""), 64),
+                safe(",".join(_dev_label(snap, b) for b in p.devices) or "-", 64),
                 human_bytes(p.memory_bytes) if p.memory_bytes is not None else "-",
-                (p.run_id or "-")[:8],
-                p.command,
+                safe((p.run_id or "-")[:8]),
+                safe(p.command),
             ]
         )
+    orphan = [False] + [p.orphan for p in snap.processes]
     widths = [max([len(heads[i])] + [len(r[i]) for r in rows]) for i in range(7)]
-    lines = [f"[bold]{title}[/]"]
+    role_at = sum(w + 2 for w in widths[:3])
+    out = Text(title, style="bold")
     for i, r in enumerate([heads, *rows]):
         cells = [c.rjust(w) if j < 2 else c.ljust(w) for j, (c, w) in enumerate(zip(r, widths))]
         head = "  ".join(cells) + "  "
         room = max(12, width - len(head))
         cmd = r[7] if len(r[7]) <= room else r[7][: room - 1] + "…"
-        text = escape(head + cmd)
-        if i == 0:
-            text = f"[bold]{text}[/]"
-        elif " ORPHAN" in r[3]:
-            text = text.replace(" ORPHAN", " [bold red]ORPHAN[/]", 1)
-        lines.append(text)
-    return Text.from_markup("\n".join(lines))
+        line = Text(head + cmd, style="bold" if i == 0 else "")
+        if orphan[i]:
+            at = role_at + r[3].rfind(" ORPHAN") + 1
+            line.stylize("bold red", at, at + len("ORPHAN"))
+        out.append("\n")
+        out.append_text(line)
+    return out
 
 
 def print_doctor(console: Console, report: Report) -> None:
+    from rich.text import Text
+
     snap = report.snapshot
     console.print(devices_table(snap))
     if snap.processes:
@@ -305,19 +321,20 @@ def print_doctor(console: Console, report: Report) -> None:
             t.add_column(col)
         for a in stale:
             t.add_row(
-                a.path,
-                a.kind,
+                _cell(a.path),
+                _cell(a.kind),
                 str(a.owner_uid),
                 human_bytes(a.size_bytes),
                 human_age(a.age_seconds),
             )
         console.print(t)
     if report.findings:
-        console.print("[bold]Findings[/]")
+        console.print(Text("Findings", style="bold"))
         for f in report.findings:
             style = _SEV_STYLE[f.severity]
-            console.print(f"  [{style}]{f.severity.upper():4}[/] [dim]{f.check}[/]  {f.message}", highlight=False)
+            console.print(Text.assemble("  ", (f"{f.severity.upper():4}", style), " ", (f.check, "dim"),
+                                        "  ", safe(f.message)))
             if f.remedy:
-                console.print(f"        [dim]fix:[/] [bold]{f.remedy}[/]", highlight=False)
+                console.print(Text.assemble("        ", ("fix:", "dim"), " ", (safe(f.remedy), "bold")))
     status = report.status
-    console.print(f"status: [{_STATUS_STYLE[status]}]{status}[/]")
+    console.print(Text.assemble("status: ", (status, _STATUS_STYLE[status])))

@@ -15,6 +15,7 @@ from xpuctl.cleanup import Removal, may_delete, remove, removable
 from xpuctl.errors import UsageError
 from xpuctl.host import Host
 from xpuctl.model import Artifact, Report
+from xpuctl.safetext import safe
 from xpuctl.scan import DEFAULT_PORT, take_snapshot
 from xpuctl.stop import StopResult, Tree, stop, tree_from_snapshot
 from xpuctl.supervisor import can_signal
@@ -95,15 +96,15 @@ def execute(
     if plan.orphan_trees:
         stopped = stop(
             host, plan.orphan_trees, timeout=timeout, kill_after=kill_after, release_timeout=10.0,
-            on_event=lambda ev: say(f"{ev.t:7.2f}s  {ev.phase:<18} {ev.detail}"),
+            on_event=lambda ev: say(f"{ev.t:7.2f}s  {ev.phase:<18} {safe(ev.detail)}"),
         )
     fresh = take_snapshot(host, port=port or DEFAULT_PORT)
     removed = remove(host, plan.files + plan.pending_files, fresh)
     for r in removed:
         if r.removed:
-            say(f"removed {r.path} ({r.kind}, {r.size_bytes} bytes)")
+            say(f"removed {safe(r.path)} ({r.kind}, {r.size_bytes} bytes)")
         elif r.reason != "already gone":
-            say(f"kept {r.path}: {r.reason}")
+            say(f"kept {safe(r.path)}: {safe(r.reason)}")
     resets: list[tuple[str, bool, str]] = []
     for bdf in plan.device_reset:
         holders = take_snapshot(host, port=None, want_env=False).holders(bdf)
@@ -118,7 +119,7 @@ def execute(
         except OSError as exc:
             resets.append((bdf, False, exc.strerror or str(exc)))
     for bdf, ok, why in resets:
-        say(f"device reset {bdf}: {'done' if ok else 'not done'} ({why})")
+        say(f"device reset {safe(bdf)}: {'done' if ok else 'not done'} ({safe(why)})")
     after = evaluate(
         take_snapshot(host, port=port or DEFAULT_PORT),
         Options(devices=bdfs, port=port or DEFAULT_PORT, port_explicit=port is not None),

@@ -29,6 +29,7 @@ from xpuctl.errors import ExitCode, UsageError, XpuctlError
 from xpuctl.host import Host
 from xpuctl.probes.devices import scan_devices, select_devices
 from xpuctl.runs import Locks, RunRecord, ensure_state_dir, list_records, update_record
+from xpuctl.safetext import emit, safe
 from xpuctl.supervisor import (
     EXITED,
     become_subreaper,
@@ -258,11 +259,11 @@ class _Pump(threading.Thread):
                 self.log.write(raw)
             except OSError:
                 pass
-            self.tail.append(raw.decode("utf-8", "replace").rstrip("\n"))
-            if self.echo:
+            line = raw.decode("utf-8", "surrogateescape").rstrip("\n")
+            self.tail.append(line)
+            if self.echo:  # the log file keeps the exact bytes; the terminal gets them escaped
                 try:
-                    sys.stdout.buffer.write(raw)
-                    sys.stdout.flush()
+                    emit(sys.stdout, safe(line))
                 except (OSError, ValueError):
                     self.echo = False
         self.log.close()
@@ -337,7 +338,7 @@ class Supervisor:
         from xpuctl.stop import stop
 
         def show(ev) -> None:
-            self.say(f"xpuctl: {ev.t:7.2f}s {ev.phase:<17} {ev.detail}")
+            self.say(f"xpuctl: {ev.t:7.2f}s {ev.phase:<17} {safe(ev.detail)}")
 
         self._set(state="stopping")
         try:
@@ -386,14 +387,14 @@ class Supervisor:
         self.say(f"xpuctl: not ready after {self.opts.ready_timeout:g}s; "
                  f"stuck in: {phase or 'an unknown phase'}")
         for line in lines[-10:]:
-            self.say(f"xpuctl:   | {line}")
+            self.say(f"xpuctl:   | {safe(line)}")
         try:
             from xpuctl.doctor import diagnose
 
             report = diagnose(self.host, self.plan.bdfs or None, None)
             for f in report.findings:
                 if f.severity != "info":
-                    self.say(f"xpuctl:   doctor {f.severity} {f.check}: {f.message}")
+                    self.say(f"xpuctl:   doctor {f.severity} {f.check}: {safe(f.message)}")
         except XpuctlError:
             pass
         self._set(notes=[*self.rec.notes,
@@ -429,7 +430,7 @@ class Supervisor:
 
         result = stop(self.host, [self._tree()], timeout=self.opts.teardown_timeout,
                       kill_after=self.opts.kill_after, release_timeout=self.opts.teardown_timeout,
-                      on_event=lambda ev: self.say(f"xpuctl: {ev.t:7.2f}s {ev.phase:<17} {ev.detail}")
+                      on_event=lambda ev: self.say(f"xpuctl: {ev.t:7.2f}s {ev.phase:<17} {safe(ev.detail)}")
                       if ev.phase not in ("gone", "drain") else None, passive=passive,
                       yield_to=someone_else)
         leftovers = result.verdict != "clean"

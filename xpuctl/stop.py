@@ -234,7 +234,7 @@ class _LogTail:
         self.offset += cut
         out = []
         for raw in data[:cut].splitlines():
-            line = raw.decode("utf-8", "replace")
+            line = raw.decode("utf-8", "surrogateescape")  # exact in JSON; escaped when shown
             if line.startswith("xpuctl:"):
                 continue  # the supervisor's own lines (a detached run logs here too)
             if any(m in line for m in _LOG_MARKERS):

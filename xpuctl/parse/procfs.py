@@ -30,7 +30,7 @@ def parse_stat(data: bytes) -> ProcStat | None:
         return None
     try:
         return ProcStat(
-            comm=data[open_ + 1 : close].decode("utf-8", "replace"),
+            comm=data[open_ + 1 : close].decode("utf-8", "surrogateescape"),
             state=rest[0].decode("ascii", "replace")[:1],
             ppid=int(rest[1]),
             pgrp=int(rest[2]),
@@ -61,8 +61,9 @@ def parse_cmdline(data: bytes) -> list[str]:
     """
     if not data:
         return []
-    # backslashreplace: a bad byte shows as \xff and never breaks a terminal or JSON
-    args = data.decode("utf-8", "backslashreplace").split("\0")
+    # surrogateescape: a byte that is not UTF-8 is kept reversibly (JSON writes it as \udcXX,
+    # the terminal shows \xNN: safetext.safe)
+    args = data.decode("utf-8", "surrogateescape").split("\0")
     while args and args[-1] == "":
         args.pop()
     if len(args) == 1:
