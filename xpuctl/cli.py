@@ -84,7 +84,7 @@ def _guard(fn: F) -> F:
 
 def _version(value: bool) -> None:
     if value:
-        sys.stdout.write(f"xpuctl {__version__}\n")
+        emit(sys.stdout, f"xpuctl {__version__}")
         raise typer.Exit()
 
 

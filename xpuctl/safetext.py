@@ -103,7 +103,8 @@ _CONSOLE_CLASS: Any = None
 def console(stderr: bool = False, **kwargs: Any) -> Any:
     """A rich Console for human output that cannot print host text raw (see the module doc).
 
-    Markup and emoji codes are off: style with `rich.text.Text` or `style=`. Every text
+    Markup and emoji codes are off (also in `status()`, whose spinner would read markup
+    anyway): style with `rich.text.Text` or `style=`. Every text
     segment (not rich's own control segments: cursor moves of a status line) passes through
     `safe_lines` after layout and before rich renders its styles, so only rich's own escape
     sequences reach a terminal.
@@ -113,7 +114,19 @@ def console(stderr: bool = False, **kwargs: Any) -> Any:
         from rich.console import Console
         from rich.segment import Segment
 
+        from rich.text import Text
+
+        def plain(text: Any) -> Any:
+            return Text(text) if isinstance(text, str) else text
+
         class SafeConsole(Console):
+            def status(self, status: Any, *args: Any, **kwargs: Any) -> Any:
+                # rich's Spinner reads a str status as markup whatever the console says
+                st = super().status(plain(status), *args, **kwargs)
+                update = st.update
+                st.update = lambda status=None, **kw: update(plain(status), **kw)  # type: ignore[method-assign]
+                return st
+
             def _render_buffer(self, buffer: Any) -> str:
                 return super()._render_buffer(
                     seg if seg.control or not _UNSAFE_BUT_NEWLINE.search(seg.text)
