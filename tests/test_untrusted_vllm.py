@@ -11,9 +11,9 @@ import subprocess
 
 import hostile as H
 import pytest
-
 from proctools import free_port
 from test_serve_shutdown import XPUCTL, _wait_ready, rig  # noqa: F401  (fixture)
+
 from xpuctl.safetext import safe
 
 pytestmark = pytest.mark.slow

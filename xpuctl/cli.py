@@ -154,9 +154,9 @@ def complete_device(ctx: typer.Context, incomplete: str) -> list[tuple[str, str]
         return []
     out = []
     for d in devices:
-        help_ = f"{d.bdf} {d.driver or '?'} {d.device_id or ''}".strip()
+        help_ = safe(f"{d.bdf} {d.driver or '?'} {d.device_id or ''}".strip(), 200)  # shown by the shell
         for value in (str(d.index) if d.index is not None else None, d.bdf, d.render_node):
-            if value and value.startswith(incomplete):
+            if value and value.startswith(incomplete) and safe(value) == value:
                 out.append((value, help_))
     return out
 

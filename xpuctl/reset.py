@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from xpuctl.checks import Options, evaluate
-from xpuctl.cleanup import Removal, may_delete, remove, removable
+from xpuctl.cleanup import Removal, may_delete, removable, remove
 from xpuctl.errors import UsageError
 from xpuctl.host import Host
 from xpuctl.model import Artifact, Report

@@ -8,10 +8,12 @@ Two layers, both here:
 - `safe(text, limit)` escapes one field: the renderers apply it to every host string they put
   in a table cell, a finding or a line, so a field stays one line and tables keep their layout.
 - The sinks escape again at the point of printing, so a field that skipped `safe` still cannot
-  reach the terminal raw: `emit(stream, text)` for plain lines (escaped line by line) and `console()` for rich output (a Console whose
-  every text segment is escaped after layout, just before rich adds its own styling; markup
-  and emoji codes are off, so `[bold]x[/bold]` or `:skull:` in host text prints literally;
-  xpuctl styles with `Text`/`style=`, never with markup strings).
+  reach the terminal raw: `emit(stream, text)` for plain lines (escaped line by line), and
+  `console()` for rich output: a Console whose every text segment is escaped after layout,
+  just before rich adds its own styling. Markup and emoji codes are off, so `[bold]x[/bold]`
+  or `:skull:` in host text prints literally; xpuctl styles with `Text` and `style=`, never
+  with markup strings. A test (tests/test_untrusted_text.py) fails when code prints any other
+  way (print(), its own Console, markup parsing, writes of non-constant text to sys.stdout).
 
 JSON keeps the exact text (render.to_json writes `\\udcxx` escapes for bytes that were not
 UTF-8, see the README); Prometheus label values use the exposition format's escapes
@@ -113,7 +115,6 @@ def console(stderr: bool = False, **kwargs: Any) -> Any:
     if _CONSOLE_CLASS is None:
         from rich.console import Console
         from rich.segment import Segment
-
         from rich.text import Text
 
         def plain(text: Any) -> Any:
@@ -124,7 +125,9 @@ def console(stderr: bool = False, **kwargs: Any) -> Any:
                 # rich's Spinner reads a str status as markup whatever the console says
                 st = super().status(plain(status), *args, **kwargs)
                 update = st.update
-                st.update = lambda status=None, **kw: update(plain(status), **kw)  # type: ignore[method-assign]
+                st.update = (  # type: ignore[method-assign]
+                    lambda status=None, **kw: update(plain(status), **kw)
+                )
                 return st
 
             def _render_buffer(self, buffer: Any) -> str:
