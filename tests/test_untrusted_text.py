@@ -131,6 +131,24 @@ def test_console_status_line_keeps_riches_controls_and_escapes_its_text():
     assert "still \\x1b[2J waiting" in out and "\x1b[2J" not in out
 
 
+def test_ps_table_styles_only_its_own_words(host):
+    """Header bold, ORPHAN bold red; a hostile row carries no styling at all."""
+    from xpuctl import render
+    from xpuctl.host import Host
+    from xpuctl.scan import take_snapshot
+
+    snap = take_snapshot(Host(str(host.root)), port=None, artifacts=False)
+    buf = io.StringIO()
+    console(file=buf, force_terminal=True, width=300).print(
+        render.processes_table(snap, width=300), no_wrap=True, crop=True)
+    lines = H.assert_terminal_safe(buf.getvalue().encode(), "ps table", tty=True).splitlines()
+    orphans = [line for line in lines if "ORPHAN" in line]
+    assert orphans and all("\x1b[1;31mORPHAN\x1b[0m" in line for line in orphans)
+    assert lines[1].startswith("\x1b[1m PID")
+    evil = next(line for line in lines if line.startswith(str(H.EVIL_PID)))
+    assert "\x1b" not in evil.replace("\\x1b", "") and "[bold]x[/bold]" in evil
+
+
 def test_emit_escapes_every_line():
     buf = io.StringIO()
     emit(buf, "one \x1b[2J\ntwo \udcff\x07")

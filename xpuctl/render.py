@@ -290,14 +290,17 @@ def processes_table(snap: Snapshot, title: str = "Processes", width: int = 120) 
     orphan = [False] + [p.orphan for p in snap.processes]
     widths = [max([len(heads[i])] + [len(r[i]) for r in rows]) for i in range(7)]
     role_at = sum(w + 2 for w in widths[:3])
-    out = Text(title, style="bold")
+    out = Text()
+    out.append(title, style="bold")
     for i, r in enumerate([heads, *rows]):
         cells = [c.rjust(w) if j < 2 else c.ljust(w) for j, (c, w) in enumerate(zip(r, widths))]
         head = "  ".join(cells) + "  "
         room = max(12, width - len(head))
         cmd = r[7] if len(r[7]) <= room else r[7][: room - 1] + "…"
-        line = Text(head + cmd, style="bold" if i == 0 else "")
-        if orphan[i]:
+        line = Text(head + cmd)
+        if i == 0:
+            line.stylize("bold")
+        elif orphan[i]:
             at = role_at + r[3].rfind(" ORPHAN") + 1
             line.stylize("bold red", at, at + len("ORPHAN"))
         out.append("\n")
