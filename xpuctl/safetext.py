@@ -131,11 +131,14 @@ def console(stderr: bool = False, **kwargs: Any) -> Any:
                 return st
 
             def _render_buffer(self, buffer: Any) -> str:
-                return super()._render_buffer(
-                    seg if seg.control or not _UNSAFE_BUT_NEWLINE.search(seg.text)
-                    else Segment(safe_lines(seg.text, sys.maxsize), seg.style, seg.control)
-                    for seg in buffer
-                )
+                buffer = list(buffer)
+                if _UNSAFE_BUT_NEWLINE.search("".join(s.text for s in buffer if not s.control)):
+                    buffer = [
+                        seg if seg.control or not _UNSAFE_BUT_NEWLINE.search(seg.text)
+                        else Segment(safe_lines(seg.text, sys.maxsize), seg.style, seg.control)
+                        for seg in buffer
+                    ]
+                return super()._render_buffer(buffer)
 
         if not hasattr(Console, "_render_buffer"):  # pragma: no cover - guarded by a test too
             raise RuntimeError("rich.Console._render_buffer is gone: update xpuctl.safetext")
