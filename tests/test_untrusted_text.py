@@ -276,6 +276,16 @@ def test_prometheus_labels_use_the_exposition_escapes(host):
     assert _prom_unescape(label) == H.ODD_BDF.replace("\x1b", "\\x1b")
     for line in out.splitlines():
         assert re.fullmatch(r'(# (HELP|TYPE) \w+ .+|\w+(\{(\w+="([^"\\]|\\.)*",?)*\})? \S+)', line), line
+    # Prometheus' own parser reads the same value back, from stdout and from --textfile
+    from prometheus_client.parser import text_string_to_metric_families
+
+    path = host.root.parent / "hostile.prom"
+    code, _, _ = invoke(host.root, "doctor", "--textfile", str(path))
+    assert code in (0, 1)
+    for text in (out, path.read_text()):
+        devices = {s.labels["device"] for fam in text_string_to_metric_families(text)
+                   for s in fam.samples if "device" in s.labels}
+        assert H.ODD_BDF.replace("\x1b", "\\x1b") in devices, devices
 
 
 # --- on a terminal, and through the real streams ---------------------------------------------
