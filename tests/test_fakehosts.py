@@ -27,6 +27,9 @@ CHECKS = {
     "stale-ipc",
     "ports",
     "env",
+    "unattributed-memory",
+    "device-lost",
+    "probe-timeout",
     "inspection",
 }
 SEVERITIES = {"info", "warn", "fail"}

@@ -19,6 +19,7 @@ class Options(NamedTuple):
     port: int | None = 8000
     port_explicit: bool = False
     expect_idle: bool = False
+    unattributed_threshold: int = 1 << 30  # --deep: device memory no visible process explains
 
 
 class Ctx(NamedTuple):
@@ -355,17 +356,116 @@ def env(c: Ctx) -> list[Finding]:
     return [Finding("env", "fail", problem, "fix or unset the variable before serving") for problem in filter(None, problems)]
 
 
+_REMEDY_BY_SOURCE = {
+    "/proc": "run as root to see every process",
+    "pid-namespace": "run doctor on the host (or in a pod with hostPID: true), or add --deep",
+}
+
+
 @check("inspection")
 def inspection(c: Ctx) -> list[Finding]:
-    """What the scan could not see (processes of other users, unreadable files)."""
-    return [
+    """What the scan could not see (processes of other users, unreadable files, other PID
+    namespaces, deep probes that were unavailable), and that deep probes open the devices."""
+    out = [
         Finding(
             "inspection",
             "warn" if issue.source == "/proc" else "info",
-            f"{issue.source}: {issue.reason}",
-            "run as root to see every process" if issue.source == "/proc" else None,
+            issue.reason if issue.source == "pid-namespace" else f"{issue.source}: {issue.reason}",
+            _REMEDY_BY_SOURCE.get(issue.source),
         )
         for issue in c.snap.issues
+    ]
+    deep = c.snap.deep
+    if deep is not None:
+        for r in deep.probes:
+            if not r.available and not r.timed_out:
+                out.append(Finding("inspection", "info", f"deep probe {r.name} unavailable: {r.reason}"))
+            for note in r.notes:
+                out.append(Finding("inspection", "info", f"deep probe {r.name}: {note}"))
+        if deep.probe_pids:
+            out.append(Finding(
+                "inspection", "info",
+                "the deep probes briefly opened the devices themselves (pids "
+                f"{', '.join(map(str, deep.probe_pids))}); their own DRM clients and memory are "
+                "left out of every figure",
+            ))
+    return out
+
+
+def _wanted_views(c: Ctx):  # -> Iterator[RuntimeView]
+    deep = c.snap.deep
+    return (v for v in (deep.devices if deep else ()) if not c.wanted or v.bdf in c.wanted)
+
+
+@check("unattributed-memory")
+def unattributed_memory(c: Ctx) -> list[Finding]:
+    """--deep: device memory in use that no process visible in /proc holds (minus the baseline)."""
+    out = []
+    for v in _wanted_views(c):
+        if v.unattributed_bytes is None or v.unattributed_bytes <= c.opts.unattributed_threshold:
+            continue
+        pids = f"; pid(s) the device reports but /proc does not show: {', '.join(map(str, v.invisible_pids))}" \
+            if v.invisible_pids else ""
+        base = f", idle baseline {human_bytes(v.baseline_bytes)}" if v.baseline_bytes else ""
+        out.append(Finding(
+            "unattributed-memory",
+            "fail",
+            f"{human_bytes(v.unattributed_bytes)} of {v.bdf} memory is used by no process xpuctl can "
+            f"see ({v.source} reports {human_bytes(v.memory_used_bytes)} used, visible holders "
+            f"{human_bytes(v.visible_bytes)}{base}){pids}. Likely another PID namespace (a pod "
+            "without hostPID, another container) or memory the driver keeps",
+            f"run `xpuctl doctor --deep` on the host or in a pod with hostPID: true and stop the "
+            f"holder; if nothing holds it, reset the device (as root: `xpuctl reset --device {v.bdf} "
+            "--device-reset`)",
+            v.bdf,
+            v.invisible_pids,
+        ))
+    return out
+
+
+def _rebind(bdf: str, driver: str | None) -> str:
+    drv = driver or "xe"
+    return (f"reset the device or rebind its driver, as root: `echo {bdf} > "
+            f"/sys/bus/pci/drivers/{drv}/unbind; echo {bdf} > /sys/bus/pci/drivers/{drv}/bind` "
+            f"(or `xpuctl reset --device {bdf} --device-reset`); every process using it must "
+            "restart")
+
+
+@check("device-lost")
+def device_lost(c: Ctx) -> list[Finding]:
+    """--deep: Level Zero, torch or the driver reports the device lost or needing a reset."""
+    out = []
+    for v in _wanted_views(c):
+        if v.state != "lost":
+            continue
+        dev = c.snap.device(v.bdf)
+        out.append(Finding(
+            "device-lost",
+            "fail",
+            f"{v.bdf} is lost or wedged ({'; '.join(v.lost_reasons)}): a relaunch will fail until "
+            "the device is reset",
+            _rebind(v.bdf, dev.driver if dev else None),
+            v.bdf,
+            tuple(p.pid for p in v.processes),
+        ))
+    return out
+
+
+@check("probe-timeout")
+def probe_timeout(c: Ctx) -> list[Finding]:
+    """--deep: a probe that did not answer in time (a hung Level Zero init: a wedged device)."""
+    deep = c.snap.deep
+    return [
+        Finding(
+            "probe-timeout",
+            "warn",
+            f"deep probe {r.name} did not answer within {r.seconds:g} s: a runtime that hangs "
+            "while initialising is a sign of a wedged device or driver",
+            "check `dmesg` for GPU hang/reset or wedged messages; if the device is wedged, reset "
+            "it or rebind its driver (root); raise --probe-timeout if the host is only slow",
+        )
+        for r in (deep.probes if deep else ())
+        if r.timed_out
     ]
 
 
@@ -379,6 +479,9 @@ CHECKS = (
     "stale-ipc",
     "ports",
     "env",
+    "unattributed-memory",
+    "device-lost",
+    "probe-timeout",
     "inspection",
 )
 

@@ -131,6 +131,11 @@ def _app(ctx: typer.Context) -> AppContext:
     return obj
 
 
+class Preflight(str, Enum):
+    fast = "fast"
+    deep = "deep"
+
+
 class Format(str, Enum):
     table = "table"
     json = "json"
@@ -172,6 +177,33 @@ DeviceOpt = Annotated[
     ),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="JSON for scripts (same as --format json).")]
+DeepOpt = Annotated[
+    bool,
+    typer.Option("--deep", help="Also ask the devices themselves (Sysman, torch.xpu, xpu-smi, the "
+                 "kernel's memory query), each probe in a child process."),
+]
+ProbeTimeoutOpt = Annotated[
+    float,
+    typer.Option("--probe-timeout", min=0.1, metavar="SECONDS",
+                 help="With --deep: kill a probe (and its process group) that has not answered."),
+]
+
+
+def _size(value: str) -> int:
+    from xpuctl.parse.fdinfo import parse_size
+
+    n = parse_size(value)
+    if n is None:
+        raise typer.BadParameter(f"{value!r} is not a size (e.g. 1GiB, 512MiB, 1073741824)")
+    return n
+
+
+def _deep_options(a: AppContext, timeout: float, threshold: str, state_dir: str | None) -> Any:
+    from xpuctl import runs
+    from xpuctl.doctor import DeepOptions
+
+    sdir = state_dir or runs.default_state_dir(a.environ)
+    return DeepOptions(timeout=timeout, unattributed_threshold=_size(threshold), state_dir=sdir)
 
 
 @app.command()
@@ -209,11 +241,26 @@ def doctor(
             show_default=False,
         ),
     ] = None,
+    deep: DeepOpt = False,
+    probe_timeout: ProbeTimeoutOpt = 10.0,
+    unattributed_threshold: Annotated[
+        str,
+        typer.Option("--unattributed-threshold", metavar="SIZE",
+                     help="With --deep: device memory no visible process explains above this fails."),
+    ] = "1GiB",
+    state_dir: Annotated[
+        Optional[str],
+        typer.Option("--state-dir", envvar="XPUCTL_STATE_DIR",
+                     help="With --deep: where `devices --deep --record-baseline` keeps the idle baseline.",
+                     show_default=False),
+    ] = None,
 ) -> None:
     """Read-only health check: who holds the GPU, orphans, memory, stale IPC/shm, ports.
 
-    Exit 0: nothing fails. 1: failing findings (warnings too with --strict; also when
-    --wait-clean runs out; also when --textfile cannot be written). 2: usage error.
+    With --deep the devices are asked too (unattributed memory, lost devices, hung runtimes);
+    the probes briefly open the devices. Exit 0: nothing fails. 1: failing findings (warnings
+    too with --strict; also when --wait-clean runs out; also when --textfile cannot be
+    written). 2: usage error.
     """
     from xpuctl import doctor as D
 
@@ -226,9 +273,10 @@ def doctor(
             raise UsageError("--textfile writes Prometheus text: drop --json/--format or use --format prometheus")
         check_target(textfile)  # a bad PATH is a usage error before any work
     devices = list(device or [])
+    deep_opts = _deep_options(a, probe_timeout, unattributed_threshold, state_dir) if deep else None
 
     def run() -> Any:
-        return D.diagnose(a.host, devices, port, expect_idle, a.environ)
+        return D.diagnose(a.host, devices, port, expect_idle, a.environ, deep=deep_opts)
 
     report = run()
     clean = not D.blocking(report, strict)
@@ -298,18 +346,63 @@ def ps(
 
 @app.command()
 @_guard
-def devices(ctx: typer.Context, as_json: JsonOpt = False) -> None:
+def devices(
+    ctx: typer.Context,
+    as_json: JsonOpt = False,
+    deep: DeepOpt = False,
+    probe_timeout: ProbeTimeoutOpt = 10.0,
+    record_baseline: Annotated[
+        bool,
+        typer.Option("--record-baseline", help="With --deep: record the used memory of each device "
+                     "nothing holds as its idle baseline (doctor --deep subtracts it)."),
+    ] = False,
+    state_dir: Annotated[
+        Optional[str],
+        typer.Option("--state-dir", envvar="XPUCTL_STATE_DIR", help="Where the baseline is kept.",
+                     show_default=False),
+    ] = None,
+) -> None:
     """Intel GPUs (Level Zero order) and other DRM devices, with holders and memory."""
     from xpuctl import render
     from xpuctl.scan import take_snapshot
 
     a = _app(ctx)
-    snap = take_snapshot(a.host, port=None, want_env=False, artifacts=False)
+    if record_baseline and not deep:
+        raise UsageError("--record-baseline needs --deep (the baseline is what the devices report)")
+    recorded: list[Any] = []
+    if deep:
+        from xpuctl import deep as X
+        from xpuctl.doctor import deep_snapshot
+
+        opts = _deep_options(a, probe_timeout, "1GiB", state_dir)
+        if record_baseline:
+            snap = deep_snapshot(a.host, a.environ, opts._replace(state_dir=None), port=None,
+                                 want_env=False, artifacts=False)
+            recorded = X.record_baseline(opts.state_dir, snap)
+            # show the figures against the baseline just recorded
+            baseline, _ = X.load_baseline(opts.state_dir)
+            assert snap.deep is not None
+            snap = X.attach(a.host, snap, snap.deep.probes, baseline, snap.deep.probe_pids)
+        else:
+            snap = deep_snapshot(a.host, a.environ, opts, port=None, want_env=False, artifacts=False)
+    else:
+        snap = take_snapshot(a.host, port=None, want_env=False, artifacts=False)
     if as_json:
-        data = {"schema": "xpuctl.devices/1", "devices": [render.device_dict(d, snap) for d in snap.devices]}
+        data: dict[str, Any] = {"schema": "xpuctl.devices/1",
+                                "devices": [render.device_dict(d, snap) for d in snap.devices]}
+        if snap.deep is not None:
+            data["probes"] = [render.probe_dict(r) for r in snap.deep.probes]
+        if record_baseline:
+            data["baseline"] = [{"bdf": b, "memory_used_bytes": n, "note": note} for b, n, note in recorded]
         sys.stdout.write(render.to_json(data) + "\n")
         return
     a.out.print(render.devices_table(snap))
+    line = render.probes_line(snap)
+    if line:
+        a.out.print(line, highlight=False)
+    for bdf, n, note in recorded:
+        a.out.print(f"baseline {bdf}: {render.human_bytes(n) if n is not None else '-'} ({note})",
+                    highlight=False)
 
 
 StateDirOpt = Annotated[
@@ -359,6 +452,12 @@ def serve(
     ready_timeout: Annotated[float, typer.Option("--ready-timeout", min=1, help="Seconds to wait for /health and /v1/models.")] = 900.0,
     kill_after: Annotated[float, typer.Option("--kill-after", min=0, help="Seconds between SIGTERM and SIGKILL for survivors.")] = 10.0,
     detach: Annotated[bool, typer.Option("--detach", help="Return once ready (exit 0) or failed; keep supervising in the background.")] = False,
+    preflight: Annotated[
+        Preflight,
+        typer.Option("--preflight", help="fast: doctor from /proc and sysfs; deep: doctor --deep "
+                     "(also asks the devices: unattributed memory, lost devices, hung runtimes)."),
+    ] = Preflight.fast,
+    probe_timeout: ProbeTimeoutOpt = 10.0,
 ) -> None:
     """Launch vLLM with a forced drain timeout and supervise it.
 
@@ -372,7 +471,8 @@ def serve(
     a = _app(ctx)
     passed = list(vllm_args or []) + list(ctx.args)
     mine = {"--vllm", "--drain-timeout", "--teardown-timeout", "--allow-abort", "--devices", "--env",
-            "--force", "--name", "--state-dir", "--ready-timeout", "--kill-after", "--detach"}
+            "--force", "--name", "--state-dir", "--ready-timeout", "--kill-after", "--detach",
+            "--preflight", "--probe-timeout"}
     misplaced = [arg for arg in passed if arg.split("=", 1)[0] in mine]
     if misplaced:
         raise UsageError(
@@ -394,6 +494,7 @@ def serve(
         ready_timeout=ready_timeout,
         detach=detach,
         kill_after=kill_after,
+        deep_preflight=_deep_options(a, probe_timeout, "1GiB", state_dir) if preflight is Preflight.deep else None,
     )
 
     def say(msg: str) -> None:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 from xpuctl.checks import Options, evaluate
 from xpuctl.host import Host
-from xpuctl.model import Report
+from xpuctl.model import Issue, Report, Snapshot
 from xpuctl.probes.devices import scan_devices, select_devices
 from xpuctl.scan import DEFAULT_PORT, take_snapshot
 
@@ -22,12 +24,55 @@ def resolve_device_specs(host: Host, specs: list[str]) -> tuple[str, ...]:
     return tuple(d.bdf for d in select_devices(devices, specs))
 
 
+class DeepOptions(NamedTuple):
+    """`--deep`: run the device-level probes (xpuctl.deep) alongside the scan."""
+
+    timeout: float = 10.0
+    unattributed_threshold: int = 1 << 30
+    state_dir: str | None = None  # where the idle baseline is kept
+
+
+def pid_namespace_issue(host: Host) -> Issue | None:
+    """xpuctl in a child PID namespace (NSpid has more than one entry) cannot see the holders
+    in other namespaces through /proc."""
+    try:
+        text = host.read_text("/proc/self/status", 1 << 16)
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("NSpid:"):
+            ids = line.split(":", 1)[1].split()
+            if len(ids) > 1:
+                return Issue(
+                    "pid-namespace",
+                    f"xpuctl runs in a child PID namespace (NSpid {' '.join(ids[:8])}): device "
+                    "holders in other namespaces are invisible to /proc; --deep asks the device itself",
+                )
+    return None
+
+
+def deep_snapshot(host: Host, environ: dict[str, str], deep: DeepOptions, **scan: object) -> Snapshot:
+    """The probes run while /proc is scanned; the probe children are left out of the scan."""
+    from xpuctl import deep as X
+
+    running = X.start(environ, deep.timeout)
+    try:
+        snap = take_snapshot(host, exclude_pids=running.pids, **scan)  # type: ignore[arg-type]
+    finally:
+        results = running.finish()
+    baseline, problem = X.load_baseline(deep.state_dir)
+    if problem:
+        snap = snap._replace(issues=snap.issues + (problem,))
+    return X.attach(host, snap, results, baseline, running.pids)
+
+
 def diagnose(
     host: Host,
     devices: list[str] | None = None,
     port: int | None = None,
     expect_idle: bool = False,
     caller_env: dict[str, str] | None = None,
+    deep: DeepOptions | None = None,
 ) -> Report:
     bdfs = resolve_device_specs(host, devices or [])
     opts = Options(
@@ -35,8 +80,16 @@ def diagnose(
         port=port if port is not None else DEFAULT_PORT,
         port_explicit=port is not None,
         expect_idle=expect_idle,
+        unattributed_threshold=deep.unattributed_threshold if deep else 1 << 30,
     )
-    snap = take_snapshot(host, port=opts.port, caller_env=caller_env)
+    if deep is not None:
+        env = dict(os.environ) if caller_env is None else caller_env
+        snap = deep_snapshot(host, env, deep, port=opts.port, caller_env=caller_env)
+    else:
+        snap = take_snapshot(host, port=opts.port, caller_env=caller_env)
+    ns = pid_namespace_issue(host)
+    if ns is not None:
+        snap = snap._replace(issues=snap.issues + (ns,))
     return evaluate(snap, opts)
 
 

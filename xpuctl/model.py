@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from xpuctl.parse.probes import ProbeProcess, ProbeResult
+
 SEVERITIES = ("info", "warn", "fail")
 
 
@@ -131,6 +133,34 @@ class Finding(NamedTuple):
     paths: tuple[str, ...] = ()
 
 
+class RuntimeView(NamedTuple):
+    """One device as the deep probes see it, reconciled with what fdinfo shows (`xpuctl.deep`)."""
+
+    bdf: str
+    source: str | None  # the probe whose used memory counts: kmd, else sysman, else torch
+    memory_used_bytes: int | None  # by that probe, the probes' own allocations taken out
+    memory_total_bytes: int | None
+    processes: tuple[ProbeProcess, ...]  # pids the device reports (not the probes' own)
+    process_source: str | None
+    state: str  # ok | lost
+    lost_reasons: tuple[str, ...]  # "probe: why", one per probe that saw it lost
+    visible_bytes: int  # fdinfo memory of the holders doctor can see
+    baseline_bytes: int  # the idle baseline recorded by `devices --deep --record-baseline`
+    unattributed_bytes: int | None  # used − visible − baseline (never below 0)
+    invisible_pids: tuple[int, ...]  # reported by a probe, absent from /proc
+
+
+class Deep(NamedTuple):
+    """What `--deep` added to a scan: every probe's result and the per-device reconciliation."""
+
+    probes: tuple[ProbeResult, ...]
+    devices: tuple[RuntimeView, ...]
+    probe_pids: tuple[int, ...] = ()  # the probe children, left out of every result
+
+    def device(self, bdf: str) -> RuntimeView | None:
+        return next((d for d in self.devices if d.bdf == bdf), None)
+
+
 class Snapshot(NamedTuple):
     """Everything one scan saw, before any judgement."""
 
@@ -145,6 +175,7 @@ class Snapshot(NamedTuple):
     issues: tuple[Issue, ...]
     unreadable: int  # processes whose fds could not be read
     caller_env: dict[str, str] | None = None  # the environment of the command that scanned
+    deep: Deep | None = None  # device-level view, only with --deep
 
     def process(self, pid: int) -> Process | None:
         for p in self.processes:

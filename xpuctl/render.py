@@ -16,14 +16,45 @@ from typing import TYPE_CHECKING, Any
 
 from xpuctl import __version__
 from xpuctl.checks import CHECKS, human_bytes
-from xpuctl.model import Artifact, Device, Finding, Port, Process, Report, Snapshot
+from xpuctl.model import Artifact, Device, Finding, Port, Process, Report, RuntimeView, Snapshot
+from xpuctl.parse.probes import ProbeResult
 from xpuctl.safetext import prom_label, safe
 
 if TYPE_CHECKING:
     from rich.console import Console
 
 
+def probe_dict(r: ProbeResult) -> dict[str, Any]:
+    return {
+        "name": r.name,
+        "available": r.available,
+        "reason": r.reason,
+        "seconds": r.seconds,
+        "version": r.version,
+        "live": r.live,
+        "timed_out": r.timed_out,
+        "notes": list(r.notes),
+    }
+
+
+def runtime_dict(v: RuntimeView | None) -> dict[str, Any] | None:
+    if v is None:
+        return None
+    return {
+        "source": v.source,
+        "memory_used_bytes": v.memory_used_bytes,
+        "processes": [{"pid": p.pid, "memory_bytes": p.memory_bytes} for p in v.processes],
+        "process_source": v.process_source,
+        "state": v.state,
+        "lost_reasons": list(v.lost_reasons),
+        "visible_bytes": v.visible_bytes,
+        "baseline_bytes": v.baseline_bytes,
+        "invisible_pids": list(v.invisible_pids),
+    }
+
+
 def device_dict(d: Device, snap: Snapshot) -> dict[str, Any]:
+    view = snap.deep.device(d.bdf) if snap.deep else None
     return {
         "index": d.index,
         "bdf": d.bdf,
@@ -36,6 +67,8 @@ def device_dict(d: Device, snap: Snapshot) -> dict[str, Any]:
         "memory_used_bytes": snap.memory_used(d.bdf),
         "memory_total_bytes": d.memory_total_bytes,
         "holders": list(snap.holders(d.bdf)),
+        "runtime": runtime_dict(view),  # --deep only
+        "unattributed_bytes": view.unattributed_bytes if view else None,
     }
 
 
@@ -112,6 +145,7 @@ def doctor_dict(report: Report) -> dict[str, Any]:
         "ports": [port_dict(p) for p in snap.ports],
         "findings": [finding_dict(f) for f in report.findings],
         "unreadable_processes": snap.unreadable,
+        "probes": [probe_dict(r) for r in snap.deep.probes] if snap.deep else [],
     }
 
 
@@ -203,6 +237,25 @@ def prometheus(report: Report) -> str:
     totals = [({"device": d.bdf}, float(d.memory_total_bytes)) for d in devs if d.memory_total_bytes]
     if totals:
         metric("xpuctl_device_memory_total_bytes", "gauge", "Device memory size.", totals)
+    if snap.deep is not None:
+        metric(
+            "xpuctl_probe_available",
+            "gauge",
+            "1 when the deep probe answered (--deep).",
+            [({"probe": r.name}, 1.0 if r.available else 0.0) for r in snap.deep.probes],
+        )
+        unattributed = [
+            ({"device": v.bdf}, float(v.unattributed_bytes))
+            for v in snap.deep.devices
+            if v.unattributed_bytes is not None
+        ]
+        if unattributed:
+            metric(
+                "xpuctl_device_unattributed_bytes",
+                "gauge",
+                "Device memory in use that no visible process holds, minus the idle baseline (--deep).",
+                unattributed,
+            )
     stale = [a for a in snap.artifacts if a.stale]
     metric(
         "xpuctl_stale_files",
@@ -251,10 +304,19 @@ def devices_table(snap: Snapshot) -> Any:
     from rich.table import Table
 
     t = Table(title="Devices", title_justify="left", expand=False)
-    for col in ("#", "BDF", "node", "driver", "id", "memory used", "total", "holders"):
-        t.add_column(col, justify="right" if col in ("#", "memory used", "total") else "left", no_wrap=True)
+    deep_cols = ("device used", "unattributed", "state") if snap.deep else ()
+    right = ("#", "memory used", "total", "device used", "unattributed")
+    for col in ("#", "BDF", "node", "driver", "id", "memory used", "total", "holders", *deep_cols):
+        t.add_column(col, justify="right" if col in right else "left", no_wrap=True)
     for d in snap.devices:
         holders = snap.holders(d.bdf)
+        view = snap.deep.device(d.bdf) if snap.deep else None
+        extra = () if not snap.deep else (
+            "-" if view is None or view.memory_used_bytes is None
+            else f"{human_bytes(view.memory_used_bytes)} ({view.source})",
+            "-" if view is None or view.unattributed_bytes is None else human_bytes(view.unattributed_bytes),
+            "-" if view is None else ("[bold red]lost[/]" if view.state == "lost" else "ok"),
+        )
         t.add_row(
             "-" if d.index is None else str(d.index),
             _cell(d.bdf),
@@ -264,8 +326,31 @@ def devices_table(snap: Snapshot) -> Any:
             human_bytes(snap.memory_used(d.bdf)) if snap.memory_used(d.bdf) is not None else "-",
             human_bytes(d.memory_total_bytes) if d.memory_total_bytes else "-",
             ", ".join(map(str, holders)) or "-",
+            *extra,
         )
     return t
+
+
+def probes_line(snap: Snapshot) -> str | None:
+    """One line naming each deep probe and whether it answered (markup-safe)."""
+    if snap.deep is None:
+        return None
+    from rich.markup import escape
+
+    from xpuctl.safetext import safe
+
+    parts = []
+    for r in snap.deep.probes:
+        if r.available:
+            parts.append(f"{r.name} [green]ok[/] {r.seconds or 0:.2f}s")
+        elif r.timed_out:
+            parts.append(f"{r.name} [yellow]timed out[/]")
+        else:
+            parts.append(f"{r.name} [dim]unavailable[/]")
+    return "deep probes: " + ", ".join(parts) + escape(
+        "" if not any(not r.available for r in snap.deep.probes) else
+        "  (" + "; ".join(f"{r.name}: {safe(r.reason or '?')}" for r in snap.deep.probes if not r.available) + ")"
+    )
 
 
 def processes_table(snap: Snapshot, title: str = "Processes", width: int = 120) -> Any:
@@ -313,6 +398,9 @@ def print_doctor(console: Console, report: Report) -> None:
 
     snap = report.snapshot
     console.print(devices_table(snap))
+    line = probes_line(snap)
+    if line:
+        console.print(line, highlight=False)
     if snap.processes:
         console.print(processes_table(snap, width=console.width), no_wrap=True, crop=True)
     stale = [a for a in snap.artifacts if a.stale]

@@ -320,12 +320,13 @@ def take_snapshot(
     want_env: bool = True,
     caller_env: dict[str, str] | None = None,
     artifacts: bool = True,
+    exclude_pids: frozenset[int] = frozenset(),
 ) -> Snapshot:
     """One scan. `artifacts=False` skips /dev/shm and /tmp (a release check needs only
-    holders and ports)."""
+    holders and ports). `exclude_pids` (live /proc only): our own helpers, e.g. deep probes."""
     now = time.time()
     devices, issues = scan_devices(host)
-    fds = scan_processes(host, own_pids(host))
+    fds = scan_processes(host, own_pids(host) | (exclude_pids if host.proc_is_live else frozenset()))
     lazy = _Lazy(host, fds)
     clients, held = _drm_clients(host, fds, devices)
     dmabufs = _dmabufs(host, fds, devices, held)

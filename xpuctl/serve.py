@@ -71,6 +71,7 @@ class ServeOptions:
     ready_timeout: float = 900.0
     detach: bool = False
     kill_after: float = 10.0
+    deep_preflight: object | None = None  # doctor.DeepOptions: `--preflight deep`
 
 
 @dataclass
@@ -463,7 +464,8 @@ def serve(host: Host, opts: ServeOptions, environ: dict[str, str], out: Callable
     if not opts.force:
         from xpuctl.doctor import diagnose
 
-        report = diagnose(host, plan.bdfs or None, plan.port, caller_env=plan.env)
+        report = diagnose(host, plan.bdfs or None, plan.port, caller_env=plan.env,
+                          deep=opts.deep_preflight)  # type: ignore[arg-type]
         if report.failed:
             show_findings(report)
             raise XpuctlError(
