@@ -448,6 +448,15 @@ def device_lost(c: Ctx) -> list[Finding]:
             v.bdf,
             tuple(p.pid for p in v.processes),
         ))
+    deep = c.snap.deep
+    if deep is not None and deep.lost_unplaced and not c.wanted:
+        out.append(Finding(
+            "device-lost",
+            "fail",
+            f"a device is lost or wedged, and its PCI address is unknown ({'; '.join(deep.lost_unplaced)})",
+            "find it in `dmesg` (wedged, GPU hang) and reset it or rebind its driver, as root: "
+            "`echo BDF > /sys/bus/pci/drivers/xe/unbind; echo BDF > /sys/bus/pci/drivers/xe/bind`",
+        ))
     return out
 
 

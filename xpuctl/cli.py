@@ -194,7 +194,7 @@ def _size(value: str) -> int:
 
     n = parse_size(value)
     if n is None:
-        raise typer.BadParameter(f"{value!r} is not a size (e.g. 1GiB, 512MiB, 1073741824)")
+        raise UsageError(f"--unattributed-threshold {value!r} is not a size (e.g. 1GiB, 512MiB, 1073741824)")
     return n
 
 

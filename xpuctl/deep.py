@@ -315,13 +315,16 @@ def reconcile(host: Host, snap: Snapshot, results: tuple[ProbeResult, ...],
     baseline = baseline or {}
     own = frozenset(probe_pids)
     seen: dict[str, dict[str, Any]] = {}
+    unplaced: list[str] = []
     for r in results:
         if not r.available:
             continue
-        for pd in r.devices:
+        for n, pd in enumerate(r.devices):
             bdf = _bdf_for(snap, pd.bdf, pd.index)
             if bdf is not None:
                 seen.setdefault(bdf, {}).setdefault(r.name, pd)
+            elif pd.state == "lost":
+                unplaced.append(f"{r.name} device #{n}: {pd.reason or 'device lost'}")
     order = [d.bdf for d in snap.devices if d.is_intel] + sorted(set(seen) - {d.bdf for d in snap.devices})
     views = []
     for bdf in order:
@@ -363,7 +366,7 @@ def reconcile(host: Host, snap: Snapshot, results: tuple[ProbeResult, ...],
             unattributed_bytes=max(0, used - visible - base) if used is not None else None,
             invisible_pids=tuple(sorted(pid for pid in procs if not host.exists(f"/proc/{pid}"))),
         ))
-    return Deep(tuple(results), tuple(views), tuple(sorted(own)))
+    return Deep(tuple(results), tuple(views), tuple(sorted(own)), tuple(unplaced))
 
 
 def attach(host: Host, snap: Snapshot, results: tuple[ProbeResult, ...],

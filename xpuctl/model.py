@@ -156,6 +156,7 @@ class Deep(NamedTuple):
     probes: tuple[ProbeResult, ...]
     devices: tuple[RuntimeView, ...]
     probe_pids: tuple[int, ...] = ()  # the probe children, left out of every result
+    lost_unplaced: tuple[str, ...] = ()  # "probe: why" for lost devices without a PCI address
 
     def device(self, bdf: str) -> RuntimeView | None:
         return next((d for d in self.devices if d.bdf == bdf), None)

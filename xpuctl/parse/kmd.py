@@ -165,7 +165,7 @@ def probe_result(text: str, seconds: float | None = None, live: bool = True) -> 
     if data.get("error"):
         return ProbeResult("kmd", False, str(data["error"])[:400], None, seconds, live)
     priv = data.get("privileged") is True
-    notes = () if priv else (
+    notes: tuple[str, ...] = () if priv else (
         "the kernel reports used memory only to CAP_PERFMON or CAP_SYS_ADMIN (run as root for it)",
     )
     devices = []
@@ -178,8 +178,9 @@ def probe_result(text: str, seconds: float | None = None, live: bool = True) -> 
         if not isinstance(reply, str):
             err = entry.get("errno")
             lost = isinstance(err, int) and err in LOST_ERRNOS
-            devices.append(ProbeDevice(bdf, None, None, "lost" if lost else "ok", None, None, None,
-                                       str(entry.get("error") or "no reply")[:400]))
+            why = str(entry.get("error") or "no reply")[:400]
+            devices.append(ProbeDevice(bdf, None, None, "lost" if lost else "ok", None, None, None, why))
+            notes += (f"{bdf}: {why}",)
             continue
         try:
             raw = bytes.fromhex(reply)

@@ -177,6 +177,9 @@ def probe() -> dict[str, Any]:
     except Lost as exc:
         result["reason"] = str(exc)
         return result
+    for d in result["devices"]:
+        if d["reason"]:
+            result["notes"].append(f"{d['bdf'] or 'a device'}: {d['reason']}")
     result["available"] = True
     return result
 
