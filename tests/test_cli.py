@@ -192,32 +192,48 @@ def test_prometheus_output(tmp_path):
 BANNED = ("torch", "intel_extension_for_pytorch", "pyzes", "vllm")
 
 
+# the deep probe modules import the GPU stacks: only their child processes may load them
+PROBE_MODULES = ("xpuctl.probes.sysman", "xpuctl.probes.torch_xpu", "xpuctl.probes.kmd")
+
+
 @pytest.mark.parametrize(
     "args",
     [["--version"], ["doctor", "--json"], ["doctor"], ["ps", "--json"], ["devices", "--json"],
-     ["shutdown", "--all", "--dry-run"], ["reset", "--dry-run"], ["completion", "bash"]],
+     ["shutdown", "--all", "--dry-run"], ["reset", "--dry-run"], ["completion", "bash"],
+     ["doctor", "--deep", "--json"], ["devices", "--deep", "--record-baseline"],
+     ["doctor", "--deep", "--format", "prometheus"]],
 )
 def test_no_command_imports_gpu_libraries(tmp_path, args):
-    """Trap modules named like the GPU stacks: importing one leaves a marker file."""
+    """Trap modules named like the GPU stacks: importing one leaves a marker file named by the
+    importing pid. With --deep the probe children import them (that is their job); the CLI
+    process never does."""
     trap = tmp_path / "trap"
     for name in BANNED:
         pkg = trap / name
         pkg.mkdir(parents=True)
         (pkg / "__init__.py").write_text(
-            f"open({str(tmp_path / ('imported-' + name))!r}, 'w').close()\n"
+            "import os\n"
+            f"open({str(tmp_path)!r} + '/imported-{name}-' + str(os.getpid()), 'w').close()\n"
         )
     h = fakehost.healthy_host(tmp_path / "root")
     code = (
-        "import sys, runpy\n"
+        "import os, sys, runpy\n"
+        "print(os.getpid())\n"
         f"sys.argv = ['xpuctl', '--root', {str(h.root)!r}, *{args!r}]\n"
         "try:\n    runpy.run_module('xpuctl', run_name='__main__')\n"
         "except SystemExit:\n    pass\n"
-        f"print(sorted(m for m in sys.modules if m.split('.')[0] in {BANNED!r}))\n"
+        f"print(sorted(m for m in sys.modules if m.split('.')[0] in {BANNED!r} or m in {PROBE_MODULES!r}))\n"
     )
     env = {**os.environ, "PYTHONPATH": f"{trap}{os.pathsep}{REPO}", "XPUCTL_STATE_DIR": str(tmp_path / "s")}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
-    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout + out.stderr
-    assert not list(tmp_path.glob("imported-*"))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    lines = out.stdout.strip().splitlines()
+    assert lines[-1] == "[]", out.stdout + out.stderr
+    cli_pid = lines[0]
+    assert not list(tmp_path.glob(f"imported-*-{cli_pid}"))
+    if "--deep" in args:  # the probes did run, in other processes, and met the traps
+        assert list(tmp_path.glob("imported-torch-*")) and list(tmp_path.glob("imported-pyzes-*"))
+    else:
+        assert not list(tmp_path.glob("imported-*"))
 
 
 @pytest.mark.parametrize("shell, filename", [("bash", "xpuctl.bash"), ("zsh", "_xpuctl"), ("fish", "xpuctl.fish")])
