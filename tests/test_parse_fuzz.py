@@ -1,0 +1,165 @@
+"""Every parser in xpuctl/parse/ on arbitrary input: it returns, or raises its own documented
+error, and nothing else (no IndexError, UnicodeDecodeError, struct.error, RecursionError…).
+
+Lenient parsers (fdinfo, procfs, net, envvars, roles) document that they never raise; the
+strict ones raise NetlinkError, KmdReplyError, XpuSmiError or ProbeOutputError.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from xpuctl.parse import envvars, fdinfo, kmd, net, procfs, roles, sockdiag, xpusmi
+from xpuctl.parse import probes as P
+
+FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+texts = st.text(max_size=2000)
+blobs = st.binary(max_size=2000)
+# JSON-ish values: the strict parsers must survive any JSON, not only any text
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70) | st.floats()
+    | st.text(max_size=30),
+    lambda kids: st.lists(kids, max_size=5) | st.dictionaries(st.text(max_size=20), kids, max_size=6),
+    max_leaves=40,
+)
+# text that mixes the keys the parsers look for with noise
+near_fdinfo = st.lists(
+    st.sampled_from(["drm-driver:\txe", "drm-pdev:\t0000:03:00.0", "drm-client-id:\t7",
+                     "drm-total-vram0:\t23992 KiB", "drm-total-local0:\t9999999999999999999999999 GiB",
+                     "size:\t4096", "exp_name:\txe", "ino:\t12", "drm-total-vram1:\t-3 MiB"])
+    | texts, max_size=12,
+).map("\n".join)
+
+
+@FUZZ
+@given(texts)
+def test_envvars_never_raise(value):
+    envvars.mask_indices(value)
+    envvars.check_affinity_mask(value, None)
+    envvars.check_affinity_mask(value, 2)
+    envvars.check_device_selector(value)
+    envvars.check_hierarchy(value)
+
+
+@FUZZ
+@given(st.one_of(texts, near_fdinfo))
+def test_fdinfo_never_raises(text):
+    fdinfo.parse_size(text)
+    fdinfo.parse_fdinfo(text)
+    fdinfo.parse_dmabuf(text)
+
+
+@FUZZ
+@given(texts)
+def test_net_never_raises(text):
+    net.parse_tcp(text)
+    net.parse_tcp(text, listen_only=False)
+    net.parse_unix_paths(text)
+
+
+@FUZZ
+@given(blobs)
+def test_procfs_never_raises(data):
+    procfs.parse_stat(data)
+    procfs.parse_cmdline(data)
+    procfs.parse_environ(data)
+    text = data.decode("utf-8", "surrogateescape")
+    procfs.parse_status_uid(text)
+    procfs.parse_maps_paths(text)
+    procfs.parse_boot_time(text)
+
+
+@FUZZ
+@given(st.lists(texts, max_size=6))
+def test_roles_never_raise(argv):
+    roles.classify(argv)
+
+
+@FUZZ
+@given(blobs)
+def test_sockdiag_raises_only_netlink_error(data):
+    try:
+        sockdiag.parse_listen_reply(data, [])
+    except sockdiag.NetlinkError:
+        pass
+
+
+@FUZZ
+@given(blobs)
+def test_kmd_replies_raise_only_kmd_reply_error(data):
+    for fn in (kmd.parse_xe_mem_regions, kmd.parse_i915_memory_regions, kmd.xe_query_size,
+               kmd.i915_item_length):
+        try:
+            fn(data)
+        except kmd.KmdReplyError:
+            pass
+
+
+@FUZZ
+@given(st.integers(0, 70), st.lists(st.tuples(st.integers(0, 3), st.integers(0, 2**64 - 1),
+                                              st.integers(0, 2**64 - 1)), max_size=5), st.binary(max_size=100))
+def test_kmd_structured_replies(count, regions, tail):
+    """Well-formed headers with odd counts and sizes (the interesting part of the space)."""
+    xe = struct.pack("<II", count, 0) + b"".join(
+        struct.pack("<HHIQQQQ6Q", c, i, 4096, a, b, 0, 0, 0, 0, 0, 0, 0, 0) for i, (c, a, b) in enumerate(regions)
+    ) + tail
+    i915 = struct.pack("<IIII", count, 0, 0, 0) + b"".join(
+        struct.pack("<HHIQQ8Q", c, i, 0, a, b, *([0] * 8)) for i, (c, a, b) in enumerate(regions)
+    ) + tail
+    for fn, data in ((kmd.parse_xe_mem_regions, xe), (kmd.parse_i915_memory_regions, i915)):
+        try:
+            parsed = fn(data)
+        except kmd.KmdReplyError:
+            continue
+        for priv in (True, False):
+            kmd.device_memory(parsed, priv)
+
+
+@FUZZ
+@given(st.one_of(texts, json_values.map(json.dumps)))
+def test_kmd_probe_output_raises_only_kmd_reply_error(text):
+    try:
+        kmd.probe_result(text)
+    except kmd.KmdReplyError:
+        pass
+
+
+@FUZZ
+@given(st.one_of(texts, json_values.map(json.dumps),
+                 json_values.map(lambda v: json.dumps({"device_list": v})),
+                 json_values.map(lambda v: json.dumps({"device_util_by_proc_list": v}))))
+def test_xpusmi_raises_only_xpusmi_error(text):
+    for fn in (xpusmi.parse_discovery, xpusmi.parse_ps):
+        try:
+            fn(text)
+        except xpusmi.XpuSmiError:
+            pass
+    xpusmi.probe_result((0, text), (0, text))  # documented never to raise
+
+
+@FUZZ
+@given(st.one_of(texts, json_values.map(json.dumps),
+                 json_values.map(lambda v: json.dumps({"name": "sysman", "available": True, "devices": v})),
+                 json_values.map(lambda v: json.dumps({"name": "sysman", "available": True,
+                                                       "devices": [{"processes": v}]}))))
+def test_probe_output_raises_only_probe_output_error(text):
+    try:
+        r = P.parse_probe_output(text, "sysman")
+    except P.ProbeOutputError:
+        return
+    assert P.result_from_dict(P.result_to_dict(r)) == r
+
+
+@FUZZ
+@given(json_values)
+def test_probe_document_raises_only_probe_output_error(value):
+    from xpuctl import deep
+
+    try:
+        deep.results_from_json({"schema": deep.SCHEMA, "probes": value if isinstance(value, list) else [value]})
+    except P.ProbeOutputError:
+        pass
