@@ -32,7 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
-import fakehost as fh  # noqa: E402
+import fakehost as fh
 
 GiB = 1 << 30
 

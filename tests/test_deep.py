@@ -214,7 +214,7 @@ def test_lost_device_from_sysman_and_torch(tmp_path):
     (f,) = findings(data, "device-lost")
     assert f["device"] == BDF1 and f["severity"] == "fail"
     assert "ZE_RESULT_ERROR_DEVICE_LOST" in f["message"] and "UR_RESULT_ERROR_DEVICE_LOST" in f["message"]
-    assert f"/sys/bus/pci/drivers/xe/unbind" in f["remedy"] and "--device-reset" in f["remedy"]
+    assert "/sys/bus/pci/drivers/xe/unbind" in f["remedy"] and "--device-reset" in f["remedy"]
     assert device(data, BDF1)["runtime"]["state"] == "lost"
     assert device(data, BDF0)["runtime"]["state"] == "ok"
 
@@ -250,6 +250,10 @@ def test_hung_init_times_out_and_leaves_nothing(tmp_path):
     (f,) = findings(data, "probe-timeout")
     assert f["severity"] == "warn" and "sysman" in f["message"] and "wedged" in f["message"]
     leader, grandchild = map(int, pidfile.read_text().split())
+    # SIGKILL is delivered asynchronously: give the grandchild a (generous) moment to die
+    end = time.monotonic() + 10
+    while not (_gone(leader) and _gone(grandchild)) and time.monotonic() < end:
+        time.sleep(0.05)
     assert _gone(leader) and _gone(grandchild)  # killed with the process group
     assert took < 8 * 3  # bounded by the timeout (not by the 600 s hang)
     # without the unattributed sysman figure, torch's is used (8 GiB used on device 0)
@@ -504,3 +508,60 @@ def test_lost_device_without_pci_address_is_still_reported(tmp_path):
                            "--probe-timeout", "60")
     (f,) = findings(data, "device-lost")
     assert f["device"] is None and "sysman device #1" in f["message"] and "unbind" in f["remedy"]
+
+
+def test_process_list_is_the_last_source_of_used_memory(snap):
+    host, s = snap
+    procs = (ProbeProcess(HOLDER, 2 * GiB), ProbeProcess(HIDDEN, 5 * GiB))
+    results = (_result("xpu-smi", _dev(BDF0, procs=procs)),)
+    v0 = X.reconcile(host, s, results).device(BDF0)
+    assert (v0.source, v0.memory_used_bytes, v0.unattributed_bytes) == ("xpu-smi", 7 * GiB, 5 * GiB)
+
+
+def test_deadline_counts_from_the_command_start(tmp_path):
+    """A command that started T ago gives its probes only timeout − T (at least half)."""
+    scen = base_scenario()
+    scen["pyzes"].update({"hang": True})
+    env = {**os.environ, **standin_env(tmp_path, scen, torch="absent", xpusmi=False)}
+    running = X.start(env, 4.0, since=time.monotonic() - 1.0)
+    t0 = min(j.t0 for j in running.jobs)
+    assert running.deadline <= t0 + 3.0 + 0.01
+    results = {r.name: r for r in running.finish()}
+    assert results["sysman"].timed_out and not results["torch"].timed_out
+    again = X.start(env, 4.0, since=time.monotonic() - 100)
+    try:
+        assert again.deadline >= min(j.t0 for j in again.jobs) + 2.0  # half, at least
+    finally:
+        again.deadline = time.monotonic()  # finish now: kill and reap them
+        again.finish()
+
+
+def test_serve_deep_preflight_refuses_a_lost_device(tmp_path):
+    """`serve --preflight deep` runs doctor --deep first: a lost device refuses the launch
+    (vLLM is never started: its command would fail loudly if it were)."""
+    import subprocess
+    import sys
+
+    from proctools import StandInRoot
+
+    root = StandInRoot(tmp_path, n_devices=2)
+    try:
+        scen = base_scenario()
+        scen["pyzes"]["devices"][0]["lost"] = "lost"
+        env = {**os.environ, **standin_env(tmp_path, scen, torch="absent", xpusmi=False)}
+        for k in ("ZE_AFFINITY_MASK", "ONEAPI_DEVICE_SELECTOR", "XPUCTL_ROOT"):
+            env.pop(k, None)
+        cmd = [sys.executable, "-m", "xpuctl", "--root", root.root, "serve", "--vllm",
+               "/bin/false never-started", "--state-dir", str(tmp_path / "state"), "--devices", "0",
+               "--preflight", "deep", "--probe-timeout", "60", "model", "--port", "1"]
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180,
+                             stdin=subprocess.DEVNULL)
+        assert out.returncode == 1, out.stderr
+        assert f"xpuctl: preflight fail device-lost: {BDF0} is lost" in out.stderr, out.stderr
+        assert "preflight failed" in out.stderr
+        assert not (tmp_path / "state" / "runs" / "vllm-1.json").exists()
+        bad = subprocess.run(cmd[:-5] + ["--preflight", "sideways", "model"], env=env,
+                             capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2
+    finally:
+        root.close()

@@ -10,7 +10,12 @@ import pytest
 
 from xpuctl.parse import kmd as K
 from xpuctl.parse import xpusmi as S
-from xpuctl.parse.probes import ProbeOutputError, parse_probe_output, result_from_dict, result_to_dict
+from xpuctl.parse.probes import (
+    ProbeOutputError,
+    parse_probe_output,
+    result_from_dict,
+    result_to_dict,
+)
 from xpuctl.probes.kmd import privileged
 
 GiB, MiB = 1 << 30, 1 << 20

@@ -203,7 +203,9 @@ def _deep_options(a: AppContext, timeout: float, threshold: str, state_dir: str 
     from xpuctl.doctor import DeepOptions
 
     sdir = state_dir or runs.default_state_dir(a.environ)
-    return DeepOptions(timeout=timeout, unattributed_threshold=_size(threshold), state_dir=sdir)
+    age = _age_seconds()
+    since = time.monotonic() - age if age is not None else None
+    return DeepOptions(timeout=timeout, unattributed_threshold=_size(threshold), state_dir=sdir, since=since)
 
 
 @app.command()

@@ -46,7 +46,7 @@ SCHEMA = "xpuctl.probes/1"
 PROBES = ("sysman", "torch", "xpu-smi", "kmd")
 MODULES = {"sysman": "xpuctl.probes.sysman", "torch": "xpuctl.probes.torch_xpu",
            "kmd": "xpuctl.probes.kmd"}
-USED_ORDER = ("kmd", "sysman", "torch")  # best source of used memory first
+USED_ORDER = ("kmd", "sysman", "torch")  # best source of used memory first (then a process list)
 DROP_ENV = ("ZE_AFFINITY_MASK", "ONEAPI_DEVICE_SELECTOR")
 SET_ENV = {"ZE_ENABLE_PCI_ID_DEVICE_ORDER": "1", "ZE_FLAT_DEVICE_HIERARCHY": "COMPOSITE",
            "ZES_ENABLE_SYSMAN": "1"}
@@ -126,11 +126,16 @@ class _Job:
 class Running:
     """Probes started by `start`; `finish` collects them (at most until the deadline)."""
 
-    def __init__(self, jobs: list[_Job], missing: list[ProbeResult], timeout: float) -> None:
+    def __init__(self, jobs: list[_Job], missing: list[ProbeResult], timeout: float,
+                 since: float | None = None) -> None:
         self.jobs = jobs
         self.missing = missing
         self.timeout = timeout
-        self.deadline = min((j.t0 for j in jobs), default=time.monotonic()) + timeout
+        first = min((j.t0 for j in jobs), default=time.monotonic())
+        # `since`: when the command started (monotonic), so that the command as a whole stays
+        # within the timeout; a probe still gets at least half of it
+        start = first if since is None else max(min(since, first), first - timeout / 2)
+        self.deadline = start + timeout
 
     @property
     def pids(self) -> frozenset[int]:
@@ -229,8 +234,9 @@ class Running:
 
 
 def start(environ: dict[str, str], timeout: float = DEFAULT_TIMEOUT,
-          names: tuple[str, ...] = PROBES) -> Running:
-    """Start every probe now, each in its own session; nothing waits here."""
+          names: tuple[str, ...] = PROBES, since: float | None = None) -> Running:
+    """Start every probe now, each in its own session; nothing waits here. `since`
+    (time.monotonic() of the command's own start) makes the deadline count from there."""
     env = probe_env(environ)
     jobs: list[_Job] = []
     missing: list[ProbeResult] = []
@@ -251,17 +257,18 @@ def start(environ: dict[str, str], timeout: float = DEFAULT_TIMEOUT,
                 exe = shutil.which("xpu-smi", path=env.get("PATH", os.defpath))
                 if exe is None:
                     missing.append(ProbeResult("xpu-smi", False, "xpu-smi is not on PATH", None, None, True))
-                elif launch("xpu-smi discovery", [exe, "discovery", "-j"]):
-                    if not launch("xpu-smi ps", [exe, "ps", "-j"]):
-                        missing.pop()
-                        jobs.pop().kill_group()
-                        missing.append(ProbeResult("xpu-smi", False, "could not start xpu-smi ps", None, None, True))
+                elif launch("xpu-smi discovery", [exe, "discovery", "-j"]) and not launch(
+                    "xpu-smi ps", [exe, "ps", "-j"]
+                ):
+                    gone = jobs.pop()  # half a probe is none: stop the discovery just started
+                    gone.kill_group()
+                    gone.proc.wait()
     except BaseException:
         for j in jobs:
             j.kill_group()
             j.proc.wait()
         raise
-    return Running(jobs, missing, timeout)
+    return Running(jobs, missing, timeout, since)
 
 
 def run_probes(environ: dict[str, str], timeout: float = DEFAULT_TIMEOUT) -> tuple[ProbeResult, ...]:
@@ -349,6 +356,10 @@ def reconcile(host: Host, snap: Snapshot, results: tuple[ProbeResult, ...],
                 procs.setdefault(p.pid, p)
         if used is not None and source != "torch":
             used = max(0, used - own_bytes)  # the probes' own contexts
+        if used is None and psources:
+            # no memory figure: the listed processes' memory is a lower bound of what is used
+            used = sum(p.memory_bytes or 0 for p in procs.values())
+            source = psources[0]
         lost = tuple(f"{n}: {e.reason or 'device lost'}" for n, e in sorted(entries.items()) if e.state == "lost")
         visible = snap.memory_used(bdf) or 0
         base = baseline.get(bdf, 0)

@@ -30,6 +30,7 @@ class DeepOptions(NamedTuple):
     timeout: float = 10.0
     unattributed_threshold: int = 1 << 30
     state_dir: str | None = None  # where the idle baseline is kept
+    since: float | None = None  # time.monotonic() of the command's start: the deadline counts from it
 
 
 def pid_namespace_issue(host: Host) -> Issue | None:
@@ -55,7 +56,7 @@ def deep_snapshot(host: Host, environ: dict[str, str], deep: DeepOptions, **scan
     """The probes run while /proc is scanned; the probe children are left out of the scan."""
     from xpuctl import deep as X
 
-    running = X.start(environ, deep.timeout)
+    running = X.start(environ, deep.timeout, since=deep.since)
     try:
         snap = take_snapshot(host, exclude_pids=running.pids, **scan)  # type: ignore[arg-type]
     finally:

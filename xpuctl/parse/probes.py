@@ -17,6 +17,7 @@ and `live`; `xpuctl.deep` builds the same shape for kmd and xpu-smi):
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any, NamedTuple
 
@@ -80,7 +81,7 @@ def _opt_float(d: dict[str, Any], key: str) -> float | None:
     value = d.get(key)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
         raise ProbeOutputError(f"{key} is not a number")
     return float(value)
 

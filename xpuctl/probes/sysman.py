@@ -73,7 +73,7 @@ def _handles(z: Any, fn: str, handle_type: Any, *head: Any) -> tuple[int, list[A
 def _memory(z: Any, dev: Any) -> tuple[int | None, int | None]:
     from ctypes import byref
 
-    rc, mems = _handles(z, "zesDeviceEnumMemoryModules", z.zes_mem_handle_t, dev)
+    _, mems = _handles(z, "zesDeviceEnumMemoryModules", z.zes_mem_handle_t, dev)
     total = used = 0
     found = False
     for m in mems:

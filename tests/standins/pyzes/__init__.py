@@ -4,10 +4,10 @@ missing); a scenario may point `loader` at a library that exists to pretend it i
 
 import os
 import sys
-from ctypes import CDLL, Structure, c_char, c_int32, c_uint32, c_uint64, c_ubyte, c_void_p
+from ctypes import CDLL, Structure, c_char, c_int32, c_ubyte, c_uint32, c_uint64, c_void_p
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import scenario  # noqa: E402
+import scenario
 
 _conf = scenario.section("pyzes")
 gpuLib = CDLL(_conf.get("loader", "/usr/lib/x86_64-linux-gnu/libze_loader.so.1"))

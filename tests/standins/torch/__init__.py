@@ -7,7 +7,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import scenario  # noqa: E402
+import scenario
 
 _conf = scenario.section("torch")
 scenario.delay(_conf)
