@@ -106,8 +106,8 @@ def probe() -> dict[str, Any]:
     result["devices"] = [_device(xpu, i) for i in range(int(xpu.device_count()))]
     for d in result["devices"]:
         driver = d.pop("driver_version", None)
-        if driver:
-            result["notes"].append(f"device {d['index']}: driver {driver}")
+        if d["state"] == "lost" and driver:
+            d["reason"] = f"{d['reason']} (driver {driver})"
     return result
 
 
