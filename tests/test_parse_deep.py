@@ -191,3 +191,63 @@ def test_probe_output_golden_last_line_wins():
 def test_probe_output_rejects_what_is_not_documented(text):
     with pytest.raises(ProbeOutputError):
         parse_probe_output(text, "sysman")
+
+
+# --- the ioctl calls themselves, against a stand-in for the kernel ---------------------------
+
+
+def test_kmd_probe_two_call_protocol(monkeypatch):
+    """The xe and i915 queries are asked twice (size, then data) through real pointers; a
+    stand-in for the kernel answers the way the uapi documents."""
+    import ctypes
+
+    from xpuctl.probes import kmd as probe
+
+    def kernel(fd, req, buf, mutate):
+        assert mutate is True and isinstance(buf, bytearray)
+        if req == K.DRM_IOCTL_XE_DEVICE_QUERY:
+            ext, query, size, data, r0, r1 = K.XE_QUERY.unpack(bytes(buf))
+            assert query == K.DRM_XE_DEVICE_QUERY_MEM_REGIONS
+            if size == 0:
+                buf[:] = K.XE_QUERY.pack(ext, query, len(XE_TWO_TILES), data, r0, r1)
+            else:
+                ctypes.memmove(data, XE_TWO_TILES, len(XE_TWO_TILES))
+            return 0
+        assert req == K.DRM_IOCTL_I915_QUERY
+        num, _flags, items = K.I915_QUERY.unpack(bytes(buf))
+        assert num == 1
+        qid, length, flags, data = K.I915_QUERY_ITEM.unpack(ctypes.string_at(items, K.I915_QUERY_ITEM.size))
+        assert qid == K.DRM_I915_QUERY_MEMORY_REGIONS
+        if length == 0:
+            answer = K.I915_QUERY_ITEM.pack(qid, len(I915_DG2), flags, data)
+        else:
+            ctypes.memmove(data, I915_DG2, len(I915_DG2))
+            answer = K.I915_QUERY_ITEM.pack(qid, len(I915_DG2), flags, data)
+        ctypes.memmove(items, answer, len(answer))
+        return 0
+
+    monkeypatch.setattr(probe.fcntl, "ioctl", kernel)
+    assert probe._xe(0) == XE_TWO_TILES
+    assert probe._i915(0) == I915_DG2
+
+    def refuses(fd, req, buf, mutate):
+        num, _flags, items = K.I915_QUERY.unpack(bytes(buf))
+        qid, _, flags, data = K.I915_QUERY_ITEM.unpack(ctypes.string_at(items, K.I915_QUERY_ITEM.size))
+        ctypes.memmove(items, K.I915_QUERY_ITEM.pack(qid, -22, flags, data), K.I915_QUERY_ITEM.size)
+        return 0
+
+    monkeypatch.setattr(probe.fcntl, "ioctl", refuses)
+    with pytest.raises(OSError) as err:
+        probe._i915(0)
+    assert err.value.errno == 22
+
+
+def test_kmd_probe_child_on_this_machine():
+    """No xe/i915 render node here: the child says so, in the documented JSON."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "xpuctl.probes.kmd"], capture_output=True, text=True,
+                         timeout=60, check=True)
+    r = K.probe_result(out.stdout)
+    assert not r.available and "render node" in r.reason
