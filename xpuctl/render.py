@@ -249,13 +249,14 @@ def prometheus(report: Report) -> str:
             for v in snap.deep.devices
             if v.unattributed_bytes is not None
         ]
-        if unattributed:
-            metric(
-                "xpuctl_device_unattributed_bytes",
-                "gauge",
-                "Device memory in use that no visible process holds, minus the idle baseline (--deep).",
-                unattributed,
-            )
+        # the family is always there with --deep (alerts can name it); a device whose used
+        # memory no probe reported has no sample
+        metric(
+            "xpuctl_device_unattributed_bytes",
+            "gauge",
+            "Device memory in use that no visible process holds, minus the idle baseline (--deep).",
+            unattributed,
+        )
     stale = [a for a in snap.artifacts if a.stale]
     metric(
         "xpuctl_stale_files",
