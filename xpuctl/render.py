@@ -303,6 +303,7 @@ def _dev_label(snap: Snapshot, bdf: str) -> str:
 
 def devices_table(snap: Snapshot) -> Any:
     from rich.table import Table
+    from rich.text import Text
 
     t = Table(title="Devices", title_justify="left", expand=False)
     deep_cols = ("device used", "unattributed", "state") if snap.deep else ()
@@ -316,7 +317,7 @@ def devices_table(snap: Snapshot) -> Any:
             "-" if view is None or view.memory_used_bytes is None
             else f"{human_bytes(view.memory_used_bytes)} ({view.source})",
             "-" if view is None or view.unattributed_bytes is None else human_bytes(view.unattributed_bytes),
-            "-" if view is None else ("[bold red]lost[/]" if view.state == "lost" else "ok"),
+            "-" if view is None else (Text("lost", style="bold red") if view.state == "lost" else "ok"),
         )
         t.add_row(
             "-" if d.index is None else str(d.index),
@@ -332,26 +333,28 @@ def devices_table(snap: Snapshot) -> Any:
     return t
 
 
-def probes_line(snap: Snapshot) -> str | None:
-    """One line naming each deep probe and whether it answered (markup-safe)."""
+def probes_line(snap: Snapshot) -> Any:
+    """One line naming each deep probe and whether it answered (a rich Text, no markup)."""
     if snap.deep is None:
         return None
-    from rich.markup import escape
+    from rich.text import Text
 
-    from xpuctl.safetext import safe
-
-    parts = []
-    for r in snap.deep.probes:
+    line = Text("deep probes: ")
+    for n, r in enumerate(snap.deep.probes):
+        if n:
+            line.append(", ")
+        line.append(f"{r.name} ")
         if r.available:
-            parts.append(f"{r.name} [green]ok[/] {r.seconds or 0:.2f}s")
+            line.append("ok", style="green")
+            line.append(f" {r.seconds or 0:.2f}s")
         elif r.timed_out:
-            parts.append(f"{r.name} [yellow]timed out[/]")
+            line.append("timed out", style="yellow")
         else:
-            parts.append(f"{r.name} [dim]unavailable[/]")
-    return "deep probes: " + ", ".join(parts) + escape(
-        "" if not any(not r.available for r in snap.deep.probes) else
-        "  (" + "; ".join(f"{r.name}: {safe(r.reason or '?')}" for r in snap.deep.probes if not r.available) + ")"
-    )
+            line.append("unavailable", style="dim")
+    why = [f"{r.name}: {safe(r.reason or '?')}" for r in snap.deep.probes if not r.available]
+    if why:
+        line.append("  (" + "; ".join(why) + ")")
+    return line
 
 
 def processes_table(snap: Snapshot, title: str = "Processes", width: int = 120) -> Any:

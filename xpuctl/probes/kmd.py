@@ -23,6 +23,8 @@ import os
 import sys
 from typing import Any
 
+from xpuctl.probes.child import emit
+
 from xpuctl.host import Host
 from xpuctl.parse import kmd as K
 from xpuctl.probes.devices import scan_devices
@@ -104,8 +106,7 @@ def main() -> None:
         out = probe()
     except Exception as exc:  # noqa: BLE001
         out = {"name": "kmd", "privileged": False, "devices": [], "error": f"{type(exc).__name__}: {exc}"}
-    sys.stdout.write("\n" + json.dumps(out) + "\n")
-    sys.stdout.flush()
+    emit(out)
 
 
 if __name__ == "__main__":

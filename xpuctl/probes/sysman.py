@@ -17,6 +17,8 @@ import os
 import sys
 from typing import Any
 
+from xpuctl.probes.child import emit
+
 DEVICE_LOST = 0x70000001
 DEVICE_REQUIRES_RESET = 0x70000006
 INSUFFICIENT_PERMISSIONS = 0x70010000
@@ -189,8 +191,7 @@ def main() -> None:
         out = probe()
     except Exception as exc:  # noqa: BLE001 - report, never a traceback on stdout
         out = {"name": "sysman", "available": False, "reason": f"{type(exc).__name__}: {exc}"}
-    sys.stdout.write("\n" + json.dumps(out) + "\n")
-    sys.stdout.flush()
+    emit(out)
 
 
 if __name__ == "__main__":

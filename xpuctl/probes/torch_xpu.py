@@ -17,6 +17,8 @@ import re
 import sys
 from typing import Any
 
+from xpuctl.probes.child import emit
+
 IPEX_NOTE = (
     "intel-extension-for-pytorch is end-of-life (last release 2.8.10+xpu, repository "
     "archived): torch 2.5 or later supports Intel GPUs itself and needs no IPEX"
@@ -116,8 +118,7 @@ def main() -> None:
         out = probe()
     except Exception as exc:  # noqa: BLE001
         out = {"name": "torch", "available": False, "reason": f"{type(exc).__name__}: {exc}"}
-    sys.stdout.write("\n" + json.dumps(out) + "\n")
-    sys.stdout.flush()
+    emit(out)
 
 
 if __name__ == "__main__":
