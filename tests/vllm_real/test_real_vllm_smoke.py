@@ -24,7 +24,7 @@ def _describe(tree: list[E.ProcInfo]) -> str:
 
 def test_real_vllm_smoke(vllm_server, vllm_timings, request):
     srv = vllm_server("--shutdown-timeout", "10")
-    ready = srv.wait_ready(300)
+    ready = srv.wait_ready()
 
     status, body = E.http_json(srv.base_url + "/v1/models")
     assert status == 200, body
@@ -87,7 +87,7 @@ def test_real_vllm_smoke(vllm_server, vllm_timings, request):
 def test_real_vllm_orphans(vllm_server, vllm_timings, request):
     dist_before = E.glob_names("/tmp", "vllm_dist_")
     srv = vllm_server("--shutdown-timeout", "10")
-    ready = srv.wait_ready(300)
+    ready = srv.wait_ready()
 
     tree = srv.tree()
     parts = E.by_title(tree)

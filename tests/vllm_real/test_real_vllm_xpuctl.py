@@ -6,14 +6,16 @@ its environment to vLLM, so the token marks exactly our supervisor and vLLM tree
 those are ever signalled, and the fixture SIGKILLs whatever is left, even on failure.
 
 The detached supervisor is a child subreaper: when its API server is SIGKILLed the orphans
-reparent to it, and after --teardown-timeout (10 s here) it SIGTERMs them itself. The
-orphan test runs doctor and shutdown within about a second of the kill, well inside that
-window; `supervisor_escalated` in the timings says whether the supervisor got there first.
+reparent to it, and after --teardown-timeout it SIGTERMs them itself. The orphan test serves
+with a teardown timeout (ORPHAN_TEARDOWN_S) far longer than its doctor and shutdown need on
+a slow, loaded machine, so the orphans are still there for them to find;
+`supervisor_escalated` in the timings says whether the supervisor got there first anyway.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -21,19 +23,28 @@ import time
 import pytest
 
 from . import env as E
+from . import workload as W
 from .xpuctl_run import XpuctlRun, in_flight
 
 pytestmark = pytest.mark.vllm
 
-# One completion request: n sequences of MAX_TOKENS each, EOS ignored; two run in parallel.
-# On the 2-core reference machine two of n=256 x 240 tokens took 4-10 s, and once xpuctl
-# needed ~8 s from its start to the SIGTERM, so the requests were over before the drain.
-# n=384 lasts about 6-15 s, and the drain test serves with drain 30 + teardown 10 so that
-# vLLM's deadline (40 s) never cuts the drain short (1024 sequences once needed > 20 s).
-N_SEQS = 384
-DRAIN_S, TEARDOWN_S = 30, 10
+# The drain test sizes its in-flight work from the server under test (workload.py): a
+# calibration completion of one full batch gives the decode rate, a `shutdown --dry-run`
+# gives xpuctl's own time to a decision, and two requests of n x MAX_TOKENS sequences are
+# sized to last max(12 s, 4 x that) at the measured rate. The drain budget (DRAIN_S) is
+# many times that, so vLLM's own deadline (drain + teardown) never cuts the drain: with a
+# fixed n=384 and a 40 s deadline, a machine twice as slow lost its requests (issue 8).
+DRAIN_S, TEARDOWN_S = 120, 10
 MAX_TOKENS = 240
 N_REQUESTS = 2
+BATCH = 128  # --max-num-seqs: the calibration fills one batch (the batch the drain work runs at)
+CALIB_TOKENS = 64  # tokens per sequence of the calibration (a few seconds of work here)
+MIN_SEQS = 8  # below a full batch the work lasts at least MAX_TOKENS decode steps anyway
+# The orphan test's window between the API server's death and the supervisor's own SIGTERM
+# to the orphans: doctor, a dry run and the shutdown must fit in it (a few seconds here).
+ORPHAN_TEARDOWN_S = 120
+# vLLM's own count of what it drains, logged when its EngineCore gets the SIGTERM
+DRAINING_RE = re.compile(r"\[shutdown\] EngineCore: draining in-flight requests count=(\d+)")
 # Set to 1 to stop the orphans with a real `shutdown --all` (only when the dry run lists
 # nothing but ours): it would also stop any other vLLM tree started meanwhile on this host.
 ALLOW_ALL_VAR = "XPUCTL_REAL_VLLM_SHUTDOWN_ALL"
@@ -56,6 +67,13 @@ def _environ(pid: int) -> dict[str, str]:
 
 def _served_ok(run: XpuctlRun) -> dict:
     sr = run.serve_result
+    # another vLLM tree on this host (orphans, a server on our device): serve's preflight
+    # refuses, and the test fails saying so; nothing of that tree is ever signalled
+    refused = sr is not None and sr.rc == 1 and "preflight failed" in sr.stderr
+    assert not refused, (
+        "another vLLM tree is already on this host: xpuctl serve's preflight refused to start "
+        "(this test never stops processes it did not start; stop them, then re-run):\n"
+        f"{sr.describe()}")
     assert sr is not None and sr.rc == 0, (
         f"xpuctl serve did not come up:\n{sr.describe() if sr else '-'}\n"
         f"--- log tail\n{run.log_tail()}"
@@ -112,8 +130,9 @@ def _gone(pid: int, start_cmd: str) -> bool:
 # --------------------------------------------------------------------------------------
 
 
-def test_xpuctl_shutdown_drains_inflight(xpuctl_serve, vllm_timings, request):
-    run = xpuctl_serve(drain=DRAIN_S, teardown=TEARDOWN_S)
+def test_xpuctl_shutdown_drains_inflight(xpuctl_serve, vllm_timings, request, vllm_log):
+    run = xpuctl_serve(drain=DRAIN_S, teardown=TEARDOWN_S,
+                       vllm_args=("--max-num-seqs", str(BATCH)))
     rec = _served_ok(run)
     parts = _tree_roles(run, rec)
     api, engine = parts["api"][0], parts["engine"][0]
@@ -129,14 +148,28 @@ def test_xpuctl_shutdown_drains_inflight(xpuctl_serve, vllm_timings, request):
         sorted(eng_env)[:20])
     shm = E.shm_files_open_by(p.pid for p in run.tree())
 
+    # size the work from this server and this machine: a warm-up, then one full batch
+    model = str(run.model)
+    W.measure_rate(run.base_url, model, 1, 8)
+    rate = W.measure_rate(run.base_url, model, BATCH, CALIB_TOKENS)
+    dry = run.xpuctl("shutdown", run.name, "--state-dir", run.state_dir, "--dry-run", "--json",
+                     timeout=300)
+    assert dry.rc == 0, dry.describe()
+    plan = W.plan(rate, dry.seconds, DRAIN_S, N_REQUESTS, MAX_TOKENS, min_seqs=MIN_SEQS)
+    vllm_log(f"[vllm-real] drain plan: {rate.per_s:.0f} tok/s ({rate.tokens} in "
+             f"{rate.seconds:.1f} s), dry run {dry.seconds:.1f} s -> {N_REQUESTS} x "
+             f"n={plan.n_seqs} x {MAX_TOKENS} tokens, about {plan.target_s:.0f} s of work")
+    # vLLM's deadline covers drain and teardown; the client waits for both and a margin
+    request_timeout = DRAIN_S + TEARDOWN_S + 60
+
     # completions in flight
     results: list[tuple[int, object, float]] = []
 
     def complete() -> None:
-        body = {"model": str(run.model), "prompt": "Hello", "max_tokens": MAX_TOKENS,
-                "n": N_SEQS, "temperature": 1.0, "ignore_eos": True}
         try:
-            status, data = E.http_json(run.base_url + "/v1/completions", body, timeout=120)
+            status, data = E.http_json(run.base_url + "/v1/completions",
+                                       W.completion_body(model, plan.n_seqs, MAX_TOKENS),
+                                       timeout=request_timeout)
         except Exception as e:  # noqa: BLE001 - reported by the assertion below
             status, data = -1, repr(e)
         results.append((status, data, time.monotonic()))
@@ -145,46 +178,66 @@ def test_xpuctl_shutdown_drains_inflight(xpuctl_serve, vllm_timings, request):
     t_req = time.monotonic()
     for t in threads:
         t.start()
-    assert _wait(lambda: (in_flight(run.base_url) or 0) > 0, 20), "no request ever in flight"
+    assert _wait(lambda: (in_flight(run.base_url) or 0) > 0, plan.target_s), (
+        "no request ever in flight")
     t_stop = time.monotonic()
-    res = run.xpuctl("shutdown", run.name, "--state-dir", run.state_dir, "--json", timeout=120)
+    res = run.xpuctl("shutdown", run.name, "--state-dir", run.state_dir, "--json",
+                     timeout=request_timeout + 120)
     shutdown_s = time.monotonic() - t_stop
     for t in threads:
-        t.join(timeout=120)
+        t.join(timeout=request_timeout)
 
     assert res.rc == 0, res.describe() + "\n--- log tail\n" + run.log_tail()
     data = res.json
     assert data["verdict"] in ("clean", "escalated"), res.describe()
     events = data["events"]
     assert [t["top"] for t in data["targets"]] == [api.pid], data["targets"]
+    phases = [e["phase"] for e in events]
+    assert "sigterm" in phases and "timeout" not in phases, res.describe(6000)
     vllm_lines = _vllm_lines(events)
     assert vllm_lines, f"no vLLM [shutdown] phase in the timeline:\n{res.describe(6000)}"
-    flights = [int(e["detail"].split()[0]) for e in events if e["phase"] == "in-flight"]
+    # requests were still in flight when the SIGTERM landed: xpuctl's first probe after it
+    # counted them
+    after_term = events[phases.index("sigterm"):]
+    flights = [int(e["detail"].split()[0]) for e in after_term if e["phase"] == "in-flight"]
     assert flights and flights[0] > 0, f"xpuctl saw no request in flight:\n{res.describe(6000)}"
+    # ... and so did vLLM itself when its EngineCore got the SIGTERM
+    drained = [int(m.group(1)) for m in map(DRAINING_RE.search, vllm_lines) if m]
+    assert drained and drained[0] > 0, f"vLLM drained nothing:\n{vllm_lines}"
 
-    # every request finished, with every token, after the shutdown began
+    # every request finished, with every token, after the SIGTERM
+    t_sigterm = t_stop + (data.get("resolve_seconds") or 0.0)
     assert len(results) == N_REQUESTS, results
     for status, body, t_end in results:
         assert status == 200, (status, str(body)[:500])
-        assert body["usage"]["completion_tokens"] == N_SEQS * MAX_TOKENS, body["usage"]
-        assert t_end > t_stop, "the completion finished before the shutdown started"
+        assert body["usage"]["completion_tokens"] == plan.n_seqs * MAX_TOKENS, body["usage"]
+        assert t_end > t_sigterm, "the completion finished before the SIGTERM"
     req_s = max(r[2] for r in results) - t_req
 
     # the tree is gone, and so is the detached supervisor (zombies count as gone)
-    gone, secs = run.wait_gone(30)
+    gone, secs = run.wait_gone(60)
     assert gone, f"still alive after shutdown:\n{run.describe_tree()}"
     assert not E.port_is_listening(run.port)
-    assert _wait(lambda: run.record().get("state") == "stopped", 10), run.record()
+    assert _wait(lambda: run.record().get("state") == "stopped", 30), run.record()
     shm_left = sorted(p for p in shm if os.path.exists(p))
 
     vllm_timings[request.node.name] = {
         "serve_detach": run.serve_result.seconds,
-        "shutdown_cmd": shutdown_s,
+        "rate_tok_s": f"{plan.rate:.0f}",
+        "calibration": rate.seconds,
+        "dry_run": dry.seconds,
+        "planned_work": plan.target_s,
+        "n_seqs": plan.n_seqs,
         "requests": req_s,
+        "sigterm_after_requests": t_sigterm - t_req,
+        "drain_after_sigterm": max(r[2] for r in results) - t_sigterm,
+        "resolve": float(data.get("resolve_seconds") or 0.0),
+        "shutdown_cmd": shutdown_s,
         "verdict": data["verdict"],
         "vllm_phases": len(vllm_lines),
         "vllm_phases_distinct": len(set(vllm_lines)),
         "in_flight": "->".join(map(str, flights)),
+        "vllm_drained": drained[0],
         "gone_after_shutdown": secs,
         "record": f"{run.record().get('state')}/{run.record().get('exit_code')}",
         "shm_left": len(shm_left),
@@ -196,7 +249,7 @@ def test_xpuctl_shutdown_drains_inflight(xpuctl_serve, vllm_timings, request):
 
 
 def test_xpuctl_orphans_after_api_sigkill(xpuctl_serve, vllm_timings, request, vllm_log):
-    run = xpuctl_serve()
+    run = xpuctl_serve(teardown=ORPHAN_TEARDOWN_S)
     rec = _served_ok(run)
     parts = _tree_roles(run, rec)
     api, engine = parts["api"][0], parts["engine"][0]
@@ -210,9 +263,9 @@ def test_xpuctl_orphans_after_api_sigkill(xpuctl_serve, vllm_timings, request, v
     # SIGKILL the API server (pid from the run record): its EngineCore and worker stay
     t_kill = time.monotonic()
     assert E.signal_if_token(api.pid, run.token, signal.SIGKILL)
-    assert _wait(lambda: _gone(api.pid, api.cmdline), 10), run.describe_tree()
+    assert _wait(lambda: _gone(api.pid, api.cmdline), 60), run.describe_tree()
 
-    doc = run.xpuctl("doctor", "--json", "--port", run.port, timeout=60)
+    doc = run.xpuctl("doctor", "--json", "--port", run.port, timeout=180)
     doctor_at = time.monotonic() - t_kill
     assert doc.rc == 1, doc.describe()
     d = doc.json
@@ -252,7 +305,7 @@ def test_xpuctl_orphans_after_api_sigkill(xpuctl_serve, vllm_timings, request, v
     else:
         how = ["--pid", str(engine.pid)]
     t_stop = time.monotonic()
-    stop = run.xpuctl("shutdown", *how, "--state-dir", run.state_dir, "--json", timeout=120)
+    stop = run.xpuctl("shutdown", *how, "--state-dir", run.state_dir, "--json", timeout=300)
     stop_s = time.monotonic() - t_stop
     assert stop.rc == 0, stop.describe() + "\n--- log tail\n" + run.log_tail()
     sdata = stop.json
@@ -264,10 +317,10 @@ def test_xpuctl_orphans_after_api_sigkill(xpuctl_serve, vllm_timings, request, v
     # the orphans are gone, and with them the shm they held
     left = [pid for pid, cmd in orphans.items() if not _gone(pid, cmd)]
     assert not left, f"orphans survive the shutdown: {left}\n{run.describe_tree()}"
-    assert _wait(lambda: not any(os.path.exists(p) for p in psm), 5), (
+    assert _wait(lambda: not any(os.path.exists(p) for p in psm), 30), (
         [p for p in psm if os.path.exists(p)])
 
-    after = run.xpuctl("doctor", "--json", "--port", run.port, timeout=60)
+    after = run.xpuctl("doctor", "--json", "--port", run.port, timeout=180)
     assert after.rc in (0, 1), after.describe()
     d2 = after.json
     still = [p for p in d2["processes"] if p["pid"] in orphans or p["run_id"] == rec["run_id"]]
@@ -293,7 +346,7 @@ def test_xpuctl_orphans_after_api_sigkill(xpuctl_serve, vllm_timings, request, v
         return "; ".join(f"{n}x {v}" for v, n in counts.items()) or "-"
 
     # the supervisor saw its API server die; it exits once the tree is gone
-    sup_gone, _ = run.wait_gone(40)
+    sup_gone, _ = run.wait_gone(60)
     sup_lines = [ln for ln in run.log_text().splitlines() if ln.startswith("xpuctl:")]
     vllm_timings[request.node.name] = {
         "serve_detach": run.serve_result.seconds,

@@ -146,19 +146,20 @@ class XpuctlRun:
         return self.state_dir / "logs" / f"{self.name}.log"
 
     # -- commands ------------------------------------------------------------------------
-    def xpuctl(self, *args: object, timeout: float = 120.0) -> XResult:
+    def xpuctl(self, *args: object, timeout: float = 300.0) -> XResult:
         return run_xpuctl([str(a) for a in args], self.env, timeout, self.work / "cmd")
 
-    def serve_argv(self, drain: float = 10, teardown: float = 10, ready: float = 300) -> list[str]:
+    def serve_argv(self, drain: float = 10, teardown: float = 10, ready: float = 600,
+                   vllm_args: tuple[str, ...] = ()) -> list[str]:
         vllm = f"{E.venv_python(self.venv)} -m vllm.entrypoints.openai.api_server --model"
         return [
             "serve", "--vllm", vllm, "--state-dir", str(self.state_dir),
             "--drain-timeout", f"{drain:g}", "--teardown-timeout", f"{teardown:g}",
             "--ready-timeout", f"{ready:g}", "--detach",
-            str(self.model), "--port", str(self.port), *E.vllm_flags(),
+            str(self.model), "--port", str(self.port), *E.vllm_flags(), *vllm_args,
         ]
 
-    def serve(self, timeout: float = 360.0, **kw) -> XResult:
+    def serve(self, timeout: float = 660.0, **kw) -> XResult:
         """`xpuctl serve --detach`; while it waits, note the files the tree binds
         (the start-up handshake sockets are bound only until ready)."""
         argv = [sys.executable, "-m", "xpuctl", *self.serve_argv(**kw)]
