@@ -266,6 +266,9 @@ def _build_venv(venv: Path, log: Log) -> None:
     )
     t0 = time.monotonic()
     env = _clean_env()
+    # The tier installs with pip's cache (project rule): a PIP_NO_CACHE_DIR meant for other
+    # installs would make every cold build download 3.5 GB again.
+    env.pop("PIP_NO_CACHE_DIR", None)
     deadline = t0 + INSTALL_TIMEOUT_S
 
     def remaining() -> float:
@@ -763,7 +766,7 @@ class VllmServer:
     def log_tail(self, n: int = 40) -> str:
         return "\n".join(self.log_text().rstrip().splitlines()[-n:])
 
-    def wait_ready(self, deadline_s: float = 300.0) -> float:
+    def wait_ready(self, deadline_s: float = 600.0) -> float:
         """Poll /health until 200; returns seconds since start. Fails if the server exits."""
         assert self.proc is not None
         end = self.started_at + deadline_s
