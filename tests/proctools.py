@@ -226,7 +226,7 @@ def _signal_if_token(pid: int, needle: bytes, sig: int) -> bool:
             os.close(pidfd)
 
 
-def reap_token(token: str, timeout: float = 10.0) -> list[int]:
+def reap_token(token: str, timeout: float = 30.0) -> list[int]:
     """SIGCONT + SIGKILL every live non-zombie process carrying the token; wait until gone.
 
     Rescans until nothing is left (a process may fork while being reaped). Returns the pids
@@ -428,7 +428,7 @@ class FakeVllm:
     def events(self) -> list[dict]:
         return read_events(self.events_path)
 
-    def wait_ready(self, timeout: float = 15.0) -> bool:
+    def wait_ready(self, timeout: float = 60.0) -> bool:
         return wait_for(lambda: http_get(self.url + "/health", 0.5)[0] == 200, timeout, 0.05)
 
     def tree(self) -> list[int]:
@@ -479,7 +479,7 @@ def read_events(path: str | os.PathLike) -> list[dict]:
         return []
 
 
-def wait_log(fv_or_path, text: str, timeout: float = 10.0) -> bool:
+def wait_log(fv_or_path, text: str, timeout: float = 30.0) -> bool:
     """Wait until ``text`` appears in a FakeVllm's log (or in a log file)."""
     if isinstance(fv_or_path, FakeVllm):
         get = fv_or_path.log

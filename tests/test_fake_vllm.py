@@ -91,7 +91,7 @@ def start_bg_request(fv, seconds):
     t = threading.Thread(target=send_request, args=(fv, seconds, results), daemon=True)
     t.start()
     assert wait_for(lambda: metric(http_get(fv.url + "/metrics")[1],
-                                   "vllm:num_requests_running") == 1.0, 5), fv.log()
+                                   "vllm:num_requests_running") == 1.0, 30), fv.log()
     return t, results
 
 
@@ -104,7 +104,7 @@ def test_drain_tp2(standin_root, proc_token):
     fv = start_fake_vllm(proc_token, root, tp=2, shutdown_timeout=10,
                          args=["--max-model-len", "256", "--enforce-eager"],
                          env={"XPUCTL_RUN_ID": "run-123"})
-    assert fv.wait_ready(15), fv.log()
+    assert fv.wait_ready(), fv.log()
     log = fv.log()
     assert "non-default args: {" in log and "'shutdown_timeout': 10" in log
     assert f"Starting vLLM API server on http://127.0.0.1:{fv.port}" in log
@@ -131,18 +131,20 @@ def test_drain_tp2(standin_root, proc_token):
     assert len(socks) == 1
     assert http_get(fv.url + "/v1/models")[1].count('"id": "fake-model"') == 1
 
-    # drain: a slow request is running, SIGTERM the top only
-    t, results = start_bg_request(fv, 1.5)
+    # drain: a slow request is running, SIGTERM the top only. The request outlasts the steps
+    # below up to the late request (well under a second here) on a slow, loaded machine, and
+    # the drain still ends inside the 10 s deadline.
+    t, results = start_bg_request(fv, 5)
     text = http_get(fv.url + "/metrics")[1]
     assert 'vllm:num_requests_running{model_name="fake-model"} 1.0' in text
     assert 'vllm:num_requests_waiting{model_name="fake-model"} 0.0' in text
     os.kill(fv.pid, signal.SIGTERM)
-    assert wait_log(fv, "draining in-flight requests count=1", 5), fv.log()
+    assert wait_log(fv, "draining in-flight requests count=1"), fv.log()
     assert http_get(fv.url + "/health")[0] == 200  # /health stays 200 while draining
     status, body = http_post(fv.url + "/v1/completions", {"prompt": "late"})
     assert status == 200 and body["choices"][0]["finish_reason"] == "abort"
-    assert fv.proc.wait(15) == 0
-    t.join(5)
+    assert fv.proc.wait(30) == 0
+    t.join(30)
     assert results and results[0][0] == 200, results
     assert results[0][1]["choices"][0]["finish_reason"] == "length"
 
@@ -150,7 +152,7 @@ def test_drain_tp2(standin_root, proc_token):
     assert_in_order(log, DRAIN_PHASES)
     assert "XPUWorker shutdown: done (rank=1, local_rank=1)" in log
     assert "force killing" not in log
-    assert wait_for(lambda: all(is_gone(p) for p in [core, *workers]), 5)
+    assert wait_for(lambda: all(is_gone(p) for p in [core, *workers]), 15)
     assert shm_files(root) == [] and dist_files(root) == []
     assert len([f for f in root.tmp() if len(f) == 36]) == 1  # uuid socket file left (like vLLM)
     assert nobody_holds(root, 2)
@@ -163,10 +165,10 @@ def test_drain_tp2(standin_root, proc_token):
 def test_sigkill_top_leaves_orphans(standin_root, proc_token):
     root = standin_root
     fv = start_fake_vllm(proc_token, root, tp=2, shutdown_timeout=5)
-    assert fv.wait_ready(15), fv.log()
+    assert fv.wait_ready(), fv.log()
     core, workers = tree_roles(fv)
     os.kill(fv.pid, signal.SIGKILL)
-    fv.proc.wait(5)
+    fv.proc.wait(30)
     time.sleep(0.5)
     # EngineCore watches nobody: it and its workers survive, holding devices and files
     assert not is_gone(core) and all(not is_gone(w) for w in workers)
@@ -177,7 +179,7 @@ def test_sigkill_top_leaves_orphans(standin_root, proc_token):
     assert http_get(fv.url + "/health", 0.5)[0] is None  # the port is free at once
     # a SIGTERM to the orphaned EngineCore shuts the rest down cleanly
     os.kill(core, signal.SIGTERM)
-    assert wait_for(lambda: all(is_gone(p) for p in [core, *workers]), 10), fv.log()
+    assert wait_for(lambda: all(is_gone(p) for p in [core, *workers]), 30), fv.log()
     assert shm_files(root) == [] and dist_files(root) == []
     assert nobody_holds(root, 2)
     ev = fv.events()
@@ -191,12 +193,12 @@ def test_abort_mode_kills_tree_and_leaves_files(standin_root, proc_token):
     """--shutdown-timeout 0 (vLLM's default): SIGTERM, then at once SIGKILL of the tree."""
     root = standin_root
     fv = start_fake_vllm(proc_token, root, tp=2)
-    assert fv.wait_ready(15), fv.log()
+    assert fv.wait_ready(), fv.log()
     assert "shutdown_timeout" not in fv.log().split("non-default args:")[1].split("\n")[0]
     core, workers = tree_roles(fv)
     os.kill(fv.pid, signal.SIGTERM)
-    assert fv.proc.wait(10) == 0
-    assert wait_for(lambda: all(is_gone(p) for p in [core, *workers]), 5)
+    assert fv.proc.wait(30) == 0
+    assert wait_for(lambda: all(is_gone(p) for p in [core, *workers]), 15)
     log = fv.log()
     assert "stopping engine client mode=abort timeout=0s" in log
     assert f"force killing remaining process EngineCore pid {core}" in log
@@ -220,7 +222,7 @@ def test_shebang_fallback_titles_and_affinity(standin_root, proc_token):
         proc = subprocess.Popen([str(FAKE_VLLM), "serve", "m", "--port", str(port),
                                  "--shutdown-timeout", "5"], env=env, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
-    assert wait_for(lambda: http_get(f"http://127.0.0.1:{port}/health", 0.5)[0] == 200, 15), \
+    assert wait_for(lambda: http_get(f"http://127.0.0.1:{port}/health", 0.5)[0] == 200, 60), \
         open(log_path).read()
     kids = [p for p in pids_with_token(proc_token) if p != proc.pid]
     titles = sorted(title(p) for p in kids)
@@ -231,18 +233,18 @@ def test_shebang_fallback_titles_and_affinity(standin_root, proc_token):
     assert holders(root.node(1)) == [worker] and holders(root.node(0)) == []
     assert "vllm" in os.path.basename(cmdline(proc.pid)[1]) and cmdline(proc.pid)[2] == "serve"
     os.kill(proc.pid, signal.SIGTERM)
-    assert proc.wait(10) == 0
-    assert wait_for(lambda: all(is_gone(p) for p in kids), 5)
+    assert proc.wait(30) == 0
+    assert wait_for(lambda: all(is_gone(p) for p in kids), 15)
 
 
 @pytest.mark.slow
 def test_missing_device_node_is_tolerated(standin_root, proc_token):
     fv = start_fake_vllm(proc_token, standin_root, tp=1, shutdown_timeout=5,
                          env={"ZE_AFFINITY_MASK": "7"})
-    assert fv.wait_ready(15), fv.log()
+    assert fv.wait_ready(), fv.log()
     assert "renderD135" in fv.log() and "continuing without a device" in fv.log()
     os.kill(fv.pid, signal.SIGTERM)
-    assert fv.proc.wait(10) == 0
+    assert fv.proc.wait(30) == 0
 
 
 @pytest.mark.slow
@@ -251,11 +253,11 @@ def test_sigterm_to_worker_takes_the_server_down(standin_root, proc_token):
     root = standin_root
     fv = start_fake_vllm(proc_token, root, tp=2, shutdown_timeout=5,
                          env={"FAKE_VLLM_ENGINE_DEAD_EXIT_S": "0.2"})
-    assert fv.wait_ready(15), fv.log()
+    assert fv.wait_ready(), fv.log()
     core, (w0, w1) = tree_roles(fv)
     os.kill(w1, signal.SIGTERM)
-    assert fv.proc.wait(10) == 1
-    assert wait_for(lambda: all(is_gone(p) for p in (core, w0, w1)), 5)
+    assert fv.proc.wait(30) == 1
+    assert wait_for(lambda: all(is_gone(p) for p in (core, w0, w1)), 15)
     log = fv.log()
     assert_in_order(log, ["XPUWorker shutdown: done (rank=1, local_rank=1)",
                           "Worker proc VllmWorker-1 died unexpectedly (exit code: 0)",
@@ -269,11 +271,11 @@ def test_group_sigterm_tears_down_in_parallel(standin_root, proc_token):
     """killpg(SIGTERM) (Ctrl-C style) reaches everyone; still a clean exit."""
     root = standin_root
     fv = start_fake_vllm(proc_token, root, tp=2, shutdown_timeout=5)
-    assert fv.wait_ready(15), fv.log()
+    assert fv.wait_ready(), fv.log()
     core, workers = tree_roles(fv)
     os.killpg(fv.pid, signal.SIGTERM)  # started with start_new_session: pgid == top pid
-    assert fv.proc.wait(10) == 0
-    assert wait_for(lambda: all(is_gone(p) for p in [core, *workers]), 5)
+    assert fv.proc.wait(30) == 0
+    assert wait_for(lambda: all(is_gone(p) for p in [core, *workers]), 15)
     assert "died unexpectedly" not in fv.log()
     ev = fv.events()
     got = sorted((e["role"], e["rank"] or 0) for e in ev if e["event"] == "signal")
@@ -292,17 +294,21 @@ def test_group_sigterm_tears_down_in_parallel(standin_root, proc_token):
 def test_fault_ignore_sigterm(standin_root, proc_token):
     fv = start_fake_vllm(proc_token, standin_root, tp=1, shutdown_timeout=5,
                          env={"FAKE_VLLM_FAULTS": "ignore-sigterm"})
-    assert fv.wait_ready(15), fv.log()
+    assert fv.wait_ready(), fv.log()
     os.kill(fv.pid, signal.SIGTERM)
     os.kill(fv.pid, signal.SIGINT)
-    time.sleep(0.7)
+
+    def sigs():
+        return sorted(e["signal"] for e in fv.events() if e["event"] == "signal")
+
+    # both pending: the kernel delivers SIGINT first; both are recorded, then ignored
+    assert wait_for(lambda: sigs() == ["SIGINT", "SIGTERM"], 30), sigs()
+    time.sleep(0.5)  # a chance to misbehave after the handlers ran
     assert fv.proc.poll() is None and http_get(fv.url + "/health")[0] == 200
     assert "[shutdown]" not in fv.log()
-    sigs = [e["signal"] for e in fv.events() if e["event"] == "signal"]
-    assert sorted(sigs) == ["SIGINT", "SIGTERM"]  # both pending: kernel delivers SIGINT first
     core, workers = tree_roles(fv)
     os.kill(fv.pid, signal.SIGKILL)
-    fv.proc.wait(5)
+    fv.proc.wait(30)
     assert not is_gone(core)  # and the SIGKILL leaves orphans, as usual
     reap_token(proc_token)
     assert all(is_gone(p) for p in [core, *workers])
@@ -311,20 +317,23 @@ def test_fault_ignore_sigterm(standin_root, proc_token):
 @pytest.mark.slow
 def test_fault_slow_teardown_hits_deadline(standin_root, proc_token):
     root = standin_root
-    fv = start_fake_vllm(proc_token, root, tp=2, shutdown_timeout=4,
-                         env={"FAKE_VLLM_FAULTS": "slow-teardown", "FAKE_VLLM_TEARDOWN_S": "30"})
-    assert fv.wait_ready(15), fv.log()
+    # the deadline (12 s) must fall after the test's own steps below (about a second here),
+    # and before EngineCore's own grace for its workers ends (60 s here, 5 s by default)
+    fv = start_fake_vllm(proc_token, root, tp=2, shutdown_timeout=12,
+                         env={"FAKE_VLLM_FAULTS": "slow-teardown", "FAKE_VLLM_TEARDOWN_S": "120",
+                              "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "60"})
+    assert fv.wait_ready(), fv.log()
     core, (w0, w1) = tree_roles(fv)
     os.kill(fv.pid, signal.SIGTERM)
-    assert wait_log(fv, "XPUWorker shutdown: cleaning up (rank=1, local_rank=1)", 5), fv.log()
+    assert wait_log(fv, "XPUWorker shutdown: cleaning up (rank=1, local_rank=1)"), fv.log()
     os.kill(w0, signal.SIGTERM)  # first SIGTERM during the teardown: ignored
     os.kill(w1, signal.SIGTERM)
     time.sleep(0.3)
     assert not is_gone(w0) and not is_gone(w1)
     os.kill(w1, signal.SIGTERM)  # a second one ends the teardown (dies by the signal)
-    assert wait_for(lambda: is_gone(w1), 3)
-    assert fv.proc.wait(10) == 0  # deadline (4 s) hits: kill_process_tree
-    assert wait_for(lambda: all(is_gone(p) for p in (core, w0, w1)), 5)
+    assert wait_for(lambda: is_gone(w1), 15)
+    assert fv.proc.wait(60) == 0  # deadline (12 s) hits: kill_process_tree
+    assert wait_for(lambda: all(is_gone(p) for p in (core, w0, w1)), 15)
     log = fv.log()
     assert f"[shutdown] Process manager: force killing remaining process EngineCore pid {core}" in log
     assert "XPUWorker shutdown: done" not in log
@@ -340,7 +349,7 @@ def test_fault_hang_startup(standin_root, proc_token):
     root = standin_root
     fv = start_fake_vllm(proc_token, root, tp=2, shutdown_timeout=1,
                          env={"FAKE_VLLM_FAULTS": "hang-startup", "FAKE_VLLM_STARTUP_S": "0.1"})
-    assert wait_for(lambda: fv.log().count("backend=xccl") == 2, 10), fv.log()
+    assert wait_for(lambda: fv.log().count("backend=xccl") == 2, 60), fv.log()
     time.sleep(1.0)
     assert http_get(fv.url + "/health", 0.5)[0] is None  # never ready
     assert "Application startup complete." not in fv.log()
@@ -353,8 +362,8 @@ def test_fault_hang_startup(standin_root, proc_token):
     time.sleep(0.3)
     assert not is_gone(workers[0])
     os.kill(fv.pid, signal.SIGTERM)  # during start-up: abort init, deadline 1 s, kill tree
-    assert fv.proc.wait(10) == 1
-    assert wait_for(lambda: all(is_gone(p) for p in [core, *workers]), 5)
+    assert fv.proc.wait(30) == 1
+    assert wait_for(lambda: all(is_gone(p) for p in [core, *workers]), 15)
     assert "force killing remaining process EngineCore" in fv.log()
     assert nobody_holds(root, 2)
 
@@ -364,7 +373,7 @@ def test_fault_setsid_worker(standin_root, proc_token):
     root = standin_root
     fv = start_fake_vllm(proc_token, root, tp=2, shutdown_timeout=5,
                          env={"FAKE_VLLM_FAULTS": "setsid-worker"})
-    assert fv.wait_ready(15), fv.log()
+    assert fv.wait_ready(), fv.log()
     status, body = http_post(fv.url + "/v1/chat/completions",
                              {"messages": [{"role": "user", "content": "hi"}]})
     assert status == 200 and body["choices"][0]["message"]["role"] == "assistant"
@@ -373,25 +382,28 @@ def test_fault_setsid_worker(standin_root, proc_token):
     assert sid_of(w1) == sid_of(core) == sid_of(fv.pid)
     assert ppid_of(w0) == core
     os.kill(fv.pid, signal.SIGTERM)  # still a child of EngineCore: the death pipe still works
-    assert fv.proc.wait(10) == 0
-    assert wait_for(lambda: all(is_gone(p) for p in (core, w0, w1)), 5)
+    assert fv.proc.wait(30) == 0
+    assert wait_for(lambda: all(is_gone(p) for p in (core, w0, w1)), 15)
     assert shm_files(root) == [] and nobody_holds(root, 2)
 
 
 @pytest.mark.slow
-def test_fault_crash_engine(standin_root, proc_token):
+def test_fault_crash_engine(standin_root, proc_token, tmp_path):
     root = standin_root
+    crash = tmp_path / "crash-now"
     fv = start_fake_vllm(proc_token, root, tp=2, shutdown_timeout=5,
-                         env={"FAKE_VLLM_FAULTS": "crash-engine", "FAKE_VLLM_CRASH_AFTER": "0.5",
-                              "FAKE_VLLM_ENGINE_DEAD_EXIT_S": "3"})
-    assert fv.wait_ready(15), fv.log()
+                         env={"FAKE_VLLM_FAULTS": "crash-engine",
+                              "FAKE_VLLM_CRASH_FILE": str(crash),
+                              "FAKE_VLLM_ENGINE_DEAD_EXIT_S": "5"})
+    assert fv.wait_ready(), fv.log()
     core, workers = tree_roles(fv)
-    assert wait_log(fv, "[shutdown] MPClient: engine core exited unexpectedly", 5), fv.log()
+    crash.touch()
+    assert wait_log(fv, "[shutdown] MPClient: engine core exited unexpectedly"), fv.log()
     assert http_get(fv.url + "/health")[0] == 503
     status, _ = http_post(fv.url + "/v1/completions", {"prompt": "x"})
     assert status == 500
-    assert fv.proc.wait(10) == 1
-    assert wait_for(lambda: all(is_gone(p) for p in [core, *workers]), 5)
+    assert fv.proc.wait(30) == 1
+    assert wait_for(lambda: all(is_gone(p) for p in [core, *workers]), 15)
     ev = fv.events()
     assert [e["code"] for e in ev if e["event"] == "exit" and e["role"] == "engine-core"] == [1]
     assert [e["code"] for e in ev if e["event"] == "exit" and e["role"] == "worker"] == [0, 0]
@@ -405,16 +417,20 @@ def test_fault_worker_ignores_sigterm(standin_root, proc_token):
     root = standin_root
     fv = start_fake_vllm(proc_token, root, tp=2, shutdown_timeout=5,
                          env={"FAKE_VLLM_FAULTS": "worker-ignores-sigterm"})
-    assert fv.wait_ready(15), fv.log()
+    assert fv.wait_ready(), fv.log()
     core, (w0, w1) = tree_roles(fv)
     os.kill(w0, signal.SIGTERM)
     os.kill(w0, signal.SIGINT)
-    time.sleep(0.5)
+
+    def sigs():
+        return sorted(e["signal"] for e in fv.events() if e["event"] == "signal")
+
+    assert wait_for(lambda: sigs() == ["SIGINT", "SIGTERM"], 30), sigs()
+    time.sleep(0.5)  # a chance to misbehave after the handlers ran
     assert not is_gone(w0) and http_get(fv.url + "/health")[0] == 200
-    assert sorted(e["signal"] for e in fv.events() if e["event"] == "signal") == ["SIGINT", "SIGTERM"]
     os.kill(fv.pid, signal.SIGTERM)  # the death pipe still stops them
-    assert fv.proc.wait(10) == 0
-    assert wait_for(lambda: all(is_gone(p) for p in (core, w0, w1)), 5)
+    assert fv.proc.wait(30) == 0
+    assert wait_for(lambda: all(is_gone(p) for p in (core, w0, w1)), 15)
     assert "[shutdown] Executor: all workers exited gracefully" in fv.log()
     assert shm_files(root) == [] and nobody_holds(root, 2)
 
@@ -429,9 +445,9 @@ def test_reaper_only_kills_token_carriers():
     other = subprocess.Popen(["sleep", "60"], env=token_env(new_token()))
     plain = subprocess.Popen(["sleep", "60"])
     try:
-        assert wait_for(lambda: pids_with_token(tok) == [mine.pid], 2)
+        assert wait_for(lambda: pids_with_token(tok) == [mine.pid], 30)
         assert reap_token(tok) == [mine.pid]
-        assert mine.wait(2) == -signal.SIGKILL
+        assert mine.wait(30) == -signal.SIGKILL
         assert other.poll() is None and plain.poll() is None
         assert pids_with_token(tok) == []
     finally:

@@ -77,10 +77,10 @@ def test_stops_real_orphans_and_cleans_their_files(proc_token, standin_root):
     """A fake vLLM tree whose API server was SIGKILLed: reset stops the orphans for real."""
     r = standin_root
     srv = proctools.start_fake_vllm(proc_token, r.root, tp=2, shutdown_timeout=5)
-    srv.wait_ready()
+    assert srv.wait_ready(), srv.log()
     tree = srv.tree()
     os.kill(srv.pid, signal.SIGKILL)
-    assert proctools.wait_for(lambda: proctools.is_gone(srv.pid), 5)
+    assert proctools.wait_for(lambda: proctools.is_gone(srv.pid), 30)
     survivors = [p for p in tree if p != srv.pid]
     assert len(survivors) == 3  # EngineCore and two workers
     assert all(not proctools.is_gone(p) for p in survivors)
@@ -92,5 +92,5 @@ def test_stops_real_orphans_and_cleans_their_files(proc_token, standin_root):
     data = json.loads(out.stdout)
     assert out.returncode == 0, out.stderr
     assert set(data["plan"]["orphan_pids"]) == set(survivors)
-    assert proctools.wait_for(lambda: all(proctools.is_gone(p) for p in survivors), 5)
+    assert proctools.wait_for(lambda: all(proctools.is_gone(p) for p in survivors), 30)
     assert not proctools.holders(r.node(0)) and not proctools.holders(r.node(1))
