@@ -30,15 +30,16 @@ pytestmark = pytest.mark.vllm
 
 # The drain test sizes its in-flight work from the server under test (workload.py): a
 # calibration completion of one full batch gives the decode rate, a `shutdown --dry-run`
-# gives xpuctl's own time to a decision, and two requests of n x MAX_TOKENS sequences are
-# sized to last max(12 s, 4 x that) at the measured rate. The drain budget (DRAIN_S) is
-# many times that, so vLLM's own deadline (drain + teardown) never cuts the drain: with a
-# fixed n=384 and a 40 s deadline, a machine twice as slow lost its requests (issue 8).
-DRAIN_S, TEARDOWN_S = 120, 10
+# timed while that batch runs gives xpuctl's own time to a decision under load, and two
+# requests of n x MAX_TOKENS sequences are sized to last max(12 s, 4 x that) at the
+# measured rate (at most DRAIN_S / 4). The drain budget is several times the work, so
+# vLLM's own deadline (drain + teardown) never cuts the drain: with a fixed n=384 and a
+# 40 s deadline, a machine twice as slow lost its requests (issue 8).
+DRAIN_S, TEARDOWN_S = 240, 10
 MAX_TOKENS = 240
 N_REQUESTS = 2
 BATCH = 128  # --max-num-seqs: the calibration fills one batch (the batch the drain work runs at)
-CALIB_TOKENS = 64  # tokens per sequence of the calibration (a few seconds of work here)
+CALIB_TOKENS = 128  # tokens per sequence of the calibration (about 7 s of work here)
 MIN_SEQS = 8  # below a full batch the work lasts at least MAX_TOKENS decode steps anyway
 # The orphan test's window between the API server's death and the supervisor's own SIGTERM
 # to the orphans: doctor, a dry run and the shutdown must fit in it (a few seconds here).
@@ -151,13 +152,20 @@ def test_xpuctl_shutdown_drains_inflight(xpuctl_serve, vllm_timings, request, vl
     # size the work from this server and this machine: a warm-up, then one full batch
     model = str(run.model)
     W.measure_rate(run.base_url, model, 1, 8)
-    rate = W.measure_rate(run.base_url, model, BATCH, CALIB_TOKENS)
-    dry = run.xpuctl("shutdown", run.name, "--state-dir", run.state_dir, "--dry-run", "--json",
-                     timeout=300)
-    assert dry.rc == 0, dry.describe()
-    plan = W.plan(rate, dry.seconds, DRAIN_S, N_REQUESTS, MAX_TOKENS, min_seqs=MIN_SEQS)
+    dry_runs = []
+
+    def dry_run() -> None:
+        dry_runs.append(run.xpuctl("shutdown", run.name, "--state-dir", run.state_dir,
+                                   "--dry-run", "--json", timeout=300))
+
+    loaded = W.measure_under_load(run.base_url, model, BATCH, CALIB_TOKENS,
+                                  lambda: (in_flight(run.base_url) or 0) > 0, dry_run)
+    assert dry_runs[0].rc == 0, dry_runs[0].describe()
+    rate = loaded.rate
+    plan = W.plan(rate, loaded.lead_s, DRAIN_S, N_REQUESTS, MAX_TOKENS, min_seqs=MIN_SEQS)
     vllm_log(f"[vllm-real] drain plan: {rate.per_s:.0f} tok/s ({rate.tokens} in "
-             f"{rate.seconds:.1f} s), dry run {dry.seconds:.1f} s -> {N_REQUESTS} x "
+             f"{rate.seconds:.1f} s), dry run under load {loaded.lead_s:.1f} s"
+             f"{'' if loaded.covered else ' (outlasted the calibration)'} -> {N_REQUESTS} x "
              f"n={plan.n_seqs} x {MAX_TOKENS} tokens, about {plan.target_s:.0f} s of work")
     # vLLM's deadline covers drain and teardown; the client waits for both and a margin
     request_timeout = DRAIN_S + TEARDOWN_S + 60
@@ -225,7 +233,8 @@ def test_xpuctl_shutdown_drains_inflight(xpuctl_serve, vllm_timings, request, vl
         "serve_detach": run.serve_result.seconds,
         "rate_tok_s": f"{plan.rate:.0f}",
         "calibration": rate.seconds,
-        "dry_run": dry.seconds,
+        "dry_run_loaded": loaded.lead_s,
+        "dry_run_covered": loaded.covered,
         "planned_work": plan.target_s,
         "n_seqs": plan.n_seqs,
         "requests": req_s,

@@ -9,7 +9,9 @@ test measures two figures in its own run and sizes the work from them:
   batch (`--max-num-seqs` sequences, `max_tokens` each, EOS ignored) so that the rate is
   the one of the saturated batch the in-flight work will run at;
 - how long xpuctl takes from its start to a decision (`shutdown --dry-run`), since the
-  real shutdown needs about that long before its SIGTERM.
+  real shutdown needs about that long before its SIGTERM. It is measured while the
+  calibration batch runs: with the server decoding on every core, xpuctl's own start-up
+  is several times slower than on an idle host (0.5 s idle, 4.9 s under load, same run).
 
 plan() turns them into a number of sequences per request: the in-flight work lasts
 `target_s` at the measured rate, where target_s is at least MIN_WORK_S and at least
@@ -19,7 +21,9 @@ LEAD_FACTOR times the dry run, and at most the drain budget divided by BUDGET_FA
 from __future__ import annotations
 
 import math
+import threading
 import time
+from collections.abc import Callable
 from typing import NamedTuple
 
 from . import env as E
@@ -81,3 +85,39 @@ def plan(rate: Rate, lead_s: float, drain_budget_s: float, requests: int, max_to
     n = math.ceil(rate.per_s * target / (requests * max_tokens))
     n = max(min_seqs, min(MAX_SEQS, n))
     return Plan(rate.per_s, lead_s, target, n, requests, max_tokens)
+
+
+class Loaded(NamedTuple):
+    rate: Rate
+    lead_s: float  # how long action() took while the calibration batch was running
+    covered: bool  # the calibration was still running when action() returned
+
+
+def measure_under_load(base_url: str, model: str, n: int, max_tokens: int,
+                       running: Callable[[], bool], action: Callable[[], object],
+                       timeout: float = 600.0) -> Loaded:
+    """Run a calibration completion of n x max_tokens; once running() says it is in
+    flight, time action() (e.g. an xpuctl dry run) under that load. Raises AssertionError
+    when the calibration fails or never shows as running."""
+    out: list[Rate | BaseException] = []
+
+    def calibrate() -> None:
+        try:
+            out.append(measure_rate(base_url, model, n, max_tokens, timeout))
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            out.append(e)
+
+    th = threading.Thread(target=calibrate, daemon=True)
+    th.start()
+    end = time.monotonic() + timeout
+    while not running() and th.is_alive() and time.monotonic() < end:
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    action()
+    lead = time.monotonic() - t0
+    covered = th.is_alive()
+    th.join(max(1.0, end - time.monotonic()))
+    assert out, "calibration request did not finish"
+    if isinstance(out[0], BaseException):
+        raise out[0]
+    return Loaded(out[0], lead, covered)
