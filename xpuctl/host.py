@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import os
 import stat as _stat
+import time
 from typing import NamedTuple
+
+#: Clock ticks per second of /proc/<pid>/stat start times.
+CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 class FileInfo(NamedTuple):
@@ -64,6 +68,11 @@ class Host:
     #: Largest file read through the host (procfs files are small; a bound keeps a hostile
     #: tree from making us read gigabytes).
     READ_LIMIT = 8 << 20
+    #: A pass over /proc may be split over a forked helper (probes/split.py). A host that
+    #: records its reads (snapshot) says no: the helper's reads would be lost with it.
+    splittable = True
+    #: Ticks per second of the start times in /proc/<pid>/stat.
+    clk_tck = CLK_TCK
 
     def __init__(self, root: str | os.PathLike[str] = "/") -> None:
         r = os.path.abspath(os.fspath(root))
@@ -72,6 +81,31 @@ class Host:
 
     def __repr__(self) -> str:
         return f"Host(root={self.root or '/'!r})"
+
+    @property
+    def origin(self) -> str:
+        """What this view shows, for reports: the root directory ("/" on a live host)."""
+        return self.root or "/"
+
+    def now(self) -> float:
+        """The time a scan is taken at (file ages are measured against it)."""
+        return time.time()
+
+    @property
+    def comm_trusted(self) -> bool:
+        """True when `comm` in /proc/<pid>/stat is the kernel's (the live /proc): it can rule
+        vLLM out before the cmdline is read. A fake tree's comm may not match its argv."""
+        return self.proc_is_live
+
+    @property
+    def rdev_checked(self) -> bool:
+        """True when /dev/dri fds are checked to be DRM char devices (major 226) by stat:
+        on a live host. A fake tree has plain files there and goes by node name."""
+        return self.live
+
+    def found_listeners(self, sockets: list) -> None:
+        """Told the TCP LISTEN sockets a scan found (over netlink on a live host, which is
+        no file read): a recording host keeps them; this one has no use for them."""
 
     # -- paths ------------------------------------------------------------------------
     def path(self, hostpath: str) -> str:

@@ -5,10 +5,9 @@ from __future__ import annotations
 import marshal
 import os
 import re
-import time
 from collections.abc import Iterable
 
-from xpuctl.host import Host
+from xpuctl.host import CLK_TCK, Host  # noqa: F401 (CLK_TCK: cli's own-age check)
 from xpuctl.model import Artifact, Device, DmabufHold, DrmClient, Issue, Port, Process, Snapshot
 from xpuctl.parse.fdinfo import parse_dmabuf, parse_fdinfo
 from xpuctl.parse.net import TcpSocket, parse_tcp, parse_unix_paths
@@ -24,7 +23,6 @@ RUN_ID_VAR = "XPUCTL_RUN_ID"
 DEFAULT_PORT = 8000
 _NODE_RE = re.compile(r"^(card|renderD)(\d+)$")
 _GPU_DRIVERS = ("xe", "i915")
-CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def own_pids(host: Host) -> frozenset[int]:
@@ -54,7 +52,8 @@ class _Lazy:
         """/dev/shm and /tmp paths -> pids that map them (a mapping outlives its fd)."""
         if self._maps is None:
             pids = [pid for pid, proc in self.fds.procs.items() if proc.stat.state != "Z"]
-            first, *rest = in_two(self._mapped_by, pids, marshal.dumps, marshal.loads)
+            first, *rest = in_two(self._mapped_by, pids, marshal.dumps, marshal.loads,
+                                  split=self.host.splittable)
             for part in rest:
                 for path, owners in part.items():
                     first.setdefault(path, []).extend(owners)
@@ -108,7 +107,7 @@ def _drm_clients(
     for pid, fd, path in fds.drm_fds:
         name = path[len("/dev/dri/") :]
         dev = by_node.get(name)
-        if host.live:
+        if host.rdev_checked:
             rdev = host.stat_rdev(f"/proc/{pid}/fd/{fd}")
             if rdev is None or rdev[0] != DRM_MAJOR:
                 continue
@@ -269,6 +268,7 @@ def listening_sockets(host: Host) -> list[TcpSocket]:
 
 def _ports(host: Host, fds: FdScan, procs: dict[int, Process], port: int | None) -> list[Port]:
     listeners = listening_sockets(host)
+    host.found_listeners(listeners)
     out: list[Port] = []
     seen: set[tuple[int, int | None]] = set()
     serving_found = False
@@ -324,7 +324,7 @@ def take_snapshot(
 ) -> Snapshot:
     """One scan. `artifacts=False` skips /dev/shm and /tmp (a release check needs only
     holders and ports). `exclude_pids` (live /proc only): our own helpers, e.g. deep probes."""
-    now = time.time()
+    now = host.now()
     devices, issues = scan_devices(host)
     fds = scan_processes(host, own_pids(host) | (exclude_pids if host.proc_is_live else frozenset()))
     lazy = _Lazy(host, fds)
@@ -376,7 +376,7 @@ def take_snapshot(
             state=st.state,
             comm=st.comm,
             cmdline=tuple(fill_cmdline(host, raw)),
-            start_time=(boot + st.start_ticks / CLK_TCK) if boot is not None else None,
+            start_time=(boot + st.start_ticks / host.clk_tck) if boot is not None else None,
             start_ticks=st.start_ticks,
             session=st.session,
             pgrp=st.pgrp,
@@ -403,7 +403,7 @@ def take_snapshot(
         issues.append(Issue("/proc", f"could not parse {len(fds.malformed)} process(es)"))
     ports = _ports(host, fds, procs, port)
     return Snapshot(
-        root=host.root or "/",
+        root=host.origin,
         taken_at=now,
         devices=tuple(devices),
         processes=tuple(ordered),

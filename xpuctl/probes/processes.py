@@ -148,7 +148,7 @@ def _scan_some(host: Host, pids: Iterable[int], skip: frozenset[int], out: FdSca
     cut = len(root)
     keep = _KEEP + ((root + "/dev/", root + "/tmp/") if root else ())
     fd_links = host.fd_links
-    full_argv = not host.proc_is_live  # a fake tree's comm may not match its argv
+    full_argv = not host.comm_trusted  # a fake tree's comm may not match its argv
     for pid in pids:
         if pid in skip:
             continue
@@ -204,7 +204,7 @@ def scan_processes(host: Host, skip_pids: frozenset[int] = frozenset()) -> FdSca
         _scan_some(host, some, skip_pids, part)
         return part
 
-    out, *rest = in_two(work, pids, FdScan.dumps, FdScan.loads)
+    out, *rest = in_two(work, pids, FdScan.dumps, FdScan.loads, split=host.splittable)
     for part in rest:
         out.merge(part)
     return out

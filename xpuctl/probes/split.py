@@ -67,12 +67,12 @@ def _take(queue: int, chunks: list[list], taken: list[int]) -> Iterator:
 
 
 def in_two(work: Callable[[Iterable], T], items: list, dumps: Callable[[T], bytes],
-           loads: Callable[[bytes], T]) -> list[T]:
-    """work(items) as one or two partial results: [work(items)] when a split does not pay
-    or is not possible, else one result from here and one from a helper, over disjoint
-    parts of `items` that together are all of it. `dumps`/`loads` carry a result through
-    a pipe."""
-    if len(items) <= SPLIT_ABOVE or not can_split():
+           loads: Callable[[bytes], T], split: bool = True) -> list[T]:
+    """work(items) as one or two partial results: [work(items)] when a split does not pay,
+    is not possible or not wanted (`split` False), else one result from here and one from a
+    helper, over disjoint parts of `items` that together are all of it. `dumps`/`loads`
+    carry a result through a pipe."""
+    if not split or len(items) <= SPLIT_ABOVE or not can_split():
         return [work(items)]
     size = max(CHUNK, -(-len(items) // _MAX_CHUNKS))
     chunks = [items[i:i + size] for i in range(0, len(items), size)]
