@@ -208,6 +208,35 @@ def _deep_options(a: AppContext, timeout: float, threshold: str, state_dir: str 
     return DeepOptions(timeout=timeout, unattributed_threshold=_size(threshold), state_dir=sdir, since=since)
 
 
+FromOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--from",
+        metavar="FILE",
+        help="Read a snapshot archive (xpuctl snapshot) instead of this host.",
+        show_default=False,
+    ),
+]
+
+
+def _source(ctx: typer.Context, from_: str | None) -> tuple[Host, dict[str, str]]:
+    """The host to read and the caller environment doctor judges: this host's, or a
+    snapshot's (unpacked until the command ends; it replaces --root and XPUCTL_ROOT)."""
+    a = _app(ctx)
+    if from_ is None:
+        return a.host, a.environ
+    from xpuctl.replay import open_snapshot
+
+    opened = open_snapshot(from_)
+    snap = opened.__enter__()
+    ctx.call_on_close(lambda: opened.__exit__(None, None, None))
+    m = snap.manifest
+    when = time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(m.time))
+    emit(sys.stderr, f"xpuctl: snapshot of {safe(m.host or '?')} taken {when} "
+                     f"(xpuctl {safe(m.version)}, uid {m.uid}, {len(m.unreadable)} unreadable)")
+    return snap.host, dict(m.caller_env)
+
+
 @app.command()
 @_guard
 def doctor(
@@ -256,13 +285,14 @@ def doctor(
                      help="With --deep: where `devices --deep --record-baseline` keeps the idle baseline.",
                      show_default=False),
     ] = None,
+    from_: FromOpt = None,
 ) -> None:
     """Read-only health check: who holds the GPU, orphans, memory, stale IPC/shm, ports.
 
     With --deep the devices are asked too (unattributed memory, lost devices, hung runtimes);
     the probes briefly open the devices. Exit 0: nothing fails. 1: failing findings (warnings
     too with --strict; also when --wait-clean runs out; also when --textfile cannot be
-    written). 2: usage error.
+    written). 2: usage error (also an unsafe or unreadable --from archive).
     """
     from xpuctl import doctor as D
 
@@ -275,10 +305,16 @@ def doctor(
             raise UsageError("--textfile writes Prometheus text: drop --json/--format or use --format prometheus")
         check_target(textfile)  # a bad PATH is a usage error before any work
     devices = list(device or [])
+    if from_ is not None and wait_clean is not None:
+        raise UsageError("--wait-clean needs a live host; a snapshot does not change")
+    if from_ is not None and deep:
+        raise UsageError("--deep asks this host's devices; a snapshot taken with --deep replays "
+                         "its probes by itself")
+    host, environ = _source(ctx, from_)
     deep_opts = _deep_options(a, probe_timeout, unattributed_threshold, state_dir) if deep else None
 
     def run() -> Any:
-        return D.diagnose(a.host, devices, port, expect_idle, a.environ, deep=deep_opts)
+        return D.diagnose(host, devices, port, expect_idle, environ, deep=deep_opts)
 
     report = run()
     clean = not D.blocking(report, strict)
@@ -317,6 +353,7 @@ def ps(
     device: DeviceOpt = None,
     show_all: Annotated[bool, typer.Option("--all", "-a", help="Also list non-vLLM processes holding a device.")] = False,
     as_json: JsonOpt = False,
+    from_: FromOpt = None,
 ) -> None:
     """vLLM process trees on this host: role, state, devices, memory, orphan, run."""
 
@@ -325,8 +362,9 @@ def ps(
     from xpuctl.scan import take_snapshot
 
     a = _app(ctx)
-    bdfs = set(resolve_device_specs(a.host, list(device or [])))
-    snap = take_snapshot(a.host, port=None, artifacts=False)
+    host, _ = _source(ctx, from_)
+    bdfs = set(resolve_device_specs(host, list(device or [])))
+    snap = take_snapshot(host, port=None, artifacts=False)
     procs = [
         p
         for p in snap.processes
@@ -363,12 +401,16 @@ def devices(
         typer.Option("--state-dir", envvar="XPUCTL_STATE_DIR", help="Where the baseline is kept.",
                      show_default=False),
     ] = None,
+    from_: FromOpt = None,
 ) -> None:
     """Intel GPUs (Level Zero order) and other DRM devices, with holders and memory."""
     from xpuctl import render
     from xpuctl.scan import take_snapshot
 
     a = _app(ctx)
+    if from_ is not None and (deep or record_baseline):
+        raise UsageError("--deep and --record-baseline ask this host's devices, not a snapshot")
+    host, _ = _source(ctx, from_)
     if record_baseline and not deep:
         raise UsageError("--record-baseline needs --deep (the baseline is what the devices report)")
     recorded: list[Any] = []
@@ -378,17 +420,17 @@ def devices(
 
         opts = _deep_options(a, probe_timeout, "1GiB", state_dir)
         if record_baseline:
-            snap = deep_snapshot(a.host, a.environ, opts._replace(state_dir=None), port=None,
+            snap = deep_snapshot(host, a.environ, opts._replace(state_dir=None), port=None,
                                  want_env=False, artifacts=False)
             recorded = X.record_baseline(opts.state_dir, snap)
             # show the figures against the baseline just recorded
             baseline, _ = X.load_baseline(opts.state_dir)
             assert snap.deep is not None
-            snap = X.attach(a.host, snap, snap.deep.probes, baseline, snap.deep.probe_pids)
+            snap = X.attach(host, snap, snap.deep.probes, baseline, snap.deep.probe_pids)
         else:
-            snap = deep_snapshot(a.host, a.environ, opts, port=None, want_env=False, artifacts=False)
+            snap = deep_snapshot(host, a.environ, opts, port=None, want_env=False, artifacts=False)
     else:
-        snap = take_snapshot(a.host, port=None, want_env=False, artifacts=False)
+        snap = take_snapshot(host, port=None, want_env=False, artifacts=False)
     if as_json:
         data: dict[str, Any] = {"schema": "xpuctl.devices/1",
                                 "devices": [render.device_dict(d, snap) for d in snap.devices]}
@@ -417,6 +459,37 @@ StateDirOpt = Annotated[
         show_default=False,
     ),
 ]
+
+
+@app.command()
+@_guard
+def snapshot(
+    ctx: typer.Context,
+    output: Annotated[
+        Optional[str],
+        typer.Option("--output", "-o", metavar="FILE",
+                     help="Archive to write ('-': stdout); default ./xpuctl-snapshot-HOST-TIME.tar.gz.",
+                     show_default=False),
+    ] = None,
+    state_dir: StateDirOpt = None,
+) -> None:
+    """Capture what doctor reads into a .tar.gz for support; read it anywhere with
+    `xpuctl doctor --from FILE` (also ps and devices).
+
+    Process environments keep only XPUCTL_*, ZE_*, ONEAPI_*, SYCL_*, CCL_*, VLLM_* and
+    SPT_NOENV; /dev/shm and /tmp are listed, never copied. Exit 0: written. 2: cannot write.
+    """
+    from xpuctl import runs
+    from xpuctl import snapshot as S
+
+    a = _app(ctx)
+    taken = S.take(a.host, output, a.environ, state_dir or runs.default_state_dir(a.environ))
+    shown = "stdout" if taken.path == "-" else taken.path
+    emit(sys.stderr,
+         f"xpuctl: wrote {safe(shown)} ({taken.size_bytes / 1024:.0f} KiB, {taken.processes} "
+         f"processes, {taken.unreadable} unreadable) in {taken.seconds:.2f}s")
+    if taken.path != "-":
+        emit(sys.stderr, f"xpuctl: read it with: xpuctl doctor --from {safe(taken.path)}")
 
 
 def _print_findings(a: AppContext, report: Any) -> None:

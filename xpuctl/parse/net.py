@@ -65,3 +65,43 @@ def parse_unix_paths(text: str) -> dict[str, int]:
         except ValueError:
             continue
     return out
+
+
+# -- the inverse: text a snapshot writes, which the parsers above read back exactly ---------
+
+TCP_HEADER = (
+    "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt"
+    "   uid  timeout inode"
+)
+UNIX_HEADER = "Num       RefCount Protocol Flags    Type St Inode Path"
+
+
+def _addr_hex(address: str) -> str:
+    ip = ipaddress.ip_address(address)
+    if ip.version == 4:
+        return struct.pack(">I", struct.unpack("<I", ip.packed)[0]).hex().upper()
+    return struct.pack("<4I", *struct.unpack(">4I", ip.packed)).hex().upper()
+
+
+def is_v6(sock: TcpSocket) -> bool:
+    return ":" in sock.address
+
+
+def format_tcp(sockets: list[TcpSocket]) -> str:
+    """/proc/net/tcp (or tcp6) text for these sockets, in the kernel's column layout."""
+    lines = [TCP_HEADER]
+    for sl, s in enumerate(sockets):
+        uid = "-" if s.uid is None else str(s.uid)
+        lines.append(
+            f"{sl:4d}: {_addr_hex(s.address)}:{s.port:04X} {_addr_hex('::' if is_v6(s) else '0.0.0.0')}"
+            f":0000 {s.state} 00000000:00000000 00:00000000 00000000 {uid:>5} {0:8d} {s.inode} 1"
+        )
+    return "".join(line + "\n" for line in lines)
+
+
+def format_unix(paths: dict[str, int]) -> str:
+    """/proc/net/unix text naming these bound paths (path -> inode)."""
+    lines = [UNIX_HEADER]
+    for path, inode in paths.items():
+        lines.append(f"0000000000000000: 00000002 00000000 00010000 0001 01 {inode:5d} {path}")
+    return "".join(line + "\n" for line in lines)
