@@ -616,3 +616,44 @@ def test_read_back_replays_char_device_numbers(tmp_path):
     with open_snapshot(archive) as opened:
         assert opened.host.rdev_checked and not opened.host.live
     _same_as_capture(taken, archive, Options())
+
+
+# --- snapshot --deep: the probes' JSON is kept and replayed ---------------------------------
+
+
+def test_deep_snapshot_replays_the_probes(tmp_path):
+    from test_deep import base_scenario, deep_host, standin_env
+
+    from xpuctl.doctor import DeepOptions
+
+    deep_host(tmp_path / "root")
+    env = standin_env(tmp_path, base_scenario())
+    archive = str(tmp_path / "deep.tar.gz")
+    opts = DeepOptions(timeout=60, state_dir=env["XPUCTL_STATE_DIR"])
+    taken = S.take(Host(str(tmp_path / "root")), archive, env, str(tmp_path / "no-state"), opts)
+    live = render.doctor_dict(taken.report)
+    assert any(f["check"] == "unattributed-memory" for f in live["findings"])  # probes ran
+    files = members(Path(archive))
+    doc = json.loads(files["probes.json"])
+    assert doc["schema"] == "xpuctl.probes/1" and json.loads(files["manifest.json"])["deep"]
+    back = cli("doctor", "--json", "--from", archive)
+    assert back.exit_code == 1
+    assert without(json.loads(back.stdout), "root", "taken_at") == without(live, "root", "taken_at")
+    # the threshold is a judgement, applied at read-back as at capture
+    higher = json.loads(cli("doctor", "--json", "--from", archive,
+                            "--unattributed-threshold", "7GiB").stdout)
+    assert not any(f["check"] == "unattributed-memory" for f in higher["findings"])
+    dev = json.loads(cli("devices", "--json", "--from", archive).stdout)
+    assert [p["name"] for p in dev["probes"]] == [p["name"] for p in live["probes"]]
+    assert cli("doctor", "--deep", "--from", archive).exit_code == 2
+    out = tmp_path / "cli-deep.tar.gz"
+    result = runner.invoke(app, ["--root", str(tmp_path / "root"), "snapshot", "--deep",
+                                 "--probe-timeout", "60", "-o", str(out)], env=env)
+    assert result.exit_code == 0, result.output
+    assert json.loads(members(out)["probes.json"])["probes"]
+
+
+def test_plain_snapshot_has_no_probes(tmp_path, pinned_now):
+    h = fh.healthy_host(tmp_path / "host")
+    files = members(take(h.root, tmp_path / "snap.tar.gz"))
+    assert "probes.json" not in files and json.loads(files["manifest.json"])["deep"] is False

@@ -219,12 +219,13 @@ FromOpt = Annotated[
 ]
 
 
-def _source(ctx: typer.Context, from_: str | None) -> tuple[Host, dict[str, str]]:
-    """The host to read and the caller environment doctor judges: this host's, or a
-    snapshot's (unpacked until the command ends; it replaces --root and XPUCTL_ROOT)."""
+def _source(ctx: typer.Context, from_: str | None) -> tuple[Host, dict[str, str], Any]:
+    """The host to read, the caller environment doctor judges, and recorded probe results:
+    this host's (no recorded probes), or a snapshot's (unpacked until the command ends; it
+    replaces --root and XPUCTL_ROOT)."""
     a = _app(ctx)
     if from_ is None:
-        return a.host, a.environ
+        return a.host, a.environ, None
     from xpuctl.replay import open_snapshot
 
     opened = open_snapshot(from_)
@@ -234,7 +235,7 @@ def _source(ctx: typer.Context, from_: str | None) -> tuple[Host, dict[str, str]
     when = time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(m.time))
     emit(sys.stderr, f"xpuctl: snapshot of {safe(m.host or '?')} taken {when} "
                      f"(xpuctl {safe(m.version)}, uid {m.uid}, {len(m.unreadable)} unreadable)")
-    return snap.host, dict(m.caller_env)
+    return snap.host, dict(m.caller_env), snap.probes  # probes: a --deep capture's results
 
 
 @app.command()
@@ -310,8 +311,13 @@ def doctor(
     if from_ is not None and deep:
         raise UsageError("--deep asks this host's devices; a snapshot taken with --deep replays "
                          "its probes by itself")
-    host, environ = _source(ctx, from_)
+    host, environ, replayed = _source(ctx, from_)
     deep_opts = _deep_options(a, probe_timeout, unattributed_threshold, state_dir) if deep else None
+    if replayed is not None:  # a --deep snapshot: its probes, judged as doctor --deep would
+        from xpuctl.doctor import DeepOptions
+
+        deep_opts = DeepOptions(unattributed_threshold=_size(unattributed_threshold),
+                                recorded=replayed)
 
     def run() -> Any:
         return D.diagnose(host, devices, port, expect_idle, environ, deep=deep_opts)
@@ -362,7 +368,7 @@ def ps(
     from xpuctl.scan import take_snapshot
 
     a = _app(ctx)
-    host, _ = _source(ctx, from_)
+    host, _, _ = _source(ctx, from_)
     bdfs = set(resolve_device_specs(host, list(device or [])))
     snap = take_snapshot(host, port=None, artifacts=False)
     procs = [
@@ -410,7 +416,7 @@ def devices(
     a = _app(ctx)
     if from_ is not None and (deep or record_baseline):
         raise UsageError("--deep and --record-baseline ask this host's devices, not a snapshot")
-    host, _ = _source(ctx, from_)
+    host, _, replayed = _source(ctx, from_)
     if record_baseline and not deep:
         raise UsageError("--record-baseline needs --deep (the baseline is what the devices report)")
     recorded: list[Any] = []
@@ -429,6 +435,11 @@ def devices(
             snap = X.attach(host, snap, snap.deep.probes, baseline, snap.deep.probe_pids)
         else:
             snap = deep_snapshot(host, a.environ, opts, port=None, want_env=False, artifacts=False)
+    elif replayed is not None:  # a --deep snapshot: show its probes as devices --deep did
+        from xpuctl.doctor import DeepOptions, deep_snapshot
+
+        snap = deep_snapshot(host, {}, DeepOptions(recorded=replayed), port=None, want_env=False,
+                             artifacts=False)
     else:
         snap = take_snapshot(host, port=None, want_env=False, artifacts=False)
     if as_json:
@@ -472,6 +483,9 @@ def snapshot(
                      show_default=False),
     ] = None,
     state_dir: StateDirOpt = None,
+    deep: Annotated[bool, typer.Option("--deep", help="Run doctor --deep and keep the probes' "
+                                       "results (probes.json); --from replays them.")] = False,
+    probe_timeout: ProbeTimeoutOpt = 10.0,
 ) -> None:
     """Capture what doctor reads into a .tar.gz for support; read it anywhere with
     `xpuctl doctor --from FILE` (also ps and devices).
@@ -483,7 +497,9 @@ def snapshot(
     from xpuctl import snapshot as S
 
     a = _app(ctx)
-    taken = S.take(a.host, output, a.environ, state_dir or runs.default_state_dir(a.environ))
+    sdir = state_dir or runs.default_state_dir(a.environ)
+    deep_opts = _deep_options(a, probe_timeout, "1GiB", sdir) if deep else None
+    taken = S.take(a.host, output, a.environ, sdir, deep_opts)
     shown = "stdout" if taken.path == "-" else taken.path
     emit(sys.stderr,
          f"xpuctl: wrote {safe(shown)} ({taken.size_bytes / 1024:.0f} KiB, {taken.processes} "

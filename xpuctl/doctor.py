@@ -24,6 +24,15 @@ def resolve_device_specs(host: Host, specs: list[str]) -> tuple[str, ...]:
     return tuple(d.bdf for d in select_devices(devices, specs))
 
 
+class RecordedProbes(NamedTuple):
+    """Probe results kept by `xpuctl snapshot --deep`: replayed instead of running probes."""
+
+    results: tuple  # tuple[ProbeResult, ...]
+    probe_pids: tuple[int, ...]
+    baseline: dict[str, int]
+    baseline_problem: Issue | None = None
+
+
 class DeepOptions(NamedTuple):
     """`--deep`: run the device-level probes (xpuctl.deep) alongside the scan."""
 
@@ -31,6 +40,7 @@ class DeepOptions(NamedTuple):
     unattributed_threshold: int = 1 << 30
     state_dir: str | None = None  # where the idle baseline is kept
     since: float | None = None  # time.monotonic() of the command's start: the deadline counts from it
+    recorded: RecordedProbes | None = None  # a snapshot's probes: nothing is run
 
 
 def pid_namespace_issue(host: Host) -> Issue | None:
@@ -56,15 +66,20 @@ def deep_snapshot(host: Host, environ: dict[str, str], deep: DeepOptions, **scan
     """The probes run while /proc is scanned; the probe children are left out of the scan."""
     from xpuctl import deep as X
 
-    running = X.start(environ, deep.timeout, since=deep.since)
-    try:
-        snap = take_snapshot(host, exclude_pids=running.pids, **scan)  # type: ignore[arg-type]
-    finally:
-        results = running.finish()
-    baseline, problem = X.load_baseline(deep.state_dir)
+    if deep.recorded is not None:
+        snap = take_snapshot(host, **scan)  # type: ignore[arg-type]
+        results, pids, baseline, problem = deep.recorded
+    else:
+        running = X.start(environ, deep.timeout, since=deep.since)
+        try:
+            snap = take_snapshot(host, exclude_pids=running.pids, **scan)  # type: ignore[arg-type]
+        finally:
+            results = running.finish()
+        pids = running.pids
+        baseline, problem = X.load_baseline(deep.state_dir)
     if problem:
         snap = snap._replace(issues=snap.issues + (problem,))
-    return X.attach(host, snap, results, baseline, running.pids)
+    return X.attach(host, snap, results, baseline, pids)
 
 
 def diagnose(

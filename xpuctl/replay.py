@@ -17,6 +17,7 @@ An ArchiveHost is never live: nothing read from it is ever signalled or deleted.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import tempfile
@@ -24,8 +25,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import NamedTuple
 
+from xpuctl.doctor import RecordedProbes
 from xpuctl.errors import UsageError
 from xpuctl.host import FileInfo, Host
+from xpuctl.model import Issue
 from xpuctl.parse.snapshot import Index, Manifest, parse_index, parse_manifest
 from xpuctl.recording import raise_rec
 from xpuctl.unpack import unpack
@@ -133,6 +136,35 @@ class Opened(NamedTuple):
     host: ArchiveHost
     manifest: Manifest
     top: str  # the unpacked top directory (state/, probes.json next to root/)
+    probes: RecordedProbes | None  # a --deep capture's probe results
+
+
+def _probes(top: str, path: str) -> RecordedProbes | None:
+    """probes.json of a --deep capture (None when there is none)."""
+    from xpuctl import deep as X
+    from xpuctl.parse.probes import ProbeOutputError
+
+    try:
+        with open(os.path.join(top, "probes.json"), "rb") as f:
+            text = f.read(64 << 20)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise UsageError(f"snapshot {path}: probes.json: {exc.strerror or exc}") from None
+    try:
+        doc = json.loads(text)
+        results = X.results_from_json(doc)
+    except (ValueError, RecursionError, ProbeOutputError) as exc:
+        raise UsageError(f"snapshot {path}: probes.json: {exc}") from None
+    baseline = doc.get("baseline") or {}
+    problem = doc.get("baseline_problem")
+    if not (isinstance(baseline, dict) and all(
+            isinstance(v, int) and not isinstance(v, bool) for v in baseline.values())) or not (
+            problem is None or isinstance(problem, list) and len(problem) == 2
+            and all(isinstance(x, str) for x in problem)):
+        raise UsageError(f"snapshot {path}: probes.json: malformed baseline")
+    return RecordedProbes(results, X.probe_pids_from_json(doc), baseline,
+                          Issue(*problem) if problem else None)
 
 
 def _read_json(top: str, name: str, path: str) -> bytes:
@@ -157,6 +189,8 @@ def open_snapshot(path: str) -> Iterator[Opened]:
         root = os.path.join(top, "root")
         if not os.path.isdir(root):
             os.mkdir(root, 0o700)  # nothing was readable: every answer is in the index
-        yield Opened(ArchiveHost(root, manifest, index, os.path.abspath(path)), manifest, top)
+        probes = _probes(top, path)
+        yield Opened(ArchiveHost(root, manifest, index, os.path.abspath(path)), manifest, top,
+                     probes)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

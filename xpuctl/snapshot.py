@@ -13,6 +13,7 @@ Layout of the archive (one top directory, `xpuctl-snapshot-<host>-<time>/`):
     manifest.json   schema xpuctl.snapshot/1: host, time, kernel, version, uid, what could
                     not be read and why, how the capture read the host
     index.json      listings, link texts, lstat, resolved paths, fd links, errors
+    probes.json     with --deep: the probes' results (xpuctl.probes/1) and the idle baseline
     root/...        file contents at their host paths (proc/<pid>/stat, sys/..., ...)
     state/runs/<name>.json, state/logs/<name>.log
 """
@@ -30,7 +31,7 @@ import time
 from typing import Any, NamedTuple
 
 from xpuctl import __version__
-from xpuctl.doctor import diagnose
+from xpuctl.doctor import DeepOptions, diagnose
 from xpuctl.errors import UsageError
 from xpuctl.host import Host
 from xpuctl.model import Report
@@ -202,18 +203,35 @@ def _add(tf: tarfile.TarFile, name: str, data: bytes, mtime: float) -> None:
     tf.addfile(info, io.BytesIO(data))
 
 
+def _probes_doc(deep: DeepOptions, report: Report) -> dict[str, Any] | None:
+    """The probes' JSON of a `--deep` capture, with the idle baseline it was judged against."""
+    from xpuctl import deep as X
+
+    d = report.snapshot.deep
+    if d is None:
+        return None
+    doc = X.results_to_json(d.probes, d.probe_pids)
+    baseline, problem = X.load_baseline(deep.state_dir)
+    doc["baseline"] = baseline
+    doc["baseline_problem"] = list(problem) if problem is not None else None
+    return doc
+
+
 def take(
     host: Host,
     out: str | None,
     environ: dict[str, str],
     state_dir: str | None = None,
+    deep: DeepOptions | None = None,
 ) -> Taken:
     """Capture `host` into the archive `out` (None: a default name in the current
-    directory; "-": stdout). The archive is written to a temporary file and renamed, so a
+    directory; "-": stdout). With `deep`, doctor --deep is what runs, and the probes' JSON is
+    kept as probes.json. The archive is written to a temporary file and renamed, so a
     reader never sees half of one."""
     t0 = time.monotonic()
     rec = RecordingHost(host)
-    report = diagnose(rec, caller_env=environ)  # doctor itself: every read it makes is kept
+    report = diagnose(rec, caller_env=environ, deep=deep)  # doctor itself: every read is kept
+    probes = _probes_doc(deep, report) if deep is not None else None
     _listings(rec)
     listeners = rec.listeners
     at = rec.taken_at if rec.taken_at is not None else report.snapshot.taken_at
@@ -235,6 +253,7 @@ def take(
         "rdev_checked": rec.rdev_checked,
         "tcp_listeners": "netlink" if rec.proc_is_live else "/proc/net/tcp",
         "caller_env": redact.env_dict(environ),
+        "deep": probes is not None,
         "unreadable": unreadable,
         "contents": {
             "files": len(contents),
@@ -244,13 +263,15 @@ def take(
         },
     }
     top = default_name(host, at)
-    members = 2 + len(contents) + len(state_files)
+    members = 2 + (probes is not None) + len(contents) + len(state_files)
 
     def write(fileobj: Any) -> None:
         with tarfile.open(fileobj=fileobj, mode="w:gz", compresslevel=6,
                           format=tarfile.PAX_FORMAT) as tf:
             _add(tf, f"{top}/manifest.json", json.dumps(manifest, indent=2).encode(), at)
             _add(tf, f"{top}/index.json", json.dumps(index, separators=(",", ":")).encode(), at)
+            if probes is not None:
+                _add(tf, f"{top}/probes.json", json.dumps(probes, indent=1).encode(), at)
             for path, data in sorted(contents.items()):
                 _add(tf, f"{top}/root{path}", data, at)
             for name, data in sorted(state_files.items()):
