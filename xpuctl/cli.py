@@ -497,6 +497,8 @@ def snapshot(
     from xpuctl import snapshot as S
 
     a = _app(ctx)
+    if output == "-" and a.stdout_tty:  # as gzip does: binary bytes would garble a terminal
+        raise UsageError("refusing to write the archive to a terminal: redirect stdout or use -o FILE")
     sdir = state_dir or runs.default_state_dir(a.environ)
     deep_opts = _deep_options(a, probe_timeout, "1GiB", sdir) if deep else None
     taken = S.take(a.host, output, a.environ, sdir, deep_opts)

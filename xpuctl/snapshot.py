@@ -278,13 +278,16 @@ def take(
                 _add(tf, f"{top}/{name}", data, at)
 
     if out == "-":
+        import shutil
         import sys
 
         buf = io.BytesIO()
         write(buf)
-        sys.stdout.buffer.write(buf.getvalue())
+        size, path = buf.tell(), "-"
+        buf.seek(0)
+        # the gzip'd archive itself (binary, for a pipe): no text for a terminal passes here
+        shutil.copyfileobj(buf, sys.stdout.buffer)
         sys.stdout.buffer.flush()
-        size, path = len(buf.getvalue()), "-"
     else:
         path = os.path.abspath(out or f"{top}.tar.gz")
         directory = os.path.dirname(path)
