@@ -30,6 +30,7 @@ CHECKS = {
     "unattributed-memory",
     "device-lost",
     "probe-timeout",
+    "last-run",
     "inspection",
 }
 SEVERITIES = {"info", "warn", "fail"}

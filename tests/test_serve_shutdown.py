@@ -637,19 +637,31 @@ def test_locks_refuse_a_second_run_on_the_same_device_or_port(rig):
 
 
 def test_ready_timeout_hang_startup(rig):
+    """Issue 10: a start hung after backend=xccl, short budgets. Exit 4, the diagnosis and
+    the advice on the terminal (not only in the log), stopped with the teardown budget only
+    (no drain wait), nothing left behind, and doctor's `last-run` advice afterwards."""
     # the deadline must leave the hung workers time to reach oneCCL init (about a second
     # here) on a slow, loaded machine, or the diagnosis names an earlier stage
-    ready = 15
-    res = rig.serve(name="hung", ready=ready, env={"FAKE_VLLM_FAULTS": "hang-startup"})
+    ready, teardown, kill_after = 15, 4, 2
+    res = rig.serve(name="hung", ready=ready, teardown=teardown, kill_after=kill_after,
+                    drain=30, env={"FAKE_VLLM_FAULTS": "hang-startup"})
     assert res.rc == 4, str(res)
-    assert res.elapsed >= ready, res.elapsed
+    # the bound: ready + teardown + kill-after, plus a generous slack for start-up, the
+    # diagnosis and a loaded machine (the drain budget, 30 s here, is never waited)
+    assert ready <= res.elapsed < ready + teardown + kill_after + 25, res.elapsed
     assert "not ready in time" in res.err, str(res)
+    err = res.err
+    assert f"not ready after {ready}s; stuck in: oneCCL init (xccl)" in err, str(res)
+    assert "| " in err and "backend=xccl" in err, str(res)  # the last log lines
+    assert "before the next launch, try" in err and "CCL_ALLREDUCE=ring" in err, str(res)
+    assert re.search(r"teardown +never ready, nothing to drain: waiting up to 4s", err), str(res)
+    assert not re.search(r"\bdrain +waiting", err), str(res)
     log = rig.run_log("hung")
     assert "backend=xccl" in log
-    assert f"not ready after {ready}s; stuck in: oneCCL/xccl initialisation" in log, log
+    assert f"not ready after {ready}s; stuck in: oneCCL init (xccl)" in log, log
     rec = rig.record("hung")
     assert rec["state"] == "failed" and rec["exit_code"] == 4, rec
-    assert any("oneCCL/xccl" in n for n in rec["notes"]), rec
+    assert any("oneCCL init" in n for n in rec["notes"]), rec
     core, workers = rig.tree(rec["pid"])
     assert len(workers) == 2
     # the hung workers never got ready and never exited by themselves: they were SIGKILLed
@@ -658,6 +670,15 @@ def test_ready_timeout_hang_startup(rig):
     assert all(rig.exits(w) == [] for w in workers)
     rig.assert_clean()
     assert http_get(f"http://127.0.0.1:{res.port}/health", 0.5)[0] is None
+
+    # the relaunch advice: doctor and reset find the run in the state directory
+    doc = rig.xpuctl("doctor", "--json", "--state-dir", rig.state)
+    found = [f for f in doc.json["findings"] if f["check"] == "last-run"]
+    assert len(found) == 1 and found[0]["severity"] == "warn", doc.out
+    assert "hung was not ready in time (stuck in: oneCCL init (xccl))" in found[0]["message"]
+    assert "CCL_ZE_IPC_EXCHANGE=drmfd|sockets" in found[0]["remedy"]
+    plan = rig.xpuctl("reset", "--dry-run", "--state-dir", rig.state)
+    assert "warn last-run: the last run hung" in plan.out, str(plan)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1120,3 +1141,102 @@ def test_concurrent_detached_serves_on_one_device(rig):
         assert sorted(codes) == [0, 5], f"round {rnd}: {detail}"
     starts = [e for e in rig.events() if e["event"] == "start" and e["role"] == "api-server"]
     assert len(starts) == 5  # exactly one server per round
+
+
+# ---------------------------------------------------------------------------------------------
+# the start as it happens (issue 12)
+
+FAKE_PHASES = ["engine start", "oneCCL init (xccl)", "loading model", "KV cache + warm-up",
+               "API server start"]
+
+
+def test_serve_detach_not_a_terminal_one_line_per_phase(rig):
+    res = rig.serve(name="phases", env={"FAKE_VLLM_PHASE_S": "0.3"})
+    assert res.rc == 0, str(res)
+    assert "\x1b" not in res.err and "\r" not in res.err, repr(res.err)
+    lines = [ln for ln in res.err.splitlines() if ln.startswith("xpuctl: phases: ")
+             and re.match(r"xpuctl: phases: +\d+\.\d+s ", ln)]
+    names = [re.sub(r"^xpuctl: phases: +\d+\.\d+s ", "", ln) for ln in lines]
+    assert names == FAKE_PHASES, str(res)  # each phase once, in order
+    secs = [float(re.search(r"(\d+\.\d+)s", ln).group(1)) for ln in lines]
+    assert secs == sorted(secs), lines
+    ready = [ln for ln in res.err.splitlines() if "phases is ready on port" in ln]
+    assert len(ready) == 1, str(res)
+    summary = ready[0].split(": ", 2)[-1]
+    for label in ["starting", *FAKE_PHASES]:
+        assert re.search(rf"\b{re.escape(label)} \d+\.\d+s", summary), ready[0]
+    assert res.err.index(lines[-1]) < res.err.index(ready[0])
+    # the record knows when it became ready; ps shows the run, its state and age
+    rec = rig.record("phases")
+    assert rec["ready_at"] >= rec["started_at"], rec
+    ps = rig.xpuctl("ps", "--json", "--state-dir", rig.state)
+    runs = {r["name"]: r for r in ps.json["runs"]}
+    assert runs["phases"]["state"] == "ready" and runs["phases"]["age_seconds"] > 0, ps.out
+    table = rig.xpuctl("ps", "--state-dir", rig.state)
+    assert re.search(r"^phases +ready +\d+s +\d+ ", table.out, re.M), table.out
+    assert rig.shutdown("phases", "--release-timeout", "5").rc == 0
+    rig.assert_clean()
+
+
+def test_serve_on_a_terminal_redraws_one_status_line(rig):
+    """Through a pty, as a person sees it: the status line is redrawn in place, and replaced
+    by the one-line summary when the server is ready."""
+    import pty
+
+    port = free_port()
+    cmd = rig.serve_cmd(port=port, opts=["--name", "tty"])
+    master, slave = pty.openpty()
+    try:
+        proc = subprocess.Popen(cmd, env=rig.env(FAKE_VLLM_PHASE_S="0.4", COLUMNS="100"),
+                                stdin=subprocess.DEVNULL, stdout=slave, stderr=slave,
+                                cwd=rig.tmp, start_new_session=True)
+        rig.popens.append(proc)
+    finally:
+        os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # EIO: every writer of the pty is gone
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(master)
+    rc = proc.wait(30)
+    out = b"".join(chunks).decode(errors="replace")
+    assert rc == 0, out
+    frames = out.split("\r\x1b[2K")
+    status = [f for f in frames if f.startswith("xpuctl: tty ") and " is ready " not in f]
+    assert len(status) >= 5, out  # redrawn, in place
+    shown = [next((p for p in FAKE_PHASES if p in f), None) for f in status]
+    seen = [p for i, p in enumerate(shown) if p and p not in shown[:i]]
+    assert seen == [p for p in FAKE_PHASES if p in seen] and len(seen) >= 3, seen
+    assert all(len(f.split("\r\n")[0].split("\n")[0]) <= 99 for f in status), status
+    tail = frames[-1]
+    assert re.match(r"xpuctl: tty is ready on port \d+ \(http://[^)]+\) after \d+\.\d+s: starting ",
+                    tail), repr(tail)
+    assert "\x1b" not in tail and "\r\x1b[2K" not in tail
+    assert rig.shutdown("tty", "--release-timeout", "5").rc == 0
+    rig.assert_clean()
+
+
+def test_shutdown_of_a_run_still_starting_skips_the_drain(rig):
+    """A record that says `starting`: SIGTERM, the teardown budget, SIGTERM survivors,
+    SIGKILL after --kill-after; never the drain budget (drain 30 s here)."""
+    fg = rig.serve_bg(detach=True, ready=120, drain=30, teardown=3,
+                      env={"FAKE_VLLM_FAULTS": "hang-startup"})
+    assert wait_for(lambda: rig.run_log(fg.name).count("backend=xccl") == 2, 20), rig.run_log(fg.name)
+    ps = rig.xpuctl("ps", "--json", "--state-dir", rig.state)
+    assert [r["state"] for r in ps.json["runs"] if r["name"] == fg.name] == ["starting"], ps.out
+    res = rig.shutdown(fg.name, "--json", "--kill-after", "1", "--release-timeout", "5")
+    assert res.rc == 0, str(res)
+    assert "drain" not in phases(res), str(res)
+    teardown = event_of(res, "teardown")
+    assert "waiting up to 3s" in teardown["detail"], teardown
+    assert_subsequence(phases(res), ["sigterm", "teardown", "timeout", "sigterm-survivors",
+                                     "sigkill", "exited", "verdict"])
+    assert event_of(res, "sigkill")["t"] < 3 + 1 + 20, str(res)  # nowhere near 30 + 3 + 10
+    assert fg.proc.wait(30) != 0, str(fg)
+    assert "exited before it was ready" in fg.err(), str(fg)
+    rig.assert_clean()

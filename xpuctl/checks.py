@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
-from xpuctl.model import Finding, Process, Report, Snapshot
+from xpuctl import advice
+from xpuctl.model import Finding, LastRun, Process, Report, Snapshot
 from xpuctl.parse import envvars
 from xpuctl.parse import roles as R
 
@@ -478,6 +479,37 @@ def probe_timeout(c: Ctx) -> list[Finding]:
     ]
 
 
+def last_run_findings(run: LastRun | None) -> list[Finding]:
+    """The relaunch advice for the state directory's newest run (also used by reset)."""
+    if run is None or not (run.not_ready or run.signatures):
+        return []
+    keys = (["not-ready"] if run.not_ready else []) + [s.key for s in run.signatures]
+    said = []
+    if run.not_ready:
+        said.append(f"was not ready in time (stuck in: {run.phase})")
+    shown = [s for s in run.signatures if not (run.not_ready and s.key == "xccl-stuck")]
+    if shown:
+        said.append("its log shows " + ", ".join(s.what for s in shown))
+    line = next((s.line for s in run.signatures if s.line), "")
+    quoted = f": {line[:160]}" if line else ""
+    return [
+        Finding(
+            "last-run",
+            "warn",
+            f"the last run {run.name} {' and '.join(said)}{quoted} (log {run.log_path})",
+            "before the next launch, try (advice only; each has a cost): "
+            + "; ".join(advice.lines(keys)),
+            paths=(run.log_path,),
+        )
+    ]
+
+
+@check("last-run")
+def last_run(c: Ctx) -> list[Finding]:
+    """The newest run ended in a readiness timeout or its log shows a oneCCL hang signature."""
+    return last_run_findings(c.snap.last_run)
+
+
 # Output order of the ids; every registered check has a place here (a test holds them equal).
 CHECKS = (
     "device-holders",
@@ -491,6 +523,7 @@ CHECKS = (
     "unattributed-memory",
     "device-lost",
     "probe-timeout",
+    "last-run",
     "inspection",
 )
 

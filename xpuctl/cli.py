@@ -206,6 +206,17 @@ def _deep_options(a: AppContext, timeout: float, threshold: str, state_dir: str 
     age = _age_seconds()
     since = time.monotonic() - age if age is not None else None
     return DeepOptions(timeout=timeout, unattributed_threshold=_size(threshold), state_dir=sdir, since=since)
+StateDirOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--state-dir",
+        envvar="XPUCTL_STATE_DIR",
+        help="Run records, logs and locks [default: /run/xpuctl as root, else "
+        "$XDG_RUNTIME_DIR/xpuctl, else /tmp/xpuctl-UID].",
+        show_default=False,
+    ),
+]
+
 
 
 FromOpt = Annotated[
@@ -283,7 +294,8 @@ def doctor(
     state_dir: Annotated[
         Optional[str],
         typer.Option("--state-dir", envvar="XPUCTL_STATE_DIR",
-                     help="With --deep: where `devices --deep --record-baseline` keeps the idle baseline.",
+                     help="Run records and logs (the last-run advice; found as serve finds it) and, with "
+                     "--deep, the idle baseline of `devices --deep --record-baseline`.",
                      show_default=False),
     ] = None,
     from_: FromOpt = None,
@@ -319,8 +331,11 @@ def doctor(
         deep_opts = DeepOptions(unattributed_threshold=_size(unattributed_threshold),
                                 recorded=replayed)
 
+    sdir = D.state_dir_for(host, state_dir, environ)
+
     def run() -> Any:
-        return D.diagnose(host, devices, port, expect_idle, environ, deep=deep_opts)
+        return D.diagnose(host, devices, port, expect_idle, environ, deep=deep_opts,
+                          state_dir=sdir)
 
     report = run()
     clean = not D.blocking(report, strict)
@@ -360,8 +375,10 @@ def ps(
     show_all: Annotated[bool, typer.Option("--all", "-a", help="Also list non-vLLM processes holding a device.")] = False,
     as_json: JsonOpt = False,
     from_: FromOpt = None,
+    state_dir: StateDirOpt = None,
 ) -> None:
-    """vLLM process trees on this host: role, state, devices, memory, orphan, run."""
+    """xpuctl's runs (state: starting, ready, stopping; age) and the vLLM process trees on
+    this host: role, state, devices, memory, orphan, run."""
 
     from xpuctl import render
     from xpuctl.doctor import resolve_device_specs
@@ -379,10 +396,18 @@ def ps(
     if bdfs:
         tops = {p.top for p in procs if bdfs & set(p.devices)}
         procs = [p for p in procs if p.devices or p.top in tops]
+    from xpuctl.doctor import state_dir_for
+    from xpuctl.serve import live_runs
+
+    sdir = state_dir_for(host, state_dir, a.environ)
+    runs = live_runs(host, sdir) if sdir and host.proc_is_live else []
     if as_json:
-        data = {"schema": "xpuctl.ps/1", "processes": [render.process_dict(p) for p in procs]}
+        data = {"schema": "xpuctl.ps/1", "runs": [render.run_dict(r) for r in runs],
+                "processes": [render.process_dict(p) for p in procs]}
         sys.stdout.write(render.to_json(data) + "\n")
         return
+    if runs:
+        a.out.print(render.runs_table(runs), no_wrap=True, crop=True)
     if not procs:
         a.out.print("no vLLM processes")
         return
@@ -460,16 +485,20 @@ def devices(
                     highlight=False)
 
 
-StateDirOpt = Annotated[
-    Optional[str],
-    typer.Option(
-        "--state-dir",
-        envvar="XPUCTL_STATE_DIR",
-        help="Run records, logs and locks [default: /run/xpuctl as root, else "
-        "$XDG_RUNTIME_DIR/xpuctl, else /tmp/xpuctl-UID].",
-        show_default=False,
-    ),
-]
+def _relaunch_advice(a: AppContext, state_dir: str | None) -> list[Any]:
+    """doctor's `last-run` finding for the state directory's newest run."""
+    from xpuctl.checks import last_run_findings
+    from xpuctl.doctor import state_dir_for
+    from xpuctl.probes.lastrun import last_run
+
+    return last_run_findings(last_run(state_dir_for(a.host, state_dir, a.environ)))
+
+
+def _print_advice(say: Callable[[str], None], findings: list[Any]) -> None:
+    for f in findings:
+        say(f"{f.severity} {f.check}: {safe(f.message)}")
+        if f.remedy:
+            say(f"  {safe(f.remedy)}")
 
 
 @app.command()
@@ -551,6 +580,7 @@ def serve(
                      "(also asks the devices: unattributed memory, lost devices, hung runtimes)."),
     ] = Preflight.fast,
     probe_timeout: ProbeTimeoutOpt = 10.0,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No live status line or phase lines while vLLM starts.")] = False,
 ) -> None:
     """Launch vLLM with a forced drain timeout and supervise it.
 
@@ -565,7 +595,7 @@ def serve(
     passed = list(vllm_args or []) + list(ctx.args)
     mine = {"--vllm", "--drain-timeout", "--teardown-timeout", "--allow-abort", "--devices", "--env",
             "--force", "--name", "--state-dir", "--ready-timeout", "--kill-after", "--detach",
-            "--preflight", "--probe-timeout"}
+            "--preflight", "--probe-timeout", "--quiet"}
     misplaced = [arg for arg in passed if arg.split("=", 1)[0] in mine]
     if misplaced:
         raise UsageError(
@@ -588,6 +618,7 @@ def serve(
         detach=detach,
         kill_after=kill_after,
         deep_preflight=_deep_options(a, probe_timeout, "1GiB", state_dir) if preflight is Preflight.deep else None,
+        quiet=quiet,
     )
 
     def say(msg: str) -> None:
@@ -726,6 +757,7 @@ def reset(
     kill_after: Annotated[float, typer.Option("--kill-after", min=0, help="Seconds between SIGTERM and SIGKILL.")] = 10.0,
     device_reset: Annotated[bool, typer.Option("--device-reset", help="Last resort, root only: PCI reset of the one --device once nothing holds it.")] = False,
     as_json: JsonOpt = False,
+    state_dir: StateDirOpt = None,
 ) -> None:
     """Clean stuck oneCCL/vLLM state before a relaunch: stop orphans, remove stale files.
 
@@ -739,6 +771,7 @@ def reset(
     a = _app(ctx)
     bdfs = resolve_device_specs(a.host, list(device or []))
     plan = R.make_plan(a.host, bdfs, port, device_reset)
+    advice = _relaunch_advice(a, state_dir)
 
     def plan_dict() -> dict[str, Any]:
         return {
@@ -749,6 +782,7 @@ def reset(
             "skipped": [{"path": f.path, "why": why} for f, why in plan.skipped_files],
             "device_reset": plan.device_reset,
             "notes": plan.notes,
+            "advice": [render.finding_dict(f) for f in advice],
         }
 
     stream = sys.stderr if as_json else sys.stdout
@@ -771,6 +805,7 @@ def reset(
             say(f"reset device {safe(b)} (PCI function reset) once nothing holds it")
         for n in plan.notes:
             say(f"note: {safe(n)}")
+        _print_advice(say, advice)
     if dry_run or plan.empty:
         if as_json:
             sys.stdout.write(render.to_json({"schema": "xpuctl.reset/1", "dry_run": dry_run, "plan": plan_dict()}) + "\n")

@@ -89,7 +89,9 @@ def diagnose(
     expect_idle: bool = False,
     caller_env: dict[str, str] | None = None,
     deep: DeepOptions | None = None,
+    state_dir: str | None = None,
 ) -> Report:
+    """Scan and judge. `state_dir`: also read its newest run for the relaunch advice."""
     bdfs = resolve_device_specs(host, devices or [])
     opts = Options(
         devices=bdfs,
@@ -106,7 +108,21 @@ def diagnose(
     ns = pid_namespace_issue(host)
     if ns is not None:
         snap = snap._replace(issues=snap.issues + (ns,))
+    if state_dir:
+        from xpuctl.probes.lastrun import last_run
+
+        snap = snap._replace(last_run=last_run(state_dir))
     return evaluate(snap, opts)
+
+
+def state_dir_for(host: Host, given: str | None, environ: dict[str, str]) -> str | None:
+    """The state directory doctor and reset read, found as serve finds it. A re-rooted host
+    (a fake tree, a snapshot) has no runs of this machine: only an explicit one is read."""
+    from xpuctl.runs import default_state_dir
+
+    if given:
+        return given
+    return default_state_dir(environ) if host.live else None
 
 
 def blocking(report: Report, strict: bool) -> bool:

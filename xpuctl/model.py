@@ -160,6 +160,25 @@ class Deep(NamedTuple):
 
     def device(self, bdf: str) -> RuntimeView | None:
         return next((d for d in self.devices if d.bdf == bdf), None)
+class LogSignature(NamedTuple):
+    """A known oneCCL hang signature found in a run's log (parse.vllmlog)."""
+
+    key: str  # xccl-stuck | ipc-handle | kvs | device-lost
+    what: str
+    line: str  # the log line carrying it ("" when it is the absence of progress)
+
+
+class LastRun(NamedTuple):
+    """The most recent run in the state directory, as far as the relaunch advice needs it:
+    its newest record and the tail of its log (probes.lastrun)."""
+
+    name: str
+    state: str  # starting | ready | stopping | stopped | failed
+    log_path: str
+    not_ready: bool  # it ended in a readiness timeout
+    phase: str  # label of the furthest start-up phase its log reached
+    signatures: tuple[LogSignature, ...]
+    ended_at: float | None = None
 
 
 class Snapshot(NamedTuple):
@@ -177,6 +196,7 @@ class Snapshot(NamedTuple):
     unreadable: int  # processes whose fds could not be read
     caller_env: dict[str, str] | None = None  # the environment of the command that scanned
     deep: Deep | None = None  # device-level view, only with --deep
+    last_run: LastRun | None = None  # the state directory's newest run (doctor, reset)
 
     def process(self, pid: int) -> Process | None:
         for p in self.processes:

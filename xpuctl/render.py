@@ -397,6 +397,27 @@ def processes_table(snap: Snapshot, title: str = "Processes", width: int = 120) 
     return out
 
 
+def run_dict(r: Any) -> dict[str, Any]:
+    return {"name": r.name, "state": r.state, "age_seconds": r.age_seconds, "pid": r.pid,
+            "port": r.port, "devices": list(r.devices), "run_id": r.run_id}
+
+
+def runs_table(rows: list[Any]) -> Any:
+    """xpuctl's runs (from their records): name, state, age, pid, port, devices."""
+    from rich.text import Text
+
+    heads = ["NAME", "STATE", "AGE", "PID", "PORT", "DEVICES"]
+    cells = [[safe(r.name), r.state, human_age(r.age_seconds), str(r.pid or "-"), str(r.port),
+              ",".join(r.devices) or "-"] for r in rows]
+    widths = [max([len(heads[i])] + [len(c[i]) for c in cells]) for i in range(len(heads))]
+    out = Text("Runs", style="bold")
+    for i, row in enumerate([heads, *cells]):
+        out.append("\n")
+        line = "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
+        out.append(line, style="bold" if i == 0 else None)
+    return out
+
+
 def print_doctor(console: Console, report: Report) -> None:
     from rich.text import Text
 

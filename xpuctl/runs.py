@@ -83,6 +83,7 @@ class RunRecord:
     exit_code: int | None = None
     supervisor_pid: int | None = None
     started_at: float | None = None
+    ready_at: float | None = None  # when /health and /v1/models first answered
     stopped_at: float | None = None
     notes: list[str] = field(default_factory=list)
 

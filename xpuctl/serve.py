@@ -23,13 +23,14 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
-from xpuctl import http
+from xpuctl import http, progress
 from xpuctl.errors import ExitCode, UsageError, XpuctlError
 from xpuctl.host import Host
 from xpuctl.probes.devices import scan_devices, select_devices
 from xpuctl.runs import Locks, RunRecord, ensure_state_dir, list_records, update_record
-from xpuctl.safetext import emit, safe
+from xpuctl.safetext import safe
 from xpuctl.supervisor import (
     EXITED,
     become_subreaper,
@@ -43,16 +44,8 @@ MIN_SHUTDOWN_TIMEOUT = 5
 FLAG_VERSION = (0, 18)  # first vLLM with --shutdown-timeout
 DEFAULT_VLLM = "vllm serve"
 _VERSION_RE = re.compile(r"^(vllm(?:[_-][a-z]+)?)-(\d+(?:\.\d+)*)[^/]*\.dist-info$", re.IGNORECASE)
-_PHASES = (
-    ("backend=xccl", "oneCCL/xccl initialisation (warm-up all_reduce): the classic relaunch hang; "
-     "check `xpuctl doctor` for orphans holding the devices"),
-    ("backend=ccl", "oneCCL initialisation"),
-    ("Loading weights", "model weight loading"),
-    ("Loading model", "model loading"),
-    ("KV cache", "KV cache allocation"),
-    ("Starting vLLM API server", "HTTP server start"),
-    ("world_size=", "distributed initialisation"),
-)
+READY_POLL = 0.1  # seconds between readiness probes
+READY_PROBE_TIMEOUT = 0.3  # one probe of /health (and /v1/models)
 
 
 @dataclass
@@ -72,6 +65,7 @@ class ServeOptions:
     detach: bool = False
     kill_after: float = 10.0
     deep_preflight: object | None = None  # doctor.DeepOptions: `--preflight deep`
+    quiet: bool = False
 
 
 @dataclass
@@ -231,24 +225,19 @@ def plan_launch(opts: ServeOptions, host: Host, environ: dict[str, str], run_id:
     return LaunchPlan(argv, env, notes, port, bind, bdfs, shutdown_timeout, version)
 
 
-def diagnose_phase(lines: list[str]) -> str | None:
-    for line in reversed(lines):
-        for marker, phase in _PHASES:
-            if marker in line:
-                return phase
-    return None
-
-
 # -- supervision --------------------------------------------------------------------------
 
 
 class _Pump(threading.Thread):
-    """Copy vLLM's output to the log file (and the terminal), keeping the last lines."""
+    """Copy vLLM's output to the log file, keeping the last lines, and hand each line to
+    `on_line` (the start-up tracker) and `echo` (foreground: the terminal)."""
 
-    def __init__(self, stream, log_path: str, echo: bool) -> None:
+    def __init__(self, stream, log_path: str, on_line: Callable[[str], None],
+                 echo: Callable[[str], None] | None) -> None:
         super().__init__(daemon=True, name="xpuctl-log")
         self.stream = stream
         self.log = open(log_path, "ab", buffering=0)  # noqa: SIM115
+        self.on_line = on_line
         self.echo = echo
         self.tail: collections.deque[str] = collections.deque(maxlen=200)
 
@@ -260,13 +249,11 @@ class _Pump(threading.Thread):
                 self.log.write(raw)
             except OSError:
                 pass
-            line = raw.decode("utf-8", "surrogateescape").rstrip("\n")
-            self.tail.append(line)
-            if self.echo:  # the log file keeps the exact bytes; the terminal gets them escaped
-                try:
-                    emit(sys.stdout, safe(line))
-                except (OSError, ValueError):
-                    self.echo = False
+            text = raw.decode("utf-8", "surrogateescape").rstrip("\n")
+            self.tail.append(text)
+            self.on_line(text)
+            if self.echo is not None:  # the log keeps the exact bytes; the terminal, escapes
+                self.echo(text)
         self.log.close()
 
 
@@ -275,20 +262,29 @@ class _Interrupted(Exception):
 
 
 class Supervisor:
+    """One run from launch to exit, in named steps: `launch`, `wait_ready` (the start shown
+    as it happens; a readiness deadline), then `not_ready` (diagnose, stop with the teardown
+    budget, advise) or `watch` (until vLLM exits or a signal asks for a stop)."""
+
     def __init__(self, host: Host, opts: ServeOptions, plan: LaunchPlan, rec: RunRecord,
-                 state_dir: str, say: Callable[[str], None], echo: bool,
-                 notify: Callable[[str], None] | None = None) -> None:
+                 state_dir: str, view: progress.View, foreground: bool) -> None:
         self.host = host
         self.opts = opts
         self.plan = plan
         self.rec = rec
         self.state_dir = state_dir
-        self.say = say
-        self.echo = echo
-        self.notify = notify
+        self.view = view
+        self.foreground = foreground
         self.signals = 0
         self.proc: subprocess.Popen | None = None
         self.pump: _Pump | None = None
+        self.t0 = time.monotonic()
+        self.tracker = progress.Tracker(self.t0)
+        self.track_lock = threading.Lock()
+        self.ready = False
+
+    def say(self, msg: str) -> None:
+        self.view.say(msg)
 
     def _set(self, **changes) -> None:
         update_record(self.state_dir, self.rec, **changes)
@@ -298,8 +294,20 @@ class Supervisor:
         if self.signals >= 2:
             raise _Interrupted()
 
+    def _on_line(self, line: str) -> None:
+        if self.ready:
+            return
+        with self.track_lock:
+            changed = self.tracker.feed(line, time.monotonic())
+        if changed is not None:
+            self.view.phase(time.monotonic() - self.t0, changed.label)
+        self.view.line(line)
+
+    # -- steps ----------------------------------------------------------------------------
+
     def launch(self) -> None:
         become_subreaper()
+        self.t0 = self.tracker.t0 = self.tracker.since = time.monotonic()
         self.proc = subprocess.Popen(
             self.plan.argv,
             env=self.plan.env,
@@ -310,11 +318,80 @@ class Supervisor:
             preexec_fn=set_parent_death_signal,  # noqa: PLW1509 (no threads yet)
             close_fds=True,
         )
-        self.pump = _Pump(self.proc.stdout, self.rec.log_path, self.echo)
+        self.pump = _Pump(self.proc.stdout, self.rec.log_path, self._on_line,
+                          self.view.echo if self.foreground else None)
         self.pump.start()
         t = target_of(self.host, self.proc.pid)
         self._set(pid=self.proc.pid, start_ticks=t.start_ticks if t else None,
                   session=self.proc.pid, started_at=time.time(), state="starting")
+        self.say(f"xpuctl: started {self.rec.name} (pid {self.proc.pid}, run {self.rec.run_id}), "
+                 f"log {self.rec.log_path}")
+
+    def wait_ready(self) -> str | int:
+        """"ready", "signal", "timeout", or vLLM's exit code when it exited first.
+
+        /health is probed every POLL seconds with a short timeout: vLLM binds its port
+        before the engine starts and answers once it is up, so readiness is noticed within
+        about POLL + one probe of /health first answering."""
+        deadline = self.t0 + self.opts.ready_timeout
+        local = http.local_host(self.plan.bind)
+        while True:
+            code = self.exit_code()
+            if code is not None:
+                return code
+            if self.signals:
+                return "signal"
+            if http.ready(local, self.plan.port, READY_PROBE_TIMEOUT):
+                return "ready"
+            if time.monotonic() >= deadline:
+                return "timeout"
+            self.view.tick()
+            time.sleep(READY_POLL)
+
+    def became_ready(self) -> None:
+        now = time.monotonic()
+        with self.track_lock:
+            self.tracker.ready(now)
+            summary = self.tracker.summary()
+        self.ready = True
+        self._set(state="ready", ready_at=time.time())
+        local = http.local_host(self.plan.bind)
+        self.view.ready(f"xpuctl: {self.rec.name} is ready on port {self.plan.port} "
+                        f"(http://{local}:{self.plan.port}) after {now - self.t0:.1f}s: {summary}")
+
+    def watch(self) -> int:
+        """Supervise a ready server until vLLM exits or a signal asks for a stop."""
+        while True:
+            code = self.exit_code()
+            if code is not None:
+                return self._after_exit(code, requested=False, ready=True)
+            if self.signals:
+                return self._stop_on_signal()
+            time.sleep(0.2)
+
+    def run(self) -> int:
+        """Supervise until vLLM is gone. Returns the exit code for xpuctl."""
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, self._on_signal)
+        self.launch()
+        outcome = self.wait_ready()
+        if outcome == "ready":
+            self.became_ready()
+            self.end("ready")
+            return self.watch()
+        if outcome == "signal":
+            return self._stop_on_signal()
+        if outcome == "timeout":
+            return self.not_ready()
+        assert isinstance(outcome, int)
+        return self._after_exit(outcome, requested=False, ready=False)
+
+    def end(self, status: str) -> None:
+        """Tell a waiting `serve --detach` how the start ended (nothing in the foreground)."""
+        if isinstance(self.view, progress.PipeSink):
+            self.view.end(status)
+
+    # -- helpers --------------------------------------------------------------------------
 
     def exit_code(self) -> int | None:
         assert self.proc is not None
@@ -333,62 +410,49 @@ class Supervisor:
         return Tree(top=top, role="api-server", orphan=False, run_id=self.rec.run_id,
                     session=self.rec.session, devices=tuple(self.plan.bdfs), port=self.plan.port,
                     bind=self.plan.bind, shutdown_timeout=self.plan.shutdown_timeout,
-                    log_path=self.rec.log_path, record=self.rec, known=[top])
+                    log_path=self.rec.log_path, record=self.rec, known=[top],
+                    never_ready=not self.ready)
 
-    def stop_tree(self, skip_drain: bool = False):
+    def _show(self, ev) -> None:
+        self.say(f"xpuctl: {ev.t:7.2f}s {ev.phase:<17} {safe(ev.detail)}")
+
+    def stop_tree(self):
+        """The ladder on our own tree. A server that never became ready has nothing to
+        drain: the tree gets the teardown budget only (Tree.never_ready)."""
         from xpuctl.stop import stop
-
-        def show(ev) -> None:
-            self.say(f"xpuctl: {ev.t:7.2f}s {ev.phase:<17} {safe(ev.detail)}")
 
         self._set(state="stopping")
         try:
             return stop(self.host, [self._tree()], kill_after=self.opts.kill_after,
-                        release_timeout=self.opts.teardown_timeout, on_event=show, skip_drain=skip_drain)
+                        release_timeout=self.opts.teardown_timeout, on_event=self._show)
         except _Interrupted:
             self.say("xpuctl: second interrupt: killing the tree now")
             return stop(self.host, [self._tree()], kill_after=0,
-                        release_timeout=self.opts.teardown_timeout, on_event=show, skip_drain=True)
+                        release_timeout=self.opts.teardown_timeout, on_event=self._show,
+                        skip_drain=True)
 
-    def run(self) -> int:
-        """Supervise until vLLM is gone. Returns the exit code for xpuctl."""
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, self._on_signal)
-        self.launch()
-        assert self.proc is not None
-        deadline = time.monotonic() + self.opts.ready_timeout
-        ready = False
-        local = http.local_host(self.plan.bind)
-        self.say(f"xpuctl: started {self.rec.name} (pid {self.proc.pid}, run {self.rec.run_id}), "
-                 f"log {self.rec.log_path}")
-        while True:
-            code = self.exit_code()
-            if code is not None:
-                return self._after_exit(code, requested=False, ready=ready)
-            if self.signals:
-                self.say("xpuctl: stopping (signal received; press Ctrl-C again to kill)")
-                result = self.stop_tree()
-                return self._after_stop(result)
-            if not ready:
-                if http.ready(local, self.plan.port, 1.0):
-                    ready = True
-                    self._set(state="ready")
-                    self.say(f"xpuctl: ready on http://{local}:{self.plan.port} "
-                             f"({time.monotonic() - (deadline - self.opts.ready_timeout):.1f}s)")
-                    if self.notify:
-                        self.notify("ready")
-                elif time.monotonic() >= deadline:
-                    return self._not_ready()
-            time.sleep(0.2)
+    def _stop_on_signal(self) -> int:
+        self.say("xpuctl: stopping (signal received; press Ctrl-C again to kill)")
+        result = self.stop_tree()
+        code = self._after_stop(result)
+        self.end(f"exit {int(code)}")
+        return code
 
-    def _not_ready(self) -> int:
+    def not_ready(self) -> int:
+        """Readiness timeout: diagnose (on the terminal and in the log), stop with the
+        teardown budget, and say what to try before the next launch."""
+        from xpuctl import advice
+        from xpuctl.parse.vllmlog import hang_signatures
+
         assert self.pump is not None
         lines = list(self.pump.tail)
-        phase = diagnose_phase(lines)
-        self.say(f"xpuctl: not ready after {self.opts.ready_timeout:g}s; "
-                 f"stuck in: {phase or 'an unknown phase'}")
+        with self.track_lock:
+            phase = self.tracker.phase
+        where = phase.label if phase.rank else "an unknown phase (no start-up line recognised)"
+        self.say(f"xpuctl: {self.rec.name}: not ready after {self.opts.ready_timeout:g}s; "
+                 f"stuck in: {where}" + (f": {phase.hint}" if phase.hint else ""))
         for line in lines[-10:]:
-            self.say(f"xpuctl:   | {safe(line)}")
+            self.say(f"xpuctl:   | {safe(line, 300)}")
         try:
             from xpuctl.doctor import diagnose
 
@@ -399,11 +463,14 @@ class Supervisor:
         except XpuctlError:
             pass
         self._set(notes=[*self.rec.notes,
-                         f"not ready after {self.opts.ready_timeout:g}s: {phase or 'unknown phase'}"])
+                         f"not ready after {self.opts.ready_timeout:g}s: {phase.label}"])
         self.stop_tree()
         self._set(state="failed", exit_code=int(ExitCode.NOT_READY), stopped_at=time.time())
-        if self.notify:
-            self.notify(f"failed {int(ExitCode.NOT_READY)}")
+        keys = ["not-ready"] + [s.key for s in hang_signatures(lines, ever_ready=False)]
+        self.say("xpuctl: before the next launch, try (advice only; each has a cost):")
+        for line in advice.lines(keys):
+            self.say(f"xpuctl:   - {line}")
+        self.end(f"failed {int(ExitCode.NOT_READY)}")
         return ExitCode.NOT_READY
 
     def _after_stop(self, result) -> int:
@@ -431,16 +498,15 @@ class Supervisor:
 
         result = stop(self.host, [self._tree()], timeout=self.opts.teardown_timeout,
                       kill_after=self.opts.kill_after, release_timeout=self.opts.teardown_timeout,
-                      on_event=lambda ev: self.say(f"xpuctl: {ev.t:7.2f}s {ev.phase:<17} {safe(ev.detail)}")
-                      if ev.phase not in ("gone", "drain") else None, passive=passive,
-                      yield_to=someone_else)
+                      on_event=lambda ev: self._show(ev) if ev.phase not in ("gone", "drain") else None,
+                      passive=passive, yield_to=someone_else)
         leftovers = result.verdict != "clean"
         requested = requested or passive
         self._set(state="failed" if ((code != 0 and not requested) or leftovers) else "stopped",
                   exit_code=code,
                   stopped_at=time.time())
-        if self.notify and not ready:
-            self.notify(f"exit {code}")
+        if not ready:
+            self.end(f"exit {code}")
         if code < 0:
             code = 128 - code
         if leftovers and code == 0:
@@ -448,8 +514,19 @@ class Supervisor:
         return code
 
 
-def serve(host: Host, opts: ServeOptions, environ: dict[str, str], out: Callable[[str], None],
-          show_findings: Callable[[object], None]) -> int:
+# -- serve: plan, preflight, claim, then supervise here or in a detached child -------------
+
+
+class _Prepared(NamedTuple):
+    state_dir: str
+    plan: LaunchPlan
+    rec: RunRecord
+    keys: list[str]
+
+
+def _prepare(host: Host, opts: ServeOptions, environ: dict[str, str], out: Callable[[str], None],
+             show_findings: Callable[[object], None]) -> _Prepared:
+    """Plan the launch, check the name, run the preflight doctor; the record to write."""
     if not can_signal(host):
         raise UsageError("serve needs the live /proc (a root whose proc is the real /proc)")
     state_dir = ensure_state_dir(opts.state_dir)
@@ -460,7 +537,6 @@ def serve(host: Host, opts: ServeOptions, environ: dict[str, str], out: Callable
     name = opts.name or f"vllm-{plan.port}"
     if not re.match(r"^[A-Za-z0-9_.-]{1,64}$", name):
         raise UsageError(f"--name {name!r}: use letters, digits, '.', '_' or '-'")
-    # preflight
     if not opts.force:
         from xpuctl.doctor import diagnose
 
@@ -472,7 +548,6 @@ def serve(host: Host, opts: ServeOptions, environ: dict[str, str], out: Callable
                 "preflight failed: the devices or port are not clean (fix the findings above, "
                 "e.g. `xpuctl reset`, or start anyway with --force)"
             )
-    locks = Locks(state_dir)
     log_path = os.path.join(state_dir, "logs", f"{name}.log")
     rec = RunRecord(name=name, run_id=run_id, pid=None, start_ticks=None, session=None,
                     command=plan.argv, devices=plan.bdfs, port=plan.port, host=plan.bind or "127.0.0.1",
@@ -480,20 +555,28 @@ def serve(host: Host, opts: ServeOptions, environ: dict[str, str], out: Callable
                     teardown_timeout=opts.teardown_timeout, log_path=log_path,
                     notes=list(plan.notes))
     keys = [f"run-{name}", f"port-{plan.port}"] + [f"device-{b}" for b in plan.bdfs]
+    return _Prepared(state_dir, plan, rec, keys)
 
-    if not opts.detach:
-        locks.acquire(keys, f"{name} pid {os.getpid()}")
-        rec.supervisor_pid = os.getpid()
-        sup = Supervisor(host, opts, plan, rec, state_dir, out, echo=True)
-        try:
-            return sup.run()
-        finally:
-            locks.release()
 
-    # --detach: a supervisor child keeps running; we return once it is ready or failed.
-    # The locks are taken here and inherited: flock belongs to the open file, which the
-    # child shares, so there is no moment where another run could slip in.
-    locks.acquire(keys, f"{name} (starting)")
+def _run_foreground(host: Host, opts: ServeOptions, p: _Prepared, view: progress.View) -> int:
+    locks = Locks(p.state_dir)
+    locks.acquire(p.keys, f"{p.rec.name} pid {os.getpid()}")
+    p.rec.supervisor_pid = os.getpid()
+    try:
+        return Supervisor(host, opts, p.plan, p.rec, p.state_dir, view, foreground=True).run()
+    finally:
+        locks.release()
+
+
+def _run_detached(host: Host, opts: ServeOptions, p: _Prepared, view: progress.View) -> int:
+    """A supervisor child keeps running; this process shows its start (through a pipe) and
+    returns once it is ready or failed.
+
+    The locks are taken here and inherited: flock belongs to the open file, which the child
+    shares, so there is no moment where another run could slip in."""
+    name, log_path = p.rec.name, p.rec.log_path
+    locks = Locks(p.state_dir)
+    locks.acquire(p.keys, f"{name} (starting)")
     rfd, wfd = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -501,60 +584,61 @@ def serve(host: Host, opts: ServeOptions, environ: dict[str, str], out: Callable
     if pid == 0:  # supervisor
         os.close(rfd)
         code = 1
+
+        def log(msg: str) -> None:
+            try:
+                with open(log_path, "a") as fh:
+                    fh.write(msg + "\n")
+            except OSError:
+                pass
+
+        sink = progress.PipeSink(wfd, log)
         try:
             os.setsid()
             locks.relabel(f"{name} pid {os.getpid()}")
-            rec.supervisor_pid = os.getpid()
+            p.rec.supervisor_pid = os.getpid()
             devnull = os.open(os.devnull, os.O_RDWR)
             for fd in (0, 1, 2):
                 os.dup2(devnull, fd)
-            notified = False
-
-            def notify(msg: str) -> None:
-                nonlocal notified
-                if not notified:
-                    notified = True
-                    os.write(wfd, (msg + "\n").encode())
-                    os.close(wfd)
-
-            def log(msg: str) -> None:
-                try:
-                    with open(log_path, "a") as fh:
-                        fh.write(msg + "\n")
-                except OSError:
-                    pass
-
-            sup = Supervisor(host, opts, plan, rec, state_dir, log, echo=False, notify=notify)
-            code = sup.run()
-            notify(f"exit {code}")
+            code = Supervisor(host, opts, p.plan, p.rec, p.state_dir, sink, foreground=False).run()
+            sink.end(f"exit {code}")
         except BaseException as exc:  # noqa: BLE001
-            try:
-                os.write(wfd, f"error {exc}\n".encode())
-            except OSError:
-                pass
+            log(f"xpuctl: supervisor error: {exc}")
+            sink.end(f"error {exc}")
         finally:
             os._exit(int(code) if isinstance(code, int) else 1)
     os.close(wfd)
     locks.release()  # our copies only: the supervisor's keep the locks
-    out(f"xpuctl: {name}: supervisor {pid}, log {log_path}; waiting for readiness "
-        f"(up to {opts.ready_timeout:g}s)")
-    with os.fdopen(rfd) as fh:
-        msg = fh.readline().strip()
+    view.say(f"xpuctl: {name}: supervisor {pid}, log {log_path}; waiting for readiness "
+             f"(up to {opts.ready_timeout:g}s)")
+    try:
+        msg = progress.replay(rfd, view)
+    finally:
+        os.close(rfd)
     if msg == "ready":
-        out(f"xpuctl: {name} is ready on port {plan.port}")
         return ExitCode.OK
     if msg.startswith("failed"):
-        out(f"xpuctl: {name} was not ready in time; stopped (see {log_path})")
+        view.say(f"xpuctl: {name} was not ready in time; stopped (see {log_path})")
         return ExitCode.NOT_READY
     if msg.startswith("exit"):
         code = int(msg.split()[1])
-        out(f"xpuctl: {name} exited before it was ready (code {code}); see {log_path}")
+        view.say(f"xpuctl: {name} exited before it was ready (code {code}); see {log_path}")
         return code or ExitCode.PROBLEMS
-    out(f"xpuctl: {name}: supervisor failed: {msg or 'no answer'}; see {log_path}")
+    view.say(f"xpuctl: {name}: supervisor failed: {msg or 'no answer'}; see {log_path}")
     return ExitCode.PROBLEMS
 
 
-#: seconds serve may take to notice a signal (its loop polls; a readiness probe waits 1 s)
+def serve(host: Host, opts: ServeOptions, environ: dict[str, str], out: Callable[[str], None],
+          show_findings: Callable[[object], None], view: progress.View | None = None) -> int:
+    prepared = _prepare(host, opts, environ, out, show_findings)
+    if view is None:
+        view = progress.choose(sys.stderr, prepared.rec.name, quiet=opts.quiet)
+    if opts.detach:
+        return _run_detached(host, opts, prepared, view)
+    return _run_foreground(host, opts, prepared, view)
+
+
+#: seconds serve may take to notice a signal (its loop polls; a readiness probe waits 0.3 s)
 NOTICE_SECONDS = 2.0
 
 
@@ -576,3 +660,34 @@ def worst_stop_seconds(drain_timeout: float, teardown_timeout: float, kill_after
 
 def active_records(state_dir: str) -> list[RunRecord]:
     return [r for r in list_records(state_dir) if r.state in ("starting", "ready", "stopping")]
+
+
+class RunRow(NamedTuple):
+    """One run for `xpuctl ps`: its record's state and its age."""
+
+    name: str
+    state: str  # starting | ready | stopping
+    age_seconds: float | None  # since launch
+    pid: int | None
+    port: int
+    devices: tuple[str, ...]
+    run_id: str
+
+
+def live_runs(host: Host, state_dir: str) -> list[RunRow]:
+    """The records that say starting, ready or stopping and whose API server or supervisor
+    still runs (a record left by a killed supervisor is not a run)."""
+    from xpuctl.probes.processes import stat_of
+
+    def alive(pid: int | None, ticks: int | None = None) -> bool:
+        st = stat_of(host, pid) if pid else None
+        return st is not None and st.state != "Z" and (ticks is None or st.start_ticks == ticks)
+
+    now = time.time()
+    out = []
+    for r in active_records(state_dir):
+        if not (alive(r.pid, r.start_ticks) or alive(r.supervisor_pid)):
+            continue
+        age = now - r.started_at if r.started_at else None
+        out.append(RunRow(r.name, r.state, age, r.pid, r.port, tuple(r.devices), r.run_id))
+    return out

@@ -50,6 +50,7 @@ class Tree:
     log_path: str | None = None
     record: RunRecord | None = None
     known: list[Target] = field(default_factory=list)
+    never_ready: bool = False  # still starting: nothing to drain (stop.exit_budget)
 
     @property
     def name(self) -> str:
@@ -154,6 +155,7 @@ def tree_from_record(rec: RunRecord, snap: Snapshot, host: Host) -> Tree | None:
     tree.bind = rec.host
     tree.shutdown_timeout = rec.shutdown_timeout
     tree.log_path = rec.log_path
+    tree.never_ready = rec.state == "starting"
     return tree
 
 
@@ -243,6 +245,177 @@ class _LogTail:
         return out
 
 
+class _Ladder:
+    """The state one run of the ladder shares between its steps (see `stop`)."""
+
+    def __init__(self, host: Host, trees: list[Tree], on_event: Callable[[Event], None] | None,
+                 poll: float, passive: bool, yield_to: Callable[[], bool] | None) -> None:
+        self.host = host
+        self.trees = trees
+        self.on_event = on_event
+        self.poll = poll
+        self.passive = passive
+        self.yield_to = yield_to
+        self.t0 = time.monotonic()
+        self.events: list[Event] = []
+        self.escalated = False
+        self.everyone: dict[int, Target] = {}
+        self.first_members: dict[int, list[int]] = {}
+        self.pending: list[Target] = []
+        self.tails = {id(tree): _LogTail(tree.log_path) for tree in trees}
+
+    def emit(self, phase: str, detail: str) -> None:
+        ev = Event(round(time.monotonic() - self.t0, 3), phase, detail)
+        self.events.append(ev)
+        if self.on_event:
+            self.on_event(ev)
+
+    def vllm_lines(self) -> None:
+        for tree in self.trees:
+            for phase in self.tails[id(tree)].new_phases():
+                self.emit("vllm", phase)
+
+    def check_yield(self) -> None:
+        if not self.passive and self.yield_to is not None and self.yield_to():
+            self.passive = True
+            self.emit("yield", "another xpuctl is stopping this run: watching only")
+
+
+def _find_members(ld: _Ladder) -> None:
+    """Every process of every tree, once, before the first signal."""
+    for tree in ld.trees:
+        found = members(ld.host, tree)
+        ld.first_members[tree.top.pid] = [t.pid for t in found]
+        for t in found:
+            ld.everyone[t.pid] = t
+    ld.pending = list(ld.everyone.values())
+
+
+def _sigterm_tops(ld: _Ladder) -> None:
+    """1. SIGTERM to each top only; a gone top's remains get it at their top-most survivor
+    (a SIGTERM to an orphaned EngineCore stops its workers in order)."""
+    if ld.passive:
+        return
+    for tree in ld.trees:
+        if tree.top.send(ld.host, signal.SIGTERM):
+            ld.emit("sigterm", f"SIGTERM to {tree.role or 'process'} {tree.top.pid} ({tree.name})")
+            continue
+        ld.emit("gone", f"{tree.top.pid} had already exited")
+        rest = [m for m in ld.everyone.values() if m.pid != tree.top.pid]
+        for t in _topmost(ld.host, rest):
+            if "resource_tracker" in t.label:
+                continue
+            if t.send(ld.host, signal.SIGTERM):
+                ld.emit("sigterm", f"SIGTERM to {t.pid} ({t.label}), top of what is left")
+
+
+def exit_budget(tree: Tree) -> float:
+    """How long a tree gets to exit after its SIGTERM: the run's shutdown timeout plus a
+    margin; a server that never became ready has nothing to drain and gets its teardown
+    budget only."""
+    if tree.never_ready:
+        if tree.record is not None:
+            return float(tree.record.teardown_timeout)
+        return float(DEFAULT_SHUTDOWN_TIMEOUT)
+    st = tree.shutdown_timeout if tree.shutdown_timeout is not None else DEFAULT_SHUTDOWN_TIMEOUT
+    return st + DRAIN_MARGIN
+
+
+def _wait_exit(ld: _Ladder, timeout: float | None) -> None:
+    """2-3. Wait for the whole set, watching the drain (in-flight requests, vLLM's lines)."""
+    budget = timeout if timeout is not None else max(exit_budget(t) for t in ld.trees)
+    if all(t.never_ready for t in ld.trees):
+        ld.emit("teardown", f"never ready, nothing to drain: waiting up to {budget:g}s for "
+                f"{len(ld.everyone)} process(es) to exit")
+    else:
+        ld.emit("drain", f"waiting up to {budget:g}s for {len(ld.everyone)} process(es) to exit")
+    deadline = time.monotonic() + budget
+    last_flight: dict[int, int | None] = {}
+    next_probe = 0.0
+    while True:
+        ld.pending = wait_gone(ld.host, ld.pending, min(0.25, max(0.0, deadline - time.monotonic())),
+                               ld.poll)
+        now = time.monotonic()
+        ld.vllm_lines()
+        if not ld.pending or now >= deadline:
+            break
+        ld.check_yield()
+        if now >= next_probe:
+            next_probe = now + 0.5
+            for tree in ld.trees:
+                if tree.port and not tree.orphan and not tree.never_ready and tree.top.alive(ld.host):
+                    from xpuctl import http  # only when there is a drain to watch
+
+                    n = http.in_flight(http.local_host(tree.bind), tree.port, 0.3)
+                    if n is not None and n != last_flight.get(tree.top.pid):
+                        last_flight[tree.top.pid] = n
+                        ld.emit("in-flight", f"{n} request(s) running or waiting on :{tree.port}")
+    if ld.pending:
+        ld.emit("timeout", f"{len(ld.pending)} process(es) still alive after {budget:g}s")
+
+
+def _late_joiners(ld: _Ladder) -> None:
+    """Tagged processes that appeared during the wait join the survivors."""
+    for tree in ld.trees:
+        for t in members(ld.host, tree):
+            if t.pid not in ld.everyone:
+                ld.everyone[t.pid] = t
+                ld.pending.append(t)
+    ld.pending = [t for t in ld.pending if t.alive(ld.host)]
+
+
+def _escalate(ld: _Ladder, kill_after: float, skip_drain: bool) -> None:
+    """4. SIGTERM to the survivors, then after `kill_after` SIGKILL (identity re-checked)."""
+    ld.check_yield()
+    if ld.passive:
+        return
+    if ld.pending and kill_after > 0 and not skip_drain:
+        ld.escalated = True
+        sent = [t for t in reversed(ld.pending) if t.send(ld.host, signal.SIGTERM)]
+        if sent:
+            ld.emit("sigterm-survivors", "SIGTERM to " + ", ".join(f"{t.pid} ({t.label})" for t in sent))
+        ld.pending = wait_gone(ld.host, ld.pending, kill_after, ld.poll)
+    if ld.pending:
+        ld.escalated = True
+        sent = [t for t in reversed(ld.pending) if t.send(ld.host, signal.SIGKILL)]
+        if sent:
+            ld.emit("sigkill", "SIGKILL to " + ", ".join(f"{t.pid} ({t.label})" for t in sent))
+        ld.pending = wait_gone(ld.host, ld.pending, KILL_WAIT, ld.poll)
+
+
+def _verify_release(ld: _Ladder, release_timeout: float) -> StopResult:
+    """5. Wait until no process holds the trees' devices and their ports are free."""
+    ld.vllm_lines()
+    if not ld.pending:
+        ld.emit("exited", f"all {len(ld.everyone)} process(es) are gone")
+    devices = sorted({b for t in ld.trees for b in t.devices})
+    ports = sorted({t.port for t in ld.trees if t.port})
+    deadline = time.monotonic() + release_timeout
+    while True:
+        snap = take_snapshot(ld.host, port=None, want_env=False, artifacts=False)
+        holders = sorted({pid for b in devices for pid in snap.holders(b)})
+        busy_ports = sorted({s.port for s in listening_sockets(ld.host) if s.port in ports}) if ports else []
+        if (not holders and not busy_ports) or time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
+    stuck = [(p.pid, p.wchan) for p in snap.processes if p.pid in holders and p.state == "D"]
+    if devices:
+        if holders:
+            ld.emit("holders", f"{', '.join(devices)} still held by {', '.join(map(str, holders))}")
+        else:
+            ld.emit("released", f"{', '.join(devices)} released")
+    if busy_ports:
+        ld.emit("port", f"port(s) {', '.join(map(str, busy_ports))} still in use")
+    for pid, wchan in stuck:
+        ld.emit("stuck", f"{pid} is in D state in {wchan or '?'}")
+    survivors = [t.pid for t in ld.pending if t.alive(ld.host)]
+    leftovers = bool(survivors or holders or busy_ports)
+    verdict = "leftovers" if leftovers else ("escalated" if ld.escalated else "clean")
+    ld.emit("verdict", verdict)
+    return StopResult(ld.trees, ld.events, verdict, survivors, holders, stuck, busy_ports,
+                      ld.first_members)
+
+
 def stop(
     host: Host,
     trees: list[Tree],
@@ -255,139 +428,21 @@ def stop(
     passive: bool = False,
     yield_to: Callable[[], bool] | None = None,
 ) -> StopResult:
-    """Run the ladder on `trees`. `passive`: send nothing, only wait and verify (someone
-    else is already stopping them); `yield_to()` returning True turns passive midway."""
-    t0 = time.monotonic()
-    events: list[Event] = []
+    """Run the ladder on `trees`, step by step (each step a function named for what it
+    does; the events it emits are the timeline): `_find_members`, `_sigterm_tops`,
+    `_wait_exit`, `_late_joiners`, `_escalate`, `_verify_release`.
 
-    def emit(phase: str, detail: str) -> None:
-        ev = Event(round(time.monotonic() - t0, 3), phase, detail)
-        events.append(ev)
-        if on_event:
-            on_event(ev)
-
-    escalated = False
-    everyone: dict[int, Target] = {}
-    first_members: dict[int, list[int]] = {}
-    for tree in trees:
-        found = members(host, tree)
-        first_members[tree.top.pid] = [t.pid for t in found]
-        for t in found:
-            everyone[t.pid] = t
-    tails = {id(tree): _LogTail(tree.log_path) for tree in trees}
-
-    # 1. SIGTERM to each top only
+    `timeout` overrides `exit_budget`. `passive`: send nothing, only wait and verify
+    (someone else is already stopping them); `yield_to()` returning True turns passive
+    midway. `skip_drain`: no SIGTERM and no wait, straight to SIGKILL."""
+    ld = _Ladder(host, trees, on_event, poll, passive, yield_to)
+    _find_members(ld)
     if not skip_drain:
-        for tree in trees:
-            if passive:
-                continue
-            if tree.top.send(host, signal.SIGTERM):
-                emit("sigterm", f"SIGTERM to {tree.role or 'process'} {tree.top.pid} ({tree.name})")
-                continue
-            emit("gone", f"{tree.top.pid} had already exited")
-            # its remains coordinate their own teardown from their top-most survivor
-            # (a SIGTERM to an orphaned EngineCore stops its workers in order)
-            for t in _topmost(host, [m for m in everyone.values() if m.pid != tree.top.pid]):
-                if "resource_tracker" in t.label:
-                    continue
-                if t.send(host, signal.SIGTERM):
-                    emit("sigterm", f"SIGTERM to {t.pid} ({t.label}), top of what is left")
-
-        # 2-3. wait for the whole set, watching the drain
-        budget = timeout
-        if budget is None:
-            budget = max(
-                (t.shutdown_timeout if t.shutdown_timeout is not None else DEFAULT_SHUTDOWN_TIMEOUT)
-                for t in trees
-            ) + DRAIN_MARGIN
-        emit("drain", f"waiting up to {budget:g}s for {len(everyone)} process(es) to exit")
-        deadline = time.monotonic() + budget
-        last_flight: dict[int, int | None] = {}
-        next_probe = 0.0
-        pending = list(everyone.values())
-        while True:
-            pending = wait_gone(host, pending, min(0.25, max(0.0, deadline - time.monotonic())), poll)
-            now = time.monotonic()
-            for tree in trees:
-                for phase in tails[id(tree)].new_phases():
-                    emit("vllm", phase)
-            if not pending or now >= deadline:
-                break
-            if not passive and yield_to is not None and yield_to():
-                passive = True
-                emit("yield", "another xpuctl is stopping this run: watching only")
-            if now >= next_probe:
-                next_probe = now + 0.5
-                for tree in trees:
-                    if tree.port and not tree.orphan and tree.top.alive(host):
-                        from xpuctl import http  # only when there is a drain to watch
-
-                        n = http.in_flight(http.local_host(tree.bind), tree.port, 0.3)
-                        if n is not None and n != last_flight.get(tree.top.pid):
-                            last_flight[tree.top.pid] = n
-                            emit("in-flight", f"{n} request(s) running or waiting on :{tree.port}")
-        if pending:
-            emit("timeout", f"{len(pending)} process(es) still alive after {budget:g}s")
-    else:
-        pending = list(everyone.values())
-
-    # late joiners: tagged processes that appeared during the drain
-    for tree in trees:
-        for t in members(host, tree):
-            if t.pid not in everyone:
-                everyone[t.pid] = t
-                pending.append(t)
-    pending = [t for t in pending if t.alive(host)]
-
-    # 4. SIGTERM survivors, then SIGKILL
-    if not passive and yield_to is not None and yield_to():
-        passive = True
-    if passive:
-        pass
-    elif pending and kill_after > 0 and not skip_drain:
-        escalated = True
-        sent = [t for t in reversed(pending) if t.send(host, signal.SIGTERM)]
-        if sent:
-            emit("sigterm-survivors", "SIGTERM to " + ", ".join(f"{t.pid} ({t.label})" for t in sent))
-        pending = wait_gone(host, pending, kill_after, poll)
-    if pending and not passive:
-        escalated = True
-        sent = [t for t in reversed(pending) if t.send(host, signal.SIGKILL)]
-        if sent:
-            emit("sigkill", "SIGKILL to " + ", ".join(f"{t.pid} ({t.label})" for t in sent))
-        pending = wait_gone(host, pending, KILL_WAIT, poll)
-    for tree in trees:
-        for phase in tails[id(tree)].new_phases():
-            emit("vllm", phase)
-    if not pending:
-        emit("exited", f"all {len(everyone)} process(es) are gone")
-
-    # 5. release: no holders on the devices, port free
-    devices = sorted({b for t in trees for b in t.devices})
-    ports = sorted({t.port for t in trees if t.port})
-    deadline = time.monotonic() + release_timeout
-    while True:
-        snap = take_snapshot(host, port=None, want_env=False, artifacts=False)
-        holders = sorted({pid for b in devices for pid in snap.holders(b)})
-        busy_ports = sorted({s.port for s in listening_sockets(host) if s.port in ports}) if ports else []
-        if (not holders and not busy_ports) or time.monotonic() >= deadline:
-            break
-        time.sleep(0.1)
-    stuck = [(p.pid, p.wchan) for p in snap.processes if p.pid in holders and p.state == "D"]
-    if devices:
-        if holders:
-            emit("holders", f"{', '.join(devices)} still held by {', '.join(map(str, holders))}")
-        else:
-            emit("released", f"{', '.join(devices)} released")
-    if busy_ports:
-        emit("port", f"port(s) {', '.join(map(str, busy_ports))} still in use")
-    for pid, wchan in stuck:
-        emit("stuck", f"{pid} is in D state in {wchan or '?'}")
-    survivors = [t.pid for t in pending if t.alive(host)]
-    leftovers = bool(survivors or holders or busy_ports)
-    verdict = "leftovers" if leftovers else ("escalated" if escalated else "clean")
-    emit("verdict", verdict)
-    return StopResult(trees, events, verdict, survivors, holders, stuck, busy_ports, first_members)
+        _sigterm_tops(ld)
+        _wait_exit(ld, timeout)
+    _late_joiners(ld)
+    _escalate(ld, kill_after, skip_drain)
+    return _verify_release(ld, release_timeout)
 
 
 def _topmost(host: Host, targets: list[Target]) -> list[Target]:

@@ -1,0 +1,80 @@
+"""What to try before relaunching after a oneCCL hang: documented mitigations and their cost.
+
+Advice only: xpuctl never sets these itself. Sources: /work/shared/reference/intel.md §5,
+vllm.md §7-8 and peers.md (A13, A14): vLLM #50545 / oneCCL #215 (ring all-reduce), vLLM
+#41663 (IPC handle cache), #48953 and llm-scaler #486 (IPC exchange), oneCCL #209 (KVS
+interface), torch-ccl #71 (sockets exchange crash).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class Mitigation(NamedTuple):
+    setting: str
+    why: str
+    cost: str
+
+
+RESET = Mitigation(
+    "xpuctl reset",
+    "stop orphans and remove stale oneCCL/shm files left by the last run",
+    "none for a stopped server; it refuses to touch a live one",
+)
+RING = Mitigation(
+    "CCL_ALLREDUCE=ring",
+    "avoids the default all-reduce algorithm that hangs at warm-up (oneCCL #215, vLLM #50545)",
+    "the ring algorithm can be slower on large tensor-parallel messages; measure throughput",
+)
+IPC_EXCHANGE = Mitigation(
+    "CCL_ZE_IPC_EXCHANGE=drmfd|sockets",
+    "exchange Level Zero IPC handles another way than pidfd",
+    "drmfd opens render nodes itself (needs /dev/dri/by-path in containers); sockets leaves "
+    "/tmp/ccl-handle-* behind when killed and crashed on Max 1550 (torch-ccl #71)",
+)
+KVS_IFACE = Mitigation(
+    "CCL_KVS_IFACE=lo",
+    "bind oneCCL's bootstrap KVS to loopback; hosts with many interfaces hang in "
+    "create_comm_id (oneCCL #209)",
+    "undocumented; single host only (ranks on other nodes cannot reach a loopback KVS)",
+)
+IPC_CACHE = Mitigation(
+    "CCL_ZE_CACHE_OPEN_IPC_HANDLES=0",
+    "stop reusing a stale cached IPC handle (vLLM #41663)",
+    "about 3 % throughput (CCL_ZE_CACHE=0 instead costs about 39 %)",
+)
+DEVICE = Mitigation(
+    "xpuctl reset --device-reset (root), or a reboot",
+    "a lost device stays wedged until the driver resets it",
+    "drops everything on the device; some states recover only with a reboot",
+)
+READY_TIMEOUT = Mitigation(
+    "serve --ready-timeout SECONDS",
+    "a start that was still making progress may only have been slow (a large model)",
+    "a real hang is noticed that much later",
+)
+
+# signature key (parse.vllmlog) -> what to try, most likely first
+BY_SIGNATURE: dict[str, tuple[Mitigation, ...]] = {
+    "not-ready": (RESET, RING, IPC_EXCHANGE, KVS_IFACE, READY_TIMEOUT),
+    "xccl-stuck": (RESET, RING, IPC_EXCHANGE, KVS_IFACE),
+    "ipc-handle": (IPC_CACHE, IPC_EXCHANGE),
+    "kvs": (KVS_IFACE, RESET),
+    "device-lost": (DEVICE, RING),
+}
+
+
+def mitigations(keys: list[str]) -> list[Mitigation]:
+    """The mitigations for these signature keys, each once, in order."""
+    out: list[Mitigation] = []
+    for key in keys:
+        for m in BY_SIGNATURE.get(key, ()):
+            if m not in out:
+                out.append(m)
+    return out
+
+
+def lines(keys: list[str]) -> list[str]:
+    """One line per mitigation: `SETTING: why (cost: ...)`."""
+    return [f"{m.setting}: {m.why} (cost: {m.cost})" for m in mitigations(keys)]

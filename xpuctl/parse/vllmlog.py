@@ -1,0 +1,121 @@
+"""vLLM's own log lines: start-up phases and known oneCCL hang signatures (text in, records out).
+
+`PHASES` is the one table of start-up phases. `serve` shows the start as it happens from it,
+the readiness diagnosis names the phase a start got stuck in from it, and doctor's
+`last-run` check reads the phase a failed run reached from it: they cannot drift apart.
+
+The markers are substrings of vLLM 0.32.0's lines (CPU build, seen here; XPU logs the same
+lines with `backend=xccl`), in start-up order:
+
+    Initializing a V1 LLM engine (v0.32.0) with config: ...
+    world_size=1 rank=0 local_rank=0 distributed_init_method=... backend=gloo   (XPU: xccl)
+    Starting to load model ...
+    Loading weights took 0.00 seconds
+    ... GiB for KV cache ... / init engine (profile, create kv cache, warmup model) took 1.83 s
+    Starting vLLM server on http://0.0.0.0:18555
+
+A version whose lines match nothing stays in "starting" (with its last line shown).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import NamedTuple
+
+from xpuctl.model import LogSignature
+
+
+class Phase(NamedTuple):
+    key: str
+    label: str  # what the operator reads
+    rank: int  # start-up order; a start only moves forward (ranks of several TP workers interleave)
+    markers: tuple[str, ...]
+    hint: str = ""  # added to the readiness diagnosis when a start is stuck here
+
+
+STARTING = Phase("starting", "starting", 0, ())
+PHASES: tuple[Phase, ...] = (
+    Phase("engine", "engine start", 1, ("Initializing a V1 LLM engine",)),
+    # one line names both world_size and the backend: the oneCCL row comes first
+    Phase("oneccl", "oneCCL init (xccl)", 2, ("backend=xccl", "backend=ccl"),
+          "the oneCCL warm-up all_reduce, where relaunch hangs sit; check `xpuctl doctor` "
+          "for orphans or stale oneCCL files on the devices"),
+    Phase("distributed", "distributed init", 2, ("world_size=",)),
+    Phase("loading", "loading model", 3, ("Starting to load model",)),
+    Phase("profiling", "KV cache + warm-up", 4,
+          ("Loading weights took", "Model loading took", "KV cache")),
+    Phase("http", "API server start", 5,
+          ("init engine (profile", "Starting vLLM server on", "Starting vLLM API server")),
+)
+READY = Phase("ready", "ready", 6, ())
+BY_KEY = {p.key: p for p in (STARTING, *PHASES, READY)}
+
+
+_PREFIX = re.compile(
+    r"^(?:\((?P<who>[A-Za-z_]+[A-Za-z0-9_]*) pid=\d+\) )?"
+    r"(?P<level>DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)? "
+    r"\[[^\]]*\] "
+)
+
+
+def short_line(line: str) -> str:
+    """A log line without vLLM's prefix (process tag, level, time, source), for a status
+    line: `(EngineCore pid=7) INFO 12-01 10:00:03 [core.py:95] Initializing…` becomes
+    `EngineCore: Initializing…`; warnings and errors keep their level."""
+    m = _PREFIX.match(line)
+    if not m:
+        return line
+    rest = line[m.end():]
+    level = m.group("level")
+    if level not in ("INFO", "DEBUG"):
+        rest = f"{level} {rest}"
+    return f"{m.group('who')}: {rest}" if m.group("who") else rest
+
+
+def phase_of(line: str) -> Phase | None:
+    """The phase a log line starts, or None."""
+    for phase in PHASES:
+        for marker in phase.markers:
+            if marker in line:
+                return phase
+    return None
+
+
+def furthest_phase(lines: list[str]) -> Phase:
+    """The latest phase the lines reached (STARTING when none matches)."""
+    best = STARTING
+    for line in lines:
+        p = phase_of(line)
+        if p is not None and p.rank > best.rank:
+            best = p
+    return best
+
+
+# -- oneCCL hang signatures (intel.md §5, vllm.md §7) ----------------------------------------
+
+
+_SIGNATURES: tuple[tuple[str, str, re.Pattern[str]], ...] = (
+    ("ipc-handle", "a Level Zero IPC handle error (zeMemOpenIpcHandle)",
+     re.compile(r"zeMemOpenIpcHandle")),
+    ("kvs", "a oneCCL KVS (bootstrap) connection error",
+     re.compile(r"(?i)\bkvs\b.*\b(error|fail\w*|timed? ?out|refused|connect\w*)\b|internal_kvs.*error")),
+    ("device-lost", "a lost device (UR_RESULT_ERROR_DEVICE_LOST)",
+     re.compile(r"UR_RESULT_ERROR_DEVICE_LOST|ZE_RESULT_ERROR_DEVICE_LOST")),
+)
+
+
+def hang_signatures(lines: list[str], ever_ready: bool) -> list[LogSignature]:
+    """Known oneCCL hang signatures in a run's log, first line of each kind.
+
+    A start that never became ready and got no further than `backend=xccl` counts too: that
+    is the warm-up all_reduce that hangs forever after an unclean stop."""
+    out: list[LogSignature] = []
+    seen: set[str] = set()
+    for line in lines:
+        for key, what, rx in _SIGNATURES:
+            if key not in seen and rx.search(line):
+                seen.add(key)
+                out.append(LogSignature(key, what, line.strip()))
+    if not ever_ready and furthest_phase(lines).key == "oneccl":
+        out.insert(0, LogSignature("xccl-stuck", "start-up stuck after backend=xccl", ""))
+    return out
