@@ -251,9 +251,9 @@ class _Pump(threading.Thread):
                 pass
             text = raw.decode("utf-8", "surrogateescape").rstrip("\n")
             self.tail.append(text)
-            self.on_line(text)
             if self.echo is not None:  # the log keeps the exact bytes; the terminal, escapes
                 self.echo(text)
+            self.on_line(text)
         self.log.close()
 
 

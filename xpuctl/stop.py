@@ -4,7 +4,8 @@
    makes workers die before the drain ends).
 2. Watch the drain: in-flight requests from /metrics, vLLM's `[shutdown]` log phases.
 3. Wait up to the run's shutdown timeout plus a margin for the whole tree: every recorded,
-   descendant, same-session and XPUCTL_RUN_ID-tagged process.
+   descendant, same-session and XPUCTL_RUN_ID-tagged process. A server that never became
+   ready has nothing to drain: it gets its teardown timeout only (`exit_budget`).
 4. SIGTERM to survivors, then after `kill_after` SIGKILL (identity re-checked every time).
 5. Wait until no process holds the tree's devices and its port is free.
 """
