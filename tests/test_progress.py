@@ -282,3 +282,19 @@ def test_doctor_and_reset_show_last_run_for_each_signature(tmp_path, key):
     assert "warn last-run: the last run r-" in r.stdout and "cost:" in r.stdout, r.stdout
     rj = _xpuctl("--root", str(root), "reset", "--dry-run", "--json", "--state-dir", str(sd))
     assert [a["check"] for a in json.loads(rj.stdout)["plan"]["advice"]] == ["last-run"]
+
+
+def test_a_tree_that_never_became_ready_gets_the_teardown_budget_only():
+    from xpuctl.runs import RunRecord
+    from xpuctl.stop import DRAIN_MARGIN, Tree, exit_budget
+    from xpuctl.supervisor import Target
+
+    rec = RunRecord(name="r", run_id="1" * 16, pid=10, start_ticks=1, session=10, command=[],
+                    devices=[], port=8000, host="127.0.0.1", shutdown_timeout=50,
+                    drain_timeout=40, teardown_timeout=7, log_path="/x", state="starting")
+    top = Target(10, 1, "api-server")
+    ready = Tree(top=top, role="api-server", orphan=False, shutdown_timeout=50, record=rec)
+    assert exit_budget(ready) == 50 + DRAIN_MARGIN
+    assert exit_budget(Tree(
+        top=top, role="api-server", orphan=False, shutdown_timeout=50, record=rec,
+        never_ready=True)) == 7

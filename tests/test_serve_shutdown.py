@@ -1240,3 +1240,25 @@ def test_shutdown_of_a_run_still_starting_skips_the_drain(rig):
     assert fg.proc.wait(30) != 0, str(fg)
     assert "exited before it was ready" in fg.err(), str(fg)
     rig.assert_clean()
+
+
+def test_serve_quiet_shows_no_phases(rig):
+    res = rig.serve(name="hush", opts=["--quiet"])
+    assert res.rc == 0, str(res)
+    assert not re.search(r"^xpuctl: hush: +\d+\.\d+s ", res.err, re.M), str(res)
+    assert "hush is ready on port" in res.err, str(res)
+    assert rig.shutdown("hush", "--release-timeout", "5").rc == 0
+    rig.assert_clean()
+
+
+def test_foreground_hung_start_is_diagnosed_on_the_terminal(rig):
+    fg = rig.serve_bg(ready=4, teardown=2, kill_after=1, drain=30,
+                      env={"FAKE_VLLM_FAULTS": "hang-startup"})
+    rc = fg.proc.wait(4 + 2 + 1 + 30)
+    assert rc == 4, str(fg)
+    err = fg.err()
+    assert re.search(rf"^xpuctl: {fg.name}: +\d+\.\d+s oneCCL init \(xccl\)$", err, re.M), str(fg)
+    assert "not ready after 4s; stuck in: oneCCL init (xccl)" in err, str(fg)
+    assert "CCL_KVS_IFACE=lo" in err and "never ready, nothing to drain" in err, str(fg)
+    assert "backend=xccl" in fg.out()  # vLLM's own output still goes to stdout
+    rig.assert_clean()
