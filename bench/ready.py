@@ -34,7 +34,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
-import proctools as pt  # noqa: E402  (StandInRoot, free_port, tokens, reaping)
+import proctools as pt  # (StandInRoot, free_port, tokens, reaping)
 
 PY = sys.executable
 
@@ -118,7 +118,7 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
 
     out = {"notice_s": stats(notice), "return_s": stats(ret), "hung": hung,
-           "phase_s": args.phase_s, "loadavg": open("/proc/loadavg").read().split()[:4]}
+           "phase_s": args.phase_s, "loadavg": Path("/proc/loadavg").read_text().split()[:4]}
     if args.json:
         print(json.dumps(out, indent=2))
     n, r = out["notice_s"], out["return_s"]

@@ -21,17 +21,17 @@ from xpuctl.probes import lastrun
 # vLLM 0.32.0 (CPU build) on this machine, in order (issue 12); XPU logs backend=xccl
 REAL_0_32 = [
     "(APIServer pid=1) INFO 12-01 10:00:00 [utils.py:233] non-default args: {'model': '/m'}",
-    "(EngineCore pid=2) INFO 12-01 10:00:03 [core.py:95] Initializing a V1 LLM engine (v0.32.0) "
-    "with config: model='/m', speculative_config=None, tokenizer='/m', kv_cache_dtype=auto",
-    "(EngineCore pid=2) INFO 12-01 10:00:05 [parallel_state.py:1200] world_size=1 rank=0 "
-    "local_rank=0 distributed_init_method=tcp://127.0.0.1:41234 backend=gloo",
+    ("(EngineCore pid=2) INFO 12-01 10:00:03 [core.py:95] Initializing a V1 LLM engine (v0.32.0) "
+     "with config: model='/m', speculative_config=None, tokenizer='/m', kv_cache_dtype=auto"),
+    ("(EngineCore pid=2) INFO 12-01 10:00:05 [parallel_state.py:1200] world_size=1 rank=0 "
+     "local_rank=0 distributed_init_method=tcp://127.0.0.1:41234 backend=gloo"),
     "(EngineCore pid=2) INFO 12-01 10:00:06 [cpu_model_runner.py:80] Starting to load model /m...",
     "(EngineCore pid=2) INFO 12-01 10:00:06 [default_loader.py:300] Loading weights took 0.00 seconds",
     "(EngineCore pid=2) INFO 12-01 10:00:07 [cpu.py:150] Auto set (1.00/16.0) GiB for KV cache on node 0",
-    "(EngineCore pid=2) INFO 12-01 10:00:09 [core.py:250] init engine (profile, create kv cache, "
-    "warmup model) took 1.83 s",
-    "(APIServer pid=1) INFO 12-01 10:00:10 [api_server.py:1900] Starting vLLM server on "
-    "http://0.0.0.0:18555",
+    ("(EngineCore pid=2) INFO 12-01 10:00:09 [core.py:250] init engine (profile, create kv cache, "
+     "warmup model) took 1.83 s"),
+    ("(APIServer pid=1) INFO 12-01 10:00:10 [api_server.py:1900] Starting vLLM server on "
+     "http://0.0.0.0:18555"),
 ]
 
 
