@@ -114,6 +114,15 @@ def test_live_view_redraws_one_line_and_ends_with_the_summary(monkeypatch):
     assert out.endswith("xpuctl: r1 is ready on port 1 after 2.0s: engine start 1.0s\n")
 
 
+def test_live_view_finish_leaves_no_status_line():
+    err = _Tty()
+    v = progress.LiveView(err, "r1")
+    v.tick()
+    v.finish()
+    v.say("xpuctl: r1 was not ready in time")
+    assert err.getvalue().endswith("\r\x1b[2Kxpuctl: r1 was not ready in time\n")
+
+
 def test_choose_picks_by_terminal_and_quiet():
     assert isinstance(progress.choose(io.StringIO(), "n", quiet=False), progress.PlainView)
     assert isinstance(progress.choose(_Tty(), "n", quiet=True), progress.QuietView)

@@ -67,6 +67,7 @@ class View(Protocol):
     def ready(self, msg: str) -> None: ...
     def tick(self) -> None: ...
     def echo(self, line: str) -> None: ...
+    def finish(self) -> None: ...
 
 
 class _Base:
@@ -101,6 +102,9 @@ class _Base:
     def echo(self, line: str) -> None:
         """A line of vLLM's own output, escaped, to stdout (foreground serve)."""
         _echo(line)
+
+    def finish(self) -> None:
+        """The start is over without a `ready` (failed, stopped): no more status."""
 
 
 def _echo(line: str) -> None:
@@ -183,6 +187,11 @@ class LiveView(_Base):
             self._clear()
             self.done = True
             self._write(safe_lines(msg) + "\n")
+
+    def finish(self) -> None:
+        with self.lock:
+            self._clear()
+            self.done = True
 
     def echo(self, line: str) -> None:
         if not self.same_terminal:
@@ -269,6 +278,9 @@ class PipeSink:
         pass
 
     def echo(self, line: str) -> None:
+        pass
+
+    def finish(self) -> None:
         pass
 
     def end(self, status: str) -> None:

@@ -379,6 +379,7 @@ class Supervisor:
             self.became_ready()
             self.end("ready")
             return self.watch()
+        self.view.finish()  # no status line over the diagnosis or the stop timeline
         if outcome == "signal":
             return self._stop_on_signal()
         if outcome == "timeout":
@@ -615,6 +616,7 @@ def _run_detached(host: Host, opts: ServeOptions, p: _Prepared, view: progress.V
         msg = progress.replay(rfd, view)
     finally:
         os.close(rfd)
+        view.finish()
     if msg == "ready":
         return ExitCode.OK
     if msg.startswith("failed"):
