@@ -24,14 +24,16 @@ RESET = Mitigation(
 )
 RING = Mitigation(
     "CCL_ALLREDUCE=ring",
-    "avoids the default all-reduce algorithm that hangs at warm-up (oneCCL #215, vLLM #50545)",
-    "the ring algorithm can be slower on large tensor-parallel messages; measure throughput",
+    "avoids oneCCL 2022.x's default all-reduce, which hangs at warm-up (oneCCL #215, vLLM #50545)",
+    "replaces oneCCL's tuned algorithm choice, at a throughput cost not measured here",
 )
 IPC_EXCHANGE = Mitigation(
     "CCL_ZE_IPC_EXCHANGE=drmfd|sockets",
-    "exchange Level Zero IPC handles another way than pidfd",
-    "drmfd opens render nodes itself (needs /dev/dri/by-path in containers); sockets leaves "
-    "/tmp/ccl-handle-* behind when killed and crashed on Max 1550 (torch-ccl #71)",
+    "exchange Level Zero IPC handles another way than pidfd; sockets together with "
+    "CCL_TOPO_P2P_ACCESS=0 (vLLM #48953, llm-scaler #486)",
+    "drmfd opens the render nodes through /dev/dri/by-path (a container must mount it); sockets "
+    "leaves /tmp/ccl-handle-* after a kill and crashed on Max 1550 (torch-ccl #71); P2P off "
+    "sends collectives through host memory (slower)",
 )
 KVS_IFACE = Mitigation(
     "CCL_KVS_IFACE=lo",
@@ -42,10 +44,10 @@ KVS_IFACE = Mitigation(
 IPC_CACHE = Mitigation(
     "CCL_ZE_CACHE_OPEN_IPC_HANDLES=0",
     "stop reusing a stale cached IPC handle (vLLM #41663)",
-    "about 3 % throughput (CCL_ZE_CACHE=0 instead costs about 39 %)",
+    "about 3 % throughput (CCL_ZE_CACHE=0, the blunt version, about 39 %)",
 )
 DEVICE = Mitigation(
-    "xpuctl reset --device-reset (root), or a reboot",
+    "xpuctl reset --device N --device-reset (root), or a reboot",
     "a lost device stays wedged until the driver resets it",
     "drops everything on the device; some states recover only with a reboot",
 )
@@ -56,12 +58,13 @@ READY_TIMEOUT = Mitigation(
 )
 
 # signature key (parse.vllmlog) -> what to try, most likely first
+# (the same as README's "Troubleshooting: oneCCL hangs" table)
 BY_SIGNATURE: dict[str, tuple[Mitigation, ...]] = {
-    "not-ready": (RESET, RING, IPC_EXCHANGE, KVS_IFACE, READY_TIMEOUT),
-    "xccl-stuck": (RESET, RING, IPC_EXCHANGE, KVS_IFACE),
-    "ipc-handle": (IPC_CACHE, IPC_EXCHANGE),
-    "kvs": (KVS_IFACE, RESET),
-    "device-lost": (DEVICE, RING),
+    "not-ready": (RESET, IPC_CACHE, RING, KVS_IFACE, IPC_EXCHANGE, READY_TIMEOUT),
+    "xccl-stuck": (RESET, IPC_CACHE, RING, KVS_IFACE, IPC_EXCHANGE),
+    "ipc-handle": (IPC_EXCHANGE, IPC_CACHE),
+    "kvs": (IPC_CACHE, KVS_IFACE),
+    "device-lost": (RING, DEVICE),
 }
 
 
