@@ -355,9 +355,13 @@ class Supervisor:
             summary = self.tracker.summary()
         self.ready = True
         self._set(state="ready", ready_at=time.time())
-        local = http.local_host(self.plan.bind)
-        self.view.ready(f"xpuctl: {self.rec.name} is ready on port {self.plan.port} "
-                        f"(http://{local}:{self.plan.port}) after {now - self.t0:.1f}s: {summary}")
+        url = f"http://{http.local_host(self.plan.bind)}:{self.plan.port}"
+        took = f"after {now - self.t0:.1f}s"
+        if self.foreground:  # the wording scripts and units already look for, per mode
+            self.view.ready(f"xpuctl: ready on {url} {took} ({self.rec.name}: {summary})")
+        else:
+            self.view.ready(f"xpuctl: {self.rec.name} is ready on port {self.plan.port} ({url}) "
+                            f"{took}: {summary}")
 
     def watch(self) -> int:
         """Supervise a ready server until vLLM exits or a signal asks for a stop."""
