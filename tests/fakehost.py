@@ -1326,3 +1326,23 @@ def mixed_vendor_host(root: Path) -> FakeHost:
     h.add_device("renderD129", "card1", XE_BDF, device=0xE20B, driver="xe", vram_tiles=None)
     _add_ordinary_processes(h)
     return _attrs(h)
+
+
+# (f) no Intel GPU: no DRM device at all, or a non-Intel one only
+
+
+def no_drm_host(root: Path) -> FakeHost:
+    """(f) No DRM device at all (a VM, or a container started without /dev/dri): the ordinary
+    processes of (a) and an empty /sys/class/drm."""
+    h = _base_host(root, devices=False)
+    h.path("/sys/class/drm").mkdir(parents=True, exist_ok=True)
+    return _attrs(h)
+
+
+def amd_only_host(root: Path) -> FakeHost:
+    """(g) The AMD RX 7900 XTX of (e) alone: a DRM device, but no Intel GPU."""
+    h = FakeHost(root)
+    h.add_device("renderD128", "card0", AMD_BDF, vendor=0x1002, device=0x744C, driver="amdgpu",
+                 connectors=["DP-1"])
+    _add_ordinary_processes(h)
+    return _attrs(h)

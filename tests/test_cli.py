@@ -64,7 +64,84 @@ def test_serve_options_after_the_model_are_refused(tmp_path):
     h = fakehost.clean_host(tmp_path / "root")
     out = run("--root", str(h.root), "serve", "model", "--port", "9000", "--detach")
     assert out.returncode == 2
-    assert "put xpuctl options before MODEL" in out.stderr
+    assert out.stderr.startswith("xpuctl: error: --detach comes after MODEL, where everything goes "
+                                 "to vLLM; it is an xpuctl option: put it before MODEL"), out.stderr
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["nosuch"], "no such command 'nosuch' (see 'xpuctl -h')"),
+        (["doctor", "--bogus"], "no such option: --bogus (see 'xpuctl doctor -h')"),
+        (["doctor", "--port", "0"], "'--port' / '-p': 0 is not in the range 1<=x<=65535"),
+        (["doctor", "--format", "yaml"], "invalid value for '--format' / '-f'"),
+        (["shutdown", "--pid", "x"], "invalid value for '--pid': 'x' is not a valid int"),
+        (["serve"], "missing argument 'MODEL' (see 'xpuctl serve -h')"),
+        (["logs"], "missing argument 'NAME'"),
+        (["logs", "x", "-n", "-3"], "invalid value for '--lines' / '-n'"),
+        (["completion", "tcsh"], "'tcsh' is not one of 'bash', 'zsh', 'fish'"),
+        (["--root"], "option '--root' requires an argument"),
+        (["serve", "--tensor-parallel-size", "2", "m"],
+         "--tensor-parallel-size is not an xpuctl serve option: vLLM's options go after MODEL"),
+        (["serve", "--port", "8000", "m", "--port", "9000"],
+         "--port 8000 before MODEL and --port 9000 after it disagree: give it once"),
+        (["serve", "--port", "99999", "m"], "'--port': 99999 is not in the range"),
+    ],
+)
+def test_click_usage_errors_are_one_line_without_a_box(tmp_path, args, needle):
+    """Through the real entry point (a subprocess): one line on stderr, exit 2, no panel."""
+    if args[0] == "serve" and "--port" in args:  # serve reaches its own checks: a live root
+        root = ["--root", "/"]
+    else:
+        root = []
+    out = run(*root, *args, env={"XPUCTL_STATE_DIR": str(tmp_path / "state"), "COLUMNS": "80"})
+    assert out.returncode == 2, out
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1, out.stderr
+    assert lines[0].startswith("xpuctl: error: ") and needle in lines[0], lines[0]
+    assert out.stdout == ""
+    assert not any(ch in out.stderr for ch in "╭│╰"), out.stderr
+
+
+def test_console_script_usage_error_is_one_line():
+    if not XPUCTL.exists():
+        pytest.skip("console script not installed in this interpreter's bin")
+    out = subprocess.run([str(XPUCTL), "doctor", "--nope"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2
+    assert out.stderr == "xpuctl: error: no such option: --nope (see 'xpuctl doctor -h')\n"
+
+
+def test_bare_xpuctl_still_shows_the_help():
+    out = run()
+    assert out.returncode == 2
+    assert "Usage: xpuctl" in out.stdout + out.stderr and "doctor" in out.stdout + out.stderr
+
+
+def test_findings_wrap_with_a_hanging_indent():
+    from rich.console import Console
+
+    from xpuctl.model import Finding
+    from xpuctl.render import findings_table
+
+    long = "the quick brown fox jumps over the lazy dog " * 4
+    findings = [Finding("stuck-processes", "fail", long.strip(), "run the thing " * 6),
+                Finding("ports", "warn", "short\x1b[31mred", None)]
+    console = Console(width=60, record=True, color_system=None)
+    console.print(findings_table(findings))
+    lines = [line.rstrip() for line in console.export_text().splitlines()]
+    indent = lines[0].index("the quick")
+    assert lines[0].startswith("  FAIL stuck-processes")
+    cont = lines[1:lines.index(next(line for line in lines if "fix:" in line))]
+    assert len(cont) >= 2  # the message wrapped
+    for line in cont:  # under the message, never under the severity
+        assert line[:indent].strip() == "" and line[indent] != " ", line
+    fix = next(line for line in lines if "fix:" in line)
+    assert fix.index("fix:") == indent
+    fix_cont = lines[lines.index(fix) + 1]
+    assert fix_cont[:indent].strip() == "" and "run the thing" in fix_cont
+    words = " ".join(line[indent:] for line in [lines[0], *cont]).split()
+    assert words == long.split()
+    assert any("short\\x1b[31mred" in line for line in lines)  # host text escaped, no markup
 
 
 def test_internal_error_is_one_line_and_debug_shows_the_traceback(tmp_path, monkeypatch):

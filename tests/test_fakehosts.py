@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 from xpuctl.cli import app
 
 CHECKS = {
+    "no-device",
     "device-holders",
     "orphans",
     "device-memory",
@@ -135,6 +136,8 @@ def hosts(tmp_path_factory) -> dict[str, fh.FakeHost]:
         "orphan": fh.orphan_host(base / "orphan"),
         "i915": fh.i915_host(base / "i915"),
         "mixed": fh.mixed_vendor_host(base / "mixed"),
+        "no-drm": fh.no_drm_host(base / "no-drm"),
+        "amd-only": fh.amd_only_host(base / "amd-only"),
     }
 
 
@@ -143,7 +146,7 @@ def reports(hosts) -> dict[str, tuple[int, dict]]:
     return {name: doctor(h.root) for name, h in hosts.items()}
 
 
-SCENARIOS = ["clean", "healthy", "orphan", "i915", "mixed"]
+SCENARIOS = ["clean", "healthy", "orphan", "i915", "mixed", "no-drm", "amd-only"]
 
 
 # --- the contract holds everywhere ----------------------------------------------------------
@@ -637,6 +640,38 @@ def test_mixed_vendor_device_selection(hosts):
     assert doctor(root, "--device", fh.XE_BDF)[0] == 0
     # index 1 does not exist: Level Zero counts only the Intel device
     assert run(root, "doctor", "--json", "--device", "1").exit_code == 2
+
+
+# --- (f, g) no Intel GPU ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["no-drm", "amd-only"])
+def test_no_intel_gpu_is_a_warning_finding(hosts, reports, name):
+    """A finding (warn: nothing to clean, exit 0; --strict makes it count) and, for people,
+    a sentence where the devices table would be empty."""
+    code, data = reports[name]
+    assert code == 0 and data["status"] == "clean"
+    mine = [f for f in data["findings"] if f["check"] == "no-device"]
+    assert len(mine) == 1 and mine[0]["severity"] == "warn", data["findings"]
+    assert mine[0]["message"].startswith("no Intel GPU found")
+    assert mine[0]["remedy"]
+    root = hosts[name].root
+    assert run(root, "doctor", "--strict").exit_code == 1
+    res = run(root, "doctor")
+    assert res.exit_code == 0
+    lines = res.stdout.splitlines()
+    assert lines[0] == "no Intel GPU found", res.stdout
+    assert "status: clean (no Intel GPU found)" in res.stdout
+    has_table = any(line.startswith("Devices") for line in lines)
+    assert has_table == (name == "amd-only"), res.stdout  # the AMD device is still listed
+    assert run(root, "devices").stdout.splitlines()[0] == "no Intel GPU found"
+    prom = run(root, "doctor", "--format", "prometheus").stdout
+    assert 'xpuctl_doctor_check_ok{check="no-device"} 0' in prom
+
+
+@pytest.mark.parametrize("name", ["clean", "healthy", "orphan", "i915", "mixed"])
+def test_hosts_with_an_intel_gpu_have_no_no_device_finding(reports, name):
+    assert not [f for f in reports[name][1]["findings"] if f["check"] == "no-device"]
 
 
 # --- usage errors ---------------------------------------------------------------------------

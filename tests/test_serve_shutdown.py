@@ -131,14 +131,20 @@ class Rig:
         return env
 
     def serve_cmd(self, vllm_args=(), *, port: int, opts=(), detach=True, drain=2, teardown=2,
-                  ready=60, kill_after=1, tp=2, model="fake-model", root: str | None = None):
-        cmd = [*XPUCTL, "--root", root or self.root.root, "serve", "--vllm", VLLM_CMD,
-               "--state-dir", self.state, "--drain-timeout", str(drain),
-               "--teardown-timeout", str(teardown), "--ready-timeout", str(ready),
-               "--kill-after", str(kill_after), *opts]
+                  ready=60, kill_after=1, tp=2, model="fake-model", root: str | None = None,
+                  port_before: bool = False):
+        """`port_before`: `serve --port N ... MODEL` (xpuctl's option) instead of after MODEL."""
+        cmd = [*XPUCTL, "--root", root or self.root.root, "serve"]
+        if port_before:
+            cmd += ["--port", str(port)]
+        cmd += ["--vllm", VLLM_CMD,
+                "--state-dir", self.state, "--drain-timeout", str(drain),
+                "--teardown-timeout", str(teardown), "--ready-timeout", str(ready),
+                "--kill-after", str(kill_after), *opts]
         if detach:
             cmd.append("--detach")
-        return cmd + [model, "--port", str(port), "-tp", str(tp), *vllm_args]
+        after = [] if port_before else ["--port", str(port)]
+        return cmd + [model, *after, "-tp", str(tp), *vllm_args]
 
     def foreign_preflight(self, rc: int, err: str) -> bool:
         """True when serve was refused only because of processes this test did not start.
@@ -474,7 +480,14 @@ def test_serve_usage_errors(rig):
     port = free_port()
     cmd = rig.serve_cmd(["--detach"], port=port, detach=False)
     p = subprocess.run(cmd, env=rig.env(), capture_output=True, text=True, timeout=30, cwd=rig.tmp)
-    assert p.returncode == 2 and "put xpuctl options before MODEL" in p.stderr, p.stderr
+    assert p.returncode == 2 and "--detach comes after MODEL" in p.stderr, p.stderr
+    assert len(p.stderr.splitlines()) == 1, p.stderr
+    # --port on both sides of MODEL, with different values
+    cmd = rig.serve_cmd(["--port", str(port + 1)], port=port, port_before=True)
+    p = subprocess.run(cmd, env=rig.env(), capture_output=True, text=True, timeout=30, cwd=rig.tmp)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr == (f"xpuctl: error: --port {port} before MODEL and --port {port + 1} after it "
+                        "disagree: give it once\n"), p.stderr
 
     # unsafe state directories
     bad = rig.tmp / "bad-state"
@@ -499,6 +512,63 @@ def test_serve_usage_errors(rig):
         assert "owned by uid 65534" in p.stderr, p.stderr
         assert not os.path.exists(bad / "runs")  # refused before anything is written
     assert rig.events() == []  # no vLLM was started
+    rig.assert_clean()
+
+
+def test_port_and_host_before_model_are_read_and_passed_to_vllm_once(rig):
+    """`serve --port N --detach MODEL`: the run name, the lock, the readiness URL and vLLM's
+    argv all use N, and vLLM gets it exactly once; given on both sides (same value) too."""
+    res = rig.serve(port_before=True, opts=["--host", "127.0.0.1"])
+    assert res.rc == 0, str(res)
+    port = res.port
+    assert f"vllm-{port} is ready on port {port}" in res.err, str(res)
+    rec = rig.record(f"vllm-{port}")
+    assert rec["port"] == port and rec["host"] == "127.0.0.1"
+    argv = cmdline(rec["pid"])
+    assert argv[3:] == ["fake-model", "--host", "127.0.0.1", "--port", str(port), "-tp", "2",
+                        "--shutdown-timeout", "5"], argv
+    assert os.path.exists(os.path.join(rig.state, "locks", f"port-{port}.lock"))
+    assert http_get(f"http://127.0.0.1:{port}/health")[0] == 200
+    assert "'port': " + str(port) in rig.run_log(f"vllm-{port}")  # what vLLM parsed
+
+    assert rig.shutdown(f"vllm-{port}", "--kill-after", "1", "--release-timeout", "5").rc == 0
+
+    # both sides, same value: once, in the caller's place after MODEL
+    port2 = free_port()
+    cmd = rig.serve_cmd(["--port", str(port2)], port=port2, port_before=True)
+    p = subprocess.run(cmd, env=rig.env(), capture_output=True, text=True, timeout=60, cwd=rig.tmp)
+    if rig.foreign_preflight(p.returncode, p.stderr):
+        pytest.skip("preflight refused because of another user's processes")
+    assert p.returncode == 0, p.stderr
+    argv2 = cmdline(rig.record(f"vllm-{port2}")["pid"])
+    assert argv2.count("--port") == 1 and argv2[3:6] == ["fake-model", "-tp", "2"], argv2
+    assert argv2[argv2.index("--port") + 1] == str(port2)
+    assert rig.shutdown(f"vllm-{port2}", "--kill-after", "1", "--release-timeout", "5").rc == 0
+    rig.assert_clean()
+
+
+def test_logs_of_a_detached_run_and_follow_until_shutdown(rig):
+    res = rig.serve(name="logged")
+    assert res.rc == 0, str(res)
+    out = rig.xpuctl("logs", "logged", "--state-dir", rig.state)
+    assert out.rc == 0, str(out)
+    assert out.out == rig.run_log("logged") and "non-default args" in out.out
+    last = rig.xpuctl("logs", "logged", "-n", "1", "--state-dir", rig.state)
+    assert last.out == rig.run_log("logged").splitlines(keepends=True)[-1]
+    missing = rig.xpuctl("logs", "nobody", "--state-dir", rig.state)
+    assert missing.rc == 3 and "no run named 'nobody'" in missing.err and "logged" in missing.err
+    out_path = rig.tmp / "follow.out"
+    with open(out_path, "wb") as fh:
+        follower = subprocess.Popen([*XPUCTL, "--root", rig.root.root, "logs", "logged", "-f",
+                                     "--state-dir", rig.state], stdout=fh,
+                                    stderr=subprocess.DEVNULL, env=rig.env(), cwd=rig.tmp)
+    rig.popens.append(follower)
+    assert wait_for(lambda: "non-default args" in out_path.read_text(errors="replace"), 30)
+    assert follower.poll() is None
+    assert rig.shutdown("logged", "--kill-after", "1", "--release-timeout", "5").rc == 0
+    # the supervisor sees vLLM exit, records it and leaves: the follower ends by itself
+    assert follower.wait(60) == 0
+    assert "[shutdown]" in out_path.read_text(errors="replace")
     rig.assert_clean()
 
 

@@ -72,6 +72,27 @@ def _pids(procs: list[Process]) -> tuple[int, ...]:
     return tuple(sorted(p.pid for p in procs))
 
 
+@check("no-device")
+def no_device(c: Ctx) -> list[Finding]:
+    """No Intel GPU on this host (or none visible here): every other check sees nothing.
+
+    A warning, not a failure: nothing is left behind that reset could clean, and a script's
+    exit 1 means "clean up"; --strict (or the JSON check id) makes it count."""
+    if any(d.is_intel for d in c.snap.devices):
+        return []
+    others = ", ".join(f"{d.bdf} ({d.driver or 'no driver'}, vendor {d.vendor_id or '?'})" for d in c.snap.devices)
+    seen = f"other DRM devices: {others}" if others else "no DRM device under /sys/class/drm"
+    return [
+        Finding(
+            "no-device",
+            "warn",
+            f"no Intel GPU found ({seen})",
+            "check that the xe or i915 driver is loaded (lsmod) and that /dev/dri is visible "
+            "here (a container needs the devices passed in)",
+        )
+    ]
+
+
 @check("orphans")
 def orphans(c: Ctx) -> list[Finding]:
     """One finding per orphaned vLLM tree (its API server is gone)."""
@@ -512,6 +533,7 @@ def last_run(c: Ctx) -> list[Finding]:
 
 # Output order of the ids; every registered check has a place here (a test holds them equal).
 CHECKS = (
+    "no-device",
     "device-holders",
     "orphans",
     "device-memory",

@@ -13,6 +13,7 @@ from enum import Enum
 from typing import Annotated, Any, Callable, Optional, TypeVar
 
 import typer
+from typer.core import TyperGroup
 
 from xpuctl import __version__
 from xpuctl.context import AppContext
@@ -20,8 +21,55 @@ from xpuctl.errors import ExitCode, UsageError, XpuctlError
 from xpuctl.host import Host
 from xpuctl.safetext import emit, safe
 
+class _Group(TyperGroup):
+    """The top-level command: every usage error (unknown option or command, bad value,
+    missing argument) is one line on stderr and exit 2, never typer's boxed panel.
+
+    click's own handling runs with standalone_mode=False so its errors come back here as
+    exceptions; CliRunner and the console script both go through this `main`."""
+
+    def main(self, args: Any = None, prog_name: str | None = None, complete_var: str | None = None,
+             standalone_mode: bool = True, **extra: Any) -> Any:
+        from typer._click import exceptions as cx
+
+        try:
+            rv = super().main(args=args, prog_name=prog_name, complete_var=complete_var,
+                              standalone_mode=False, **extra)
+        except cx.NoArgsIsHelpError:
+            rv = int(ExitCode.USAGE)  # bare `xpuctl`: the help was printed already
+        except cx.UsageError as exc:
+            sys.stderr.write(usage_line(exc) + "\n")
+            rv = int(ExitCode.USAGE)
+        except typer.Abort:
+            sys.stderr.write("xpuctl: aborted\n")
+            rv = int(ExitCode.PROBLEMS)
+        except cx.ClickException as exc:
+            sys.stderr.write(f"xpuctl: error: {_one_line(exc.format_message())}\n")
+            rv = exc.exit_code
+        if not standalone_mode:
+            return rv
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+def _one_line(text: str) -> str:
+    from xpuctl.safetext import safe
+
+    return safe(" ".join(text.split()))
+
+
+def usage_line(exc: Any) -> str:
+    """`xpuctl: error: no such option: --bogus (see 'xpuctl doctor -h')`."""
+    msg = _one_line(exc.format_message()).rstrip(".")
+    if msg[:1].isupper() and msg[1:2].islower():
+        msg = msg[0].lower() + msg[1:]
+    ctx = getattr(exc, "ctx", None)
+    hint = f" (see '{_one_line(ctx.command_path)} -h')" if ctx is not None else ""
+    return f"xpuctl: error: {msg}{hint}"
+
+
 app = typer.Typer(
     name="xpuctl",
+    cls=_Group,
     help="Intel XPU serving hygiene around vLLM: serve, shutdown, doctor, reset.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -476,7 +524,7 @@ def devices(
             data["baseline"] = [{"bdf": b, "memory_used_bytes": n, "note": note} for b, n, note in recorded]
         sys.stdout.write(render.to_json(data) + "\n")
         return
-    a.out.print(render.devices_table(snap))
+    render.print_devices(a.out, snap)
     line = render.probes_line(snap)
     if line:
         a.out.print(line, highlight=False)
@@ -539,6 +587,35 @@ def snapshot(
         emit(sys.stderr, f"xpuctl: read it with: xpuctl doctor --from {safe(taken.path)}")
 
 
+def complete_run(ctx: typer.Context, incomplete: str) -> list[tuple[str, str]]:
+    """Run names from the state directory (this runs on every TAB)."""
+    from xpuctl import runs
+
+    try:
+        sdir = ctx.params.get("state_dir") or runs.default_state_dir()
+        sdir = runs.ensure_state_dir(sdir, create=False)
+        return [(r.name, f"{r.state}, port {r.port}") for r in runs.list_records(sdir)
+                if r.name.startswith(incomplete)]
+    except Exception:  # noqa: BLE001
+        return []
+
+
+def _find_record(state_dir: str | None, environ: dict[str, str], name: str) -> tuple[str, Any]:
+    """(state dir, the run record named `name`); NotFoundError (exit 3) when there is none."""
+    from xpuctl import runs
+    from xpuctl.errors import NotFoundError
+    from xpuctl.safetext import safe
+
+    sdir = state_dir or runs.default_state_dir(environ)
+    sdir = runs.ensure_state_dir(sdir, create=False)
+    rec = runs.read_record(sdir, name) if os.path.isdir(os.path.join(sdir, "runs")) else None
+    if rec is None or rec.name != name:
+        known = [r.name for r in runs.list_records(sdir)]
+        raise NotFoundError(f"no run named {safe(name)!r} in {safe(sdir)}"
+                            + (f"; known runs: {', '.join(map(safe, known))}" if known else ""))
+    return sdir, rec
+
+
 def _print_findings(a: AppContext, report: Any) -> None:
     for f in report.findings:
         if f.severity == "info":
@@ -548,13 +625,45 @@ def _print_findings(a: AppContext, report: Any) -> None:
             emit(sys.stderr, f"xpuctl:   fix: {safe(f.remedy)}")
 
 
+# Options both xpuctl and vLLM have: accepted on either side of MODEL (xpuctl reads them).
+SHARED_SERVE_OPTIONS = frozenset({"--port", "--host"})
+
+
+def _check_serve_args(ctx: typer.Context, model: str, passed: list[str]) -> None:
+    """MODEL must not be an option, and no xpuctl-only option may follow MODEL.
+
+    click stops parsing at MODEL (everything after it is vLLM's) and keeps unknown options
+    before it as arguments, so a vLLM option before MODEL shows up here as the "model"."""
+    from xpuctl.safetext import safe
+
+    if model.startswith("-") and model != "-":
+        raise UsageError(
+            f"{safe(model)} is not an xpuctl serve option: vLLM's options go after MODEL "
+            "(xpuctl serve [OPTIONS] MODEL [VLLM ARGS])"
+        )
+    mine = {
+        name
+        for p in ctx.command.params
+        if p.param_type_name == "option"
+        for name in (*p.opts, *p.secondary_opts)
+        if name.startswith("--")  # short ones clash with vLLM's own (-q is --quantization)
+    } - SHARED_SERVE_OPTIONS - set(ctx.help_option_names)
+    for arg in passed:
+        key = arg.split("=", 1)[0]
+        if key in mine:
+            raise UsageError(
+                f"{safe(key)} comes after MODEL, where everything goes to vLLM; it is an xpuctl "
+                "option: put it before MODEL (xpuctl serve [OPTIONS] MODEL [VLLM ARGS])"
+            )
+
+
 @app.command(
     context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "allow_interspersed_args": False}
 )
 @_guard
 def serve(
     ctx: typer.Context,
-    model: Annotated[str, typer.Argument(help="Model to serve (passed to vLLM).")],
+    model: Annotated[str, typer.Argument(metavar="MODEL", help="Model to serve (passed to vLLM).")],
     vllm_args: Annotated[Optional[list[str]], typer.Argument(help="Arguments passed to vLLM.", show_default=False)] = None,
     vllm: Annotated[
         str, typer.Option("--vllm", envvar="XPUCTL_VLLM", help="Command that starts vLLM (shell-split).")
@@ -581,6 +690,15 @@ def serve(
     ] = Preflight.fast,
     probe_timeout: ProbeTimeoutOpt = 10.0,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No live status line or phase lines while vLLM starts.")] = False,
+    port: Annotated[
+        Optional[int],
+        typer.Option("--port", min=1, max=65535, show_default=False,
+                     help="vLLM's port, passed on to vLLM (before or after MODEL) [default: 8000]."),
+    ] = None,
+    bind: Annotated[
+        Optional[str],
+        typer.Option("--host", show_default=False, help="vLLM's bind address, passed on to vLLM (before or after MODEL)."),
+    ] = None,
 ) -> None:
     """Launch vLLM with a forced drain timeout and supervise it.
 
@@ -593,15 +711,7 @@ def serve(
 
     a = _app(ctx)
     passed = list(vllm_args or []) + list(ctx.args)
-    mine = {"--vllm", "--drain-timeout", "--teardown-timeout", "--allow-abort", "--devices", "--env",
-            "--force", "--name", "--state-dir", "--ready-timeout", "--kill-after", "--detach",
-            "--preflight", "--probe-timeout", "--quiet"}
-    misplaced = [arg for arg in passed if arg.split("=", 1)[0] in mine]
-    if misplaced:
-        raise UsageError(
-            f"{misplaced[0].split('=', 1)[0]} is an xpuctl option: put xpuctl options before MODEL "
-            "(everything after MODEL goes to vLLM)"
-        )
+    _check_serve_args(ctx, model, passed)
     opts = S.ServeOptions(
         model=model,
         vllm_args=passed,
@@ -619,6 +729,8 @@ def serve(
         kill_after=kill_after,
         deep_preflight=_deep_options(a, probe_timeout, "1GiB", state_dir) if preflight is Preflight.deep else None,
         quiet=quiet,
+        port=port,
+        host=bind,
     )
 
     def say(msg: str) -> None:
@@ -632,7 +744,7 @@ def serve(
 @_guard
 def shutdown(
     ctx: typer.Context,
-    name: Annotated[Optional[str], typer.Argument(help="Run name (see `xpuctl ps`).", show_default=False)] = None,
+    name: Annotated[Optional[str], typer.Argument(help="Run name (see `xpuctl ps`).", show_default=False, autocompletion=complete_run)] = None,
     pid: Annotated[Optional[int], typer.Option("--pid", help="Any process of the vLLM server (or of its orphans).", show_default=False)] = None,
     port: Annotated[Optional[int], typer.Option("--port", "-p", min=1, max=65535, help="The server's HTTP port.", show_default=False)] = None,
     device: DeviceOpt = None,
@@ -743,6 +855,58 @@ def shutdown(
         }
         sys.stdout.write(render.to_json(data) + "\n")
     raise typer.Exit(ExitCode.PROBLEMS if result.verdict == "leftovers" else ExitCode.OK)
+
+
+@app.command()
+@_guard
+def logs(
+    ctx: typer.Context,
+    name: Annotated[str, typer.Argument(metavar="NAME", help="Run name (see `xpuctl ps`).", autocompletion=complete_run)],
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new lines until the run is over (Ctrl-C stops).")] = False,
+    lines: Annotated[
+        Optional[int],
+        typer.Option("--lines", "-n", min=0, metavar="N", help="Only the last N lines (default: all).", show_default=False),
+    ] = None,
+    state_dir: StateDirOpt = None,
+) -> None:
+    """Print a run's log (vLLM's output and, for --detach, the supervisor's lines).
+
+    On a terminal every line is escaped (control characters shown as \\x1b...).
+
+    Into a pipe or a file the log's bytes are copied unchanged.
+
+    Exit 0; 3: no run of that name.
+    """
+    from xpuctl import logs as L
+    from xpuctl import runs
+    from xpuctl.safetext import safe
+
+    a = _app(ctx)
+    sdir, rec = _find_record(state_dir, a.environ, name)
+
+    def alive() -> bool:
+        fresh = runs.read_record(sdir, name)
+        return L.run_alive(a.host, fresh if fresh is not None and fresh.run_id == rec.run_id else rec)
+
+    def note(msg: str) -> None:
+        sys.stderr.write(f"xpuctl: {safe(msg)}\n")
+        sys.stderr.flush()
+
+    tty = a.stdout_tty
+    if tty:
+        emit: Any = L.LineWriter(lambda text: (sys.stdout.write(text), sys.stdout.flush()), safe)
+    else:
+        def emit(data: bytes) -> None:
+            sys.stdout.buffer.write(data)
+            sys.stdout.buffer.flush()
+
+    try:
+        L.copy(rec.log_path, lines, follow, alive, emit, note)
+    except FileNotFoundError:
+        raise XpuctlError(f"run {safe(name)!r} has no log at {safe(rec.log_path)}") from None
+    finally:
+        if tty:
+            emit.close()
 
 
 @app.command()

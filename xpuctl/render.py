@@ -418,11 +418,40 @@ def runs_table(rows: list[Any]) -> Any:
     return out
 
 
+def print_devices(console: Console, snap: Snapshot) -> None:
+    """The devices table, or a plain sentence where it would be empty."""
+    if not any(d.is_intel for d in snap.devices):
+        console.print("no Intel GPU found", highlight=False)
+    if snap.devices:
+        console.print(devices_table(snap))
+
+
+def findings_table(findings: tuple[Finding, ...] | list[Finding]) -> Any:
+    """Severity, check id, then the message; a long message wraps under itself (a hanging
+    indent), and the remedy follows on its own line in the same column. Host text is
+    escaped (safe) and printed as plain text, never as rich markup."""
+    from rich.table import Table
+    from rich.text import Text
+
+    grid = Table.grid(padding=(0, 1))
+    grid.add_column(no_wrap=True)  # "  FAIL"
+    grid.add_column(no_wrap=True, style="dim")
+    grid.add_column(overflow="fold")
+    for f in findings:
+        grid.add_row(Text("  " + f.severity.upper().ljust(4), style=_SEV_STYLE[f.severity]),
+                     Text(f.check), Text(safe(f.message)))
+        if f.remedy:
+            fix = Text("fix: ", style="dim")
+            fix.append(safe(f.remedy), style="bold")
+            grid.add_row("", "", fix)
+    return grid
+
+
 def print_doctor(console: Console, report: Report) -> None:
     from rich.text import Text
 
     snap = report.snapshot
-    console.print(devices_table(snap))
+    print_devices(console, snap)
     line = probes_line(snap)
     if line:
         console.print(line, highlight=False)
@@ -446,11 +475,7 @@ def print_doctor(console: Console, report: Report) -> None:
         console.print(t)
     if report.findings:
         console.print(Text("Findings", style="bold"))
-        for f in report.findings:
-            style = _SEV_STYLE[f.severity]
-            console.print(Text.assemble("  ", (f"{f.severity.upper():4}", style), " ", (f.check, "dim"),
-                                        "  ", safe(f.message)))
-            if f.remedy:
-                console.print(Text.assemble("        ", ("fix:", "dim"), " ", (safe(f.remedy), "bold")))
+        console.print(findings_table(report.findings))
     status = report.status
-    console.print(Text.assemble("status: ", (status, _STATUS_STYLE[status])))
+    bare = " (no Intel GPU found)" if any(f.check == "no-device" for f in report.findings) else ""
+    console.print(Text.assemble("status: ", (status, _STATUS_STYLE[status]), bare))

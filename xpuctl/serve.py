@@ -66,6 +66,8 @@ class ServeOptions:
     kill_after: float = 10.0
     deep_preflight: object | None = None  # doctor.DeepOptions: `--preflight deep`
     quiet: bool = False
+    port: int | None = None  # --port/--host given before MODEL (passed on to vLLM once)
+    host: str | None = None
 
 
 @dataclass
@@ -159,9 +161,27 @@ def _strip_flag(args: list[str], flag: str) -> tuple[list[str], str | None, bool
     return rest, value, found
 
 
+def _merge_shared(args: list[str], flag: str, before: str | None) -> list[str]:
+    """vLLM's args with `flag` given before MODEL passed on exactly once.
+
+    Given after MODEL only: kept as it is. Before only: put first after MODEL. Both: one
+    value (the caller's spelling after MODEL stays), or a usage error when they differ."""
+    if before is None:
+        return args
+    _, after, found = _strip_flag(args, flag)
+    if not found:
+        return [flag, before, *args]
+    same = after == before or (after or "").isdigit() and before.isdigit() and int(after or 0) == int(before)
+    if not same:
+        raise UsageError(f"{flag} {before} before MODEL and {flag} {after} after it disagree: give it once")
+    return args
+
+
 def plan_launch(opts: ServeOptions, host: Host, environ: dict[str, str], run_id: str) -> LaunchPlan:
     from xpuctl.stop import port_from_argv
 
+    vllm_args = _merge_shared(list(opts.vllm_args), "--port", None if opts.port is None else str(opts.port))
+    vllm_args = _merge_shared(vllm_args, "--host", opts.host)
     cmd = shlex.split(opts.vllm_cmd)
     if not cmd:
         raise UsageError("--vllm is empty")
@@ -170,7 +190,7 @@ def plan_launch(opts: ServeOptions, host: Host, environ: dict[str, str], run_id:
     notes: list[str] = []
     version = vllm_version(cmd)
     supports_flag = version is None or _version_tuple(version) >= FLAG_VERSION
-    args, given, had_flag = _strip_flag(list(opts.vllm_args), "--shutdown-timeout")
+    args, given, had_flag = _strip_flag(vllm_args, "--shutdown-timeout")
     # whole seconds for vLLM, rounded up: never less than what was asked
     wanted = max(MIN_SHUTDOWN_TIMEOUT, math.ceil(opts.drain_timeout + opts.teardown_timeout))
     shutdown_timeout: int | None = wanted
