@@ -94,3 +94,156 @@ def test_stops_real_orphans_and_cleans_their_files(proc_token, standin_root):
     assert set(data["plan"]["orphan_pids"]) == set(survivors)
     assert proctools.wait_for(lambda: all(proctools.is_gone(p) for p in survivors), 30)
     assert not proctools.holders(r.node(0)) and not proctools.holders(r.node(1))
+
+
+# ---------------------------------------------------------------------------------------------
+# non-vLLM holders (--kill-holders) and the audit log
+
+HOLDER = ("import os, signal, sys, time\n"
+          "if sys.argv[2] == 'ignore': signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+          "os.open(sys.argv[1], os.O_RDWR)\n"
+          "time.sleep(600)\n")
+
+
+def _start_holder(token, node, mode="ignore"):
+    p = subprocess.Popen([sys.executable, "-c", HOLDER, node, mode],
+                         env=proctools.token_env(token), stdin=subprocess.DEVNULL,
+                         start_new_session=True)
+    assert proctools.wait_for(lambda: p.pid in proctools.holders(node), 10)
+    return p
+
+
+def _reset(root, state, *args):
+    return subprocess.run([sys.executable, "-m", "xpuctl", "--root", root, "reset", "--state-dir",
+                           str(state), *args], capture_output=True, text=True, timeout=120,
+                          stdin=subprocess.DEVNULL)
+
+
+def _audit(state) -> list[dict]:
+    path = os.path.join(str(state), "audit.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as fh:
+        return [json.loads(line) for line in fh]
+
+
+def _start_ticks(pid: int) -> int:
+    with open(f"/proc/{pid}/stat", "rb") as fh:
+        data = fh.read()
+    return int(data[data.rfind(b")") + 2:].split()[19])
+
+
+@pytest.mark.slow
+def test_a_non_vllm_holder_is_listed_and_left_alone_without_kill_holders(proc_token, standin_root, tmp_path):
+    r = standin_root
+    holder = _start_holder(proc_token, r.node(0))
+    try:
+        out = _reset(r.root, tmp_path / "state", "--yes")
+        assert out.returncode == 0, out.stderr
+        line = next(x for x in out.stdout.splitlines() if x.startswith("holder pid"))
+        assert line.startswith(f"holder pid {holder.pid} ({sys.executable} -c import os, signal, sys")
+        assert f"holds {r.bdf(0)}, not part of a live server: --kill-holders stops it" in line
+        assert "\\n" in line  # the multi-line argv stays on one line, escaped
+        out = _reset(r.root, tmp_path / "state", "--yes", "--json")
+        data = json.loads(out.stdout)
+        assert data["plan"]["holders"] == [{"pid": holder.pid, "command": data["plan"]["holders"][0]["command"],
+                                            "devices": [r.bdf(0)], "stop": False, "why_not": None}]
+        assert holder.poll() is None and proctools.holders(r.node(0)) == [holder.pid]
+        assert [e for e in _audit(tmp_path / "state") if e["action"] == "signal"] == []
+    finally:
+        holder.kill()
+        holder.wait(10)
+
+
+@pytest.mark.slow
+def test_kill_holders_runs_the_ladder_and_audits_every_signal(proc_token, standin_root, tmp_path):
+    """A holder that ignores SIGTERM: SIGTERM, wait (--timeout), SIGTERM again, SIGKILL after
+    --kill-after; one audit line each, with the pid and its start time."""
+    r = standin_root
+    holder = _start_holder(proc_token, r.node(1), "ignore")
+    ticks = _start_ticks(holder.pid)
+    try:
+        out = _reset(r.root, tmp_path / "state", "--yes", "--kill-holders", "--json",
+                     "--timeout", "1", "--kill-after", "1")
+        assert out.returncode == 0, out.stderr
+        data = json.loads(out.stdout)
+        assert [h["pid"] for h in data["plan"]["holders"] if h["stop"]] == [holder.pid]
+        assert data["stopped"] == "escalated"
+        assert holder.wait(10) == -9
+        assert proctools.holders(r.node(1)) == []
+        lines = [e for e in _audit(tmp_path / "state") if e["target"].get("pid") == holder.pid]
+        assert [(e["action"], e["signal"], e["result"]) for e in lines] == [
+            ("signal", "SIGTERM", "sent"), ("signal", "SIGTERM", "sent"), ("signal", "SIGKILL", "sent")]
+        for e in lines:
+            assert e["target"]["start_ticks"] == ticks and e["command"] == "reset"
+            assert e["uid"] == os.getuid() and e["time"].endswith("Z")
+        assert data["audit"]["lines"] >= 3 and data["audit"]["lost"] == 0
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+        holder.wait(10)
+
+
+@pytest.mark.slow
+def test_kill_holders_never_touches_a_live_server(proc_token, standin_root, tmp_path):
+    r = standin_root
+    srv = proctools.start_fake_vllm(proc_token, r.root, tp=1, shutdown_timeout=5)
+    holder = _start_holder(proc_token, r.node(0), "default")
+    try:
+        assert srv.wait_ready()
+        tree = srv.tree()
+        assert proctools.holders(r.node(0)) and set(proctools.holders(r.node(0))) - {holder.pid}
+        out = _reset(r.root, tmp_path / "state", "--yes", "--kill-holders", "--json",
+                     "--kill-after", "1")
+        data = json.loads(out.stdout)
+        assert [h["pid"] for h in data["plan"]["holders"]] == [holder.pid]
+        assert holder.wait(15) == -15
+        assert all(not proctools.is_gone(p) for p in [srv.pid, *tree])
+        assert not [e for e in srv.events() if e["event"] == "signal"]
+        signalled = {e["target"]["pid"] for e in _audit(tmp_path / "state") if e["action"] == "signal"}
+        assert signalled == {holder.pid}
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+        holder.wait(10)
+
+
+def test_holders_above_under_or_tagged_with_a_live_server_are_never_stopped():
+    from xpuctl.model import Process
+    from xpuctl.reset import _why_not
+
+    parents = {100: 1, 200: 100, 300: 200, 400: 1, 500: 400, 600: 1}
+    serving = {200}  # a live API server, child of a wrapper 100
+
+    def proc(pid, run_id=None):
+        return Process(pid, parents[pid], "S", "x", ("x",), None, 1, 1, 1, 1, run_id=run_id)
+
+    assert _why_not(proc(100), parents, serving, set(), set()) == "a live vLLM server runs under it"
+    assert _why_not(proc(300), parents, serving, set(), set()) == "it runs under a live vLLM server"
+    assert _why_not(proc(600, "r1"), parents, serving, {"r1"}, set()) == "it belongs to a live xpuctl run"
+    assert _why_not(proc(400), parents, serving, set(), {400, 1}) == "xpuctl itself or one of its parents"
+    assert _why_not(proc(500), parents, serving, set(), {400, 1}) is None
+
+
+def test_every_deletion_is_an_audit_line_with_its_inode(tmp_path):
+    h = fakehost.orphan_host(tmp_path / "root")
+    root = str(tmp_path / "root")
+    inodes = {}
+    for key in ("stale_shm", "ccl_dead", "filestore_old"):
+        inodes[h.paths[key]] = os.lstat(root + h.paths[key]).st_ino
+    state = tmp_path / "state"
+    res = runner.invoke(app, ["--root", root, "reset", "--yes", "--json", "--state-dir", str(state)])
+    data = json.loads(res.stdout)
+    lines = _audit(state)
+    deleted = {e["target"]["path"]: e for e in lines if e["action"] == "delete"}
+    assert set(data["removed"]) == {p for p, e in deleted.items() if e["result"] == "removed"}
+    for path, ino in inodes.items():
+        assert deleted[path]["target"]["inode"] == ino and deleted[path]["result"] == "removed"
+    assert all(e["command"] == "reset" and e["uid"] == os.getuid() for e in lines)
+    assert not [e for e in lines if e["action"] == "signal"]  # a fake /proc: nothing signalled
+    st = os.stat(state / "audit.jsonl")
+    assert st.st_mode & 0o777 == 0o600
+    # dry run: no line
+    before = len(lines)
+    runner.invoke(app, ["--root", root, "reset", "--dry-run", "--state-dir", str(state)])
+    assert len(_audit(state)) == before

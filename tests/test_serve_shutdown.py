@@ -572,6 +572,32 @@ def test_logs_of_a_detached_run_and_follow_until_shutdown(rig):
     rig.assert_clean()
 
 
+def test_shutdown_writes_one_audit_line_per_signal_and_survives_an_unwritable_log(rig):
+    res = rig.serve(name="audited")
+    assert res.rc == 0, str(res)
+    rec = rig.record("audited")
+    out = rig.shutdown("audited", "--json", "--kill-after", "1", "--release-timeout", "5")
+    assert out.rc == 0, str(out)
+    path = Path(rig.state, "audit.jsonl")
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(e["action"], e["signal"], e["result"]) for e in lines] == [("signal", "SIGTERM", "sent")]
+    (e,) = lines
+    assert e["target"]["pid"] == rec["pid"] and e["target"]["start_ticks"] == rec["start_ticks"]
+    assert e["command"] == "shutdown" and e["uid"] == os.getuid()
+    assert out.json["audit"] == {"path": str(path), "lines": 1, "lost": 0, "error": None}
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+    # the log cannot be written (a directory in its place): the shutdown goes ahead, and says so
+    res = rig.serve(name="audited2")
+    assert res.rc == 0, str(res)
+    path.unlink()
+    path.mkdir()
+    out = rig.shutdown("audited2", "--kill-after", "1", "--release-timeout", "5")
+    assert out.rc == 0, str(out)
+    assert f"xpuctl: warning: audit log {path}: 1 line(s) not written" in out.err, str(out)
+    rig.assert_clean()
+
+
 # ---------------------------------------------------------------------------------------------
 # preflight, locks
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from typing import NamedTuple
 
+from xpuctl import audit
 from xpuctl.host import Host
 from xpuctl.model import Artifact, Snapshot
 
@@ -32,6 +33,14 @@ def removable(snap: Snapshot, euid: int | None = None) -> list[Artifact]:
 
 def remove(host: Host, planned: list[Artifact], fresh: Snapshot, euid: int | None = None) -> list[Removal]:
     """Delete the planned files that the fresh snapshot still calls stale."""
+    out = _remove(host, planned, fresh, euid)
+    by_path = {a.path: a for a in planned}
+    for r in out:  # every planned deletion, done or not, is one audit line
+        audit.deletion(r.path, by_path[r.path].inode, r.kind, "removed" if r.removed else f"kept: {r.reason}")
+    return out
+
+
+def _remove(host: Host, planned: list[Artifact], fresh: Snapshot, euid: int | None) -> list[Removal]:
     now = {a.path: a for a in fresh.artifacts}
     out: list[Removal] = []
     for a in planned:

@@ -52,8 +52,6 @@ class _Group(TyperGroup):
 
 
 def _one_line(text: str) -> str:
-    from xpuctl.safetext import safe
-
     return safe(" ".join(text.split()))
 
 
@@ -604,8 +602,6 @@ def _find_record(state_dir: str | None, environ: dict[str, str], name: str) -> t
     """(state dir, the run record named `name`); NotFoundError (exit 3) when there is none."""
     from xpuctl import runs
     from xpuctl.errors import NotFoundError
-    from xpuctl.safetext import safe
-
     sdir = state_dir or runs.default_state_dir(environ)
     sdir = runs.ensure_state_dir(sdir, create=False)
     rec = runs.read_record(sdir, name) if os.path.isdir(os.path.join(sdir, "runs")) else None
@@ -614,6 +610,13 @@ def _find_record(state_dir: str | None, environ: dict[str, str], name: str) -> t
         raise NotFoundError(f"no run named {safe(name)!r} in {safe(sdir)}"
                             + (f"; known runs: {', '.join(map(safe, known))}" if known else ""))
     return sdir, rec
+
+
+def _audit_warning(log: Any) -> None:
+    """The audit log could not be written: say so (the action itself went ahead)."""
+    if log.lost:
+        sys.stderr.write(f"xpuctl: warning: audit log {safe(log.path)}: {log.lost} line(s) not written "
+                         f"({safe(log.error)})\n")
 
 
 def _print_findings(a: AppContext, report: Any) -> None:
@@ -634,8 +637,6 @@ def _check_serve_args(ctx: typer.Context, model: str, passed: list[str]) -> None
 
     click stops parsing at MODEL (everything after it is vLLM's) and keeps unknown options
     before it as arguments, so a vLLM option before MODEL shows up here as the "model"."""
-    from xpuctl.safetext import safe
-
     if model.startswith("-") and model != "-":
         raise UsageError(
             f"{safe(model)} is not an xpuctl serve option: vLLM's options go after MODEL "
@@ -830,7 +831,11 @@ def shutdown(
     if not as_json and resolve_s is not None:
         emit(sys.stdout, f"found {len(trees)} server tree(s) {resolve_s:.2f}s after start")
 
-    result = S.stop(a.host, trees, timeout=timeout, kill_after=kill_after, release_timeout=release_timeout, on_event=show)
+    from xpuctl import audit
+
+    with audit.recording(sdir, "shutdown") as log:
+        result = S.stop(a.host, trees, timeout=timeout, kill_after=kill_after, release_timeout=release_timeout, on_event=show)
+    _audit_warning(log)
     for t in trees:
         if t.record is not None:
             try:
@@ -852,6 +857,7 @@ def shutdown(
             "holders": result.holders,
             "stuck": [{"pid": p, "wchan": w} for p, w in result.stuck],
             "ports_busy": result.port_busy,
+            "audit": log.summary(),
         }
         sys.stdout.write(render.to_json(data) + "\n")
     raise typer.Exit(ExitCode.PROBLEMS if result.verdict == "leftovers" else ExitCode.OK)
@@ -879,8 +885,6 @@ def logs(
     """
     from xpuctl import logs as L
     from xpuctl import runs
-    from xpuctl.safetext import safe
-
     a = _app(ctx)
     sdir, rec = _find_record(state_dir, a.environ, name)
 
@@ -920,21 +924,27 @@ def reset(
     timeout: Annotated[Optional[float], typer.Option("--timeout", min=0, help="Seconds to wait for orphans after SIGTERM.", show_default=False)] = None,
     kill_after: Annotated[float, typer.Option("--kill-after", min=0, help="Seconds between SIGTERM and SIGKILL.")] = 10.0,
     device_reset: Annotated[bool, typer.Option("--device-reset", help="Last resort, root only: PCI reset of the one --device once nothing holds it.")] = False,
-    as_json: JsonOpt = False,
+    kill_holders: Annotated[
+        bool,
+        typer.Option("--kill-holders", help="Also stop processes that hold the devices and are not vLLM (never a live server's)."),
+    ] = False,
     state_dir: StateDirOpt = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """Clean stuck oneCCL/vLLM state before a relaunch: stop orphans, remove stale files.
 
     Shows the plan first; asks unless --yes. Live servers are left alone (use shutdown).
+    Non-vLLM processes holding the devices are listed; --kill-holders stops them too.
+    Every signal and deletion is a line in STATE_DIR/audit.jsonl.
+
     Exit 0: clean afterwards. 1: problems remain. 2: usage (or no --yes without a terminal).
     """
     from xpuctl import render
     from xpuctl import reset as R
     from xpuctl.doctor import resolve_device_specs
-
     a = _app(ctx)
     bdfs = resolve_device_specs(a.host, list(device or []))
-    plan = R.make_plan(a.host, bdfs, port, device_reset)
+    plan = R.make_plan(a.host, bdfs, port, device_reset, kill_holders)
     advice = _relaunch_advice(a, state_dir)
 
     def plan_dict() -> dict[str, Any]:
@@ -945,6 +955,9 @@ def reset(
             "files_after_orphans": [render.artifact_dict(f) for f in plan.pending_files],
             "skipped": [{"path": f.path, "why": why} for f, why in plan.skipped_files],
             "device_reset": plan.device_reset,
+            "holders": [{"pid": h.pid, "command": h.command, "devices": list(h.devices),
+                         "stop": kill_holders and h.why_not is None, "why_not": h.why_not}
+                        for h in plan.holders],
             "notes": plan.notes,
             "advice": [render.finding_dict(f) for f in advice],
         }
@@ -959,6 +972,14 @@ def reset(
             say("nothing to clean")
         for t in plan.orphan_trees:
             say(f"stop orphaned vLLM tree {t.top.pid} ({t.role}) holding {safe(', '.join(t.devices)) or 'no device'}")
+        for h in plan.holders:
+            head = f"pid {h.pid} ({safe(h.command, 200)}) holds {safe(', '.join(h.devices))}, not part of a live server"
+            if h.why_not is not None:
+                say(f"holder {head}: not stopped: {safe(h.why_not)}")
+            elif kill_holders:
+                say(f"stop holder {head}")
+            else:
+                say(f"holder {head}: --kill-holders stops it")
         for f in plan.files:
             say(f"remove {safe(f.path)} ({f.kind}, uid {f.owner_uid}, {f.size_bytes} bytes): {safe(f.reason)}")
         for f in plan.pending_files:
@@ -979,7 +1000,11 @@ def reset(
             raise UsageError("refusing to clean without confirmation: pass --yes (no terminal to ask)")
         if not typer.confirm("Proceed?", default=False):
             raise typer.Exit(ExitCode.PROBLEMS)
-    outcome = R.execute(a.host, plan, bdfs, port, kill_after, timeout, say)
+    from xpuctl import audit, runs
+
+    with audit.recording(state_dir or runs.default_state_dir(a.environ), "reset") as log:
+        outcome = R.execute(a.host, plan, bdfs, port, kill_after, timeout, say)
+    _audit_warning(log)
     remaining = [f for f in outcome.after.findings if f.severity == "fail"]
     if as_json:
         data = {
@@ -992,6 +1017,7 @@ def reset(
             "device_reset": [{"bdf": b, "done": ok, "detail": why} for b, ok, why in outcome.device_reset],
             "status": outcome.after.status,
             "findings": [render.finding_dict(f) for f in outcome.after.findings],
+            "audit": log.summary(),
         }
         sys.stdout.write(render.to_json(data) + "\n")
     else:

@@ -2,6 +2,12 @@
 
 Live servers are never touched (use `xpuctl shutdown`). A device reset (PCI function reset
 through sysfs) is a last resort: root only, one named device, and only when nothing holds it.
+
+Holders: processes that are not vLLM but hold a target device (all Intel GPUs, or the
+`--device` ones) are always listed. With `--kill-holders` they are stopped through the same
+ladder as orphans (SIGTERM, wait, SIGTERM survivors, SIGKILL), their descendants with them;
+never a process of a live server (under it, above it, or carrying a live run's id), nor
+xpuctl itself or one of its ancestors.
 """
 
 from __future__ import annotations
@@ -9,16 +15,30 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from xpuctl.checks import Options, evaluate
+from xpuctl import audit
 from xpuctl.cleanup import Removal, may_delete, removable, remove
 from xpuctl.errors import UsageError
 from xpuctl.host import Host
-from xpuctl.model import Artifact, Report
+from xpuctl.model import Artifact, Process, Report, Snapshot
+from xpuctl.parse.roles import API_SERVER
+from xpuctl.probes.processes import list_pids, stat_of
 from xpuctl.safetext import safe
 from xpuctl.scan import DEFAULT_PORT, take_snapshot
 from xpuctl.stop import StopResult, Tree, stop, tree_from_snapshot
-from xpuctl.supervisor import can_signal
+from xpuctl.supervisor import can_signal, target_of
+
+
+class Holder(NamedTuple):
+    """A process that holds a target device and is not vLLM."""
+
+    pid: int
+    command: str
+    devices: tuple[str, ...]
+    why_not: str | None  # why it may not be stopped; None: --kill-holders stops it
+    tree: Tree | None  # what the ladder stops (the holder and its descendants)
 
 
 @dataclass
@@ -30,10 +50,83 @@ class Plan:
     skipped_files: list[tuple[Artifact, str]]
     device_reset: list[str]
     notes: list[str] = field(default_factory=list)
+    holders: list[Holder] = field(default_factory=list)  # always listed
+    kill_holders: bool = False
+
+    @property
+    def holder_trees(self) -> list[Tree]:
+        """The holders this reset stops: only with --kill-holders, only the allowed ones."""
+        if not self.kill_holders:
+            return []
+        return [h.tree for h in self.holders if h.why_not is None and h.tree is not None]
 
     @property
     def empty(self) -> bool:
-        return not (self.orphan_trees or self.files or self.pending_files or self.device_reset)
+        return not (self.orphan_trees or self.files or self.pending_files or self.device_reset
+                    or self.holder_trees)
+
+
+def _parents(host: Host) -> dict[int, int]:
+    """pid → ppid of every live process (one pass over /proc/*/stat)."""
+    out = {}
+    for pid in list_pids(host):
+        st = stat_of(host, pid)
+        if st is not None and st.state != "Z":
+            out[pid] = st.ppid
+    return out
+
+
+def _ancestry(parents: dict[int, int], pid: int) -> list[int]:
+    chain, seen = [], {pid}
+    cur = parents.get(pid, 0)
+    while cur > 0 and cur not in seen:
+        chain.append(cur)
+        seen.add(cur)
+        cur = parents.get(cur, 0)
+    return chain
+
+
+def find_holders(host: Host, snap: Snapshot, wanted: set[str]) -> list[Holder]:
+    """Non-vLLM processes holding a target device, each with whether it may be stopped."""
+    targets = wanted or {d.bdf for d in snap.devices if d.is_intel}
+    held = [p for p in snap.processes
+            if p.role is None and not p.is_zombie and targets & set(p.devices)]
+    if not held:
+        return []
+    foreign = not can_signal(host)
+    serving = {p.pid for p in snap.processes if p.role is not None and not p.orphan and not p.is_zombie}
+    live_runs = {p.run_id for p in snap.processes
+                 if p.role == API_SERVER and not p.orphan and not p.is_zombie and p.run_id}
+    parents = _parents(host) if not foreign else {}
+    mine = {os.getpid(), *_ancestry(parents, os.getpid())} if not foreign else set()
+    out = []
+    for p in held:
+        why = ("this root's /proc is not the live one" if foreign
+               else _why_not(p, parents, serving, live_runs, mine))
+        tree = None
+        if why is None:
+            t = target_of(host, p.pid, p.cmdline[0] if p.cmdline else p.comm)
+            if t is None or t.start_ticks != p.start_ticks:
+                why = "already gone"
+            else:
+                tree = Tree(top=t, role=None, orphan=True,
+                            devices=tuple(sorted(set(p.devices) & targets)), known=[t])
+        out.append(Holder(p.pid, p.command, tuple(sorted(set(p.devices) & targets)), why, tree))
+    return out
+
+
+def _why_not(p: Process, parents: dict[int, int], serving: set[int], live_runs: set[str],
+             mine: set[int]) -> str | None:
+    if p.pid in mine:
+        return "xpuctl itself or one of its parents"
+    if p.run_id and p.run_id in live_runs:
+        return "it belongs to a live xpuctl run"
+    if serving & set(_ancestry(parents, p.pid)):
+        return "it runs under a live vLLM server"
+    for pid in serving:
+        if p.pid in _ancestry(parents, pid):
+            return "a live vLLM server runs under it"
+    return None
 
 
 @dataclass
@@ -45,7 +138,8 @@ class Outcome:
     after: Report
 
 
-def make_plan(host: Host, bdfs: tuple[str, ...], port: int | None, device_reset: bool) -> Plan:
+def make_plan(host: Host, bdfs: tuple[str, ...], port: int | None, device_reset: bool,
+              kill_holders: bool = False) -> Plan:
     snap = take_snapshot(host, port=port or DEFAULT_PORT)
     wanted = set(bdfs)
     notes: list[str] = []
@@ -80,7 +174,8 @@ def make_plan(host: Host, bdfs: tuple[str, ...], port: int | None, device_reset:
         if len(bdfs) != 1:
             raise UsageError("--device-reset needs exactly one --device")
         resets = list(bdfs)
-    return Plan(trees, orphan_pids, files, pending, skipped, resets, notes)
+    holders = find_holders(host, snap, wanted)
+    return Plan(trees, orphan_pids, files, pending, skipped, resets, notes, holders, kill_holders)
 
 
 def execute(
@@ -93,9 +188,10 @@ def execute(
     say: Callable[[str], None],
 ) -> Outcome:
     stopped = None
-    if plan.orphan_trees:
+    trees = plan.orphan_trees + plan.holder_trees
+    if trees:
         stopped = stop(
-            host, plan.orphan_trees, timeout=timeout, kill_after=kill_after, release_timeout=10.0,
+            host, trees, timeout=timeout, kill_after=kill_after, release_timeout=10.0,
             on_event=lambda ev: say(f"{ev.t:7.2f}s  {ev.phase:<18} {safe(ev.detail)}"),
         )
     fresh = take_snapshot(host, port=port or DEFAULT_PORT)
@@ -118,6 +214,8 @@ def execute(
             resets.append((bdf, True, "PCI function reset"))
         except OSError as exc:
             resets.append((bdf, False, exc.strerror or str(exc)))
+        audit.record("device-reset", {"bdf": bdf, "path": path},
+                     "done" if resets[-1][1] else f"not done: {resets[-1][2]}")
     for bdf, ok, why in resets:
         say(f"device reset {safe(bdf)}: {'done' if ok else 'not done'} ({safe(why)})")
     after = evaluate(

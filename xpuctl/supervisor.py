@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterable
 from typing import NamedTuple
 
+from xpuctl import audit
 from xpuctl.host import Host
 from xpuctl.probes.processes import stat_of
 
@@ -60,18 +61,25 @@ class Target(NamedTuple):
         return st.state
 
     def send(self, host: Host, sig: int) -> bool:
-        """Signal the process if it is still the one we identified. True when sent."""
+        """Signal the process if it is still the one we identified. True when sent.
+
+        Every attempt, sent or not, is one line in the audit log (when a command records)."""
         try:
             fd = os.pidfd_open(self.pid)
         except OSError:
+            self._audit(sig, "not sent: no such process")
             return False
         try:
             st = stat_of(host, self.pid)
-            if st is None or st.start_ticks != self.start_ticks or st.state == "Z":
+            if st is None or st.start_ticks != self.start_ticks:
+                self._audit(sig, "not sent: the pid no longer names this process")
+                return False
+            if st.state == "Z":
+                self._audit(sig, "not sent: already exited (zombie)")
                 return False
             if sig in (signal.SIGTERM, signal.SIGKILL, signal.SIGINT) and st.state == "T":
-                signal.pidfd_send_signal(fd, signal.SIGCONT)
-            signal.pidfd_send_signal(fd, sig)
+                self._signal(fd, signal.SIGCONT)
+            self._signal(fd, sig)
             return True
         except OSError as exc:
             if exc.errno in (errno.ESRCH, errno.EPERM):
@@ -79,6 +87,17 @@ class Target(NamedTuple):
             raise
         finally:
             os.close(fd)
+
+    def _signal(self, fd: int, sig: int) -> None:
+        try:
+            signal.pidfd_send_signal(fd, sig)
+        except OSError as exc:
+            self._audit(sig, f"not sent: {exc.strerror or exc}")
+            raise
+        self._audit(sig, "sent")
+
+    def _audit(self, sig: int, result: str) -> None:
+        audit.signal(self.pid, self.start_ticks, self.label, sig, result)
 
 
 def target_of(host: Host, pid: int, label: str = "") -> Target | None:
