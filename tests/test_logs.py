@@ -10,14 +10,15 @@ from __future__ import annotations
 import os
 import pty
 import select
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import proctools
 import pytest
 
-import proctools
 from xpuctl import runs
 from xpuctl.logs import start_of_last_lines
 
@@ -189,3 +190,29 @@ def test_follow_with_a_recycled_supervisor_pid_does_not_wait(tmp_path):
     runs.write_record(str(tmp_path / "s"), rec)
     out = xpuctl(tmp_path / "s", "logs", "r", "-f")
     assert out.returncode == 0 and out.stdout == LOG
+
+
+@pytest.mark.slow
+def test_follow_interrupted_exits_130(tmp_path, proc_token):
+    sup = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                           env=proctools.token_env(proc_token))
+    try:
+        make_run(tmp_path / "s", "r", LOG, supervisor=sup.pid, state_name="ready")
+        env = {**os.environ, "XPUCTL_STATE_DIR": str(tmp_path / "s")}
+        out_path = tmp_path / "out"
+        with open(out_path, "wb") as out:
+            follower = subprocess.Popen([*XPUCTL, "logs", "r", "-f"], stdout=out,
+                                        stderr=subprocess.PIPE, env=env)
+        try:
+            assert proctools.wait_for(lambda: out_path.read_bytes() == LOG, 30)
+            follower.send_signal(signal.SIGINT)
+            assert follower.wait(30) == 130
+            assert follower.stderr.read() == b"xpuctl: interrupted\n"
+        finally:
+            if follower.poll() is None:
+                follower.kill()
+                follower.wait(10)
+            follower.stderr.close()
+    finally:
+        sup.kill()
+        sup.wait(10)

@@ -21,6 +21,7 @@ from xpuctl.errors import ExitCode, UsageError, XpuctlError
 from xpuctl.host import Host
 from xpuctl.safetext import emit, safe
 
+
 class _Group(TyperGroup):
     """The top-level command: every usage error (unknown option or command, bad value,
     missing argument) is one line on stderr and exit 2, never typer's boxed panel.

@@ -17,8 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from xpuctl.checks import Options, evaluate
 from xpuctl import audit
+from xpuctl.checks import Options, evaluate
 from xpuctl.cleanup import Removal, may_delete, removable, remove
 from xpuctl.errors import UsageError
 from xpuctl.host import Host
