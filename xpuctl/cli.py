@@ -19,7 +19,7 @@ from xpuctl import __version__
 from xpuctl.context import AppContext
 from xpuctl.errors import ExitCode, UsageError, XpuctlError
 from xpuctl.host import Host
-from xpuctl.safetext import emit, safe
+from xpuctl.safetext import emit, passthrough, safe
 
 
 class _Group(TyperGroup):
@@ -39,13 +39,13 @@ class _Group(TyperGroup):
         except cx.NoArgsIsHelpError:
             rv = int(ExitCode.USAGE)  # bare `xpuctl`: the help was printed already
         except cx.UsageError as exc:
-            sys.stderr.write(usage_line(exc) + "\n")
+            emit(sys.stderr, usage_line(exc))
             rv = int(ExitCode.USAGE)
         except typer.Abort:
             sys.stderr.write("xpuctl: aborted\n")
             rv = int(ExitCode.PROBLEMS)
         except cx.ClickException as exc:
-            sys.stderr.write(f"xpuctl: error: {_one_line(exc.format_message())}\n")
+            emit(sys.stderr, f"xpuctl: error: {_one_line(exc.format_message())}")
             rv = exc.exit_code
         if not standalone_mode:
             return rv
@@ -616,8 +616,7 @@ def _find_record(state_dir: str | None, environ: dict[str, str], name: str) -> t
 def _audit_warning(log: Any) -> None:
     """The audit log could not be written: say so (the action itself went ahead)."""
     if log.lost:
-        sys.stderr.write(f"xpuctl: warning: audit log {safe(log.path)}: {log.lost} line(s) not written "
-                         f"({safe(log.error)})\n")
+        emit(sys.stderr, f"xpuctl: warning: audit log {log.path}: {log.lost} line(s) not written ({log.error})")
 
 
 def _print_findings(a: AppContext, report: Any) -> None:
@@ -894,24 +893,22 @@ def logs(
         return L.run_alive(a.host, fresh if fresh is not None and fresh.run_id == rec.run_id else rec)
 
     def note(msg: str) -> None:
-        sys.stderr.write(f"xpuctl: {safe(msg)}\n")
-        sys.stderr.flush()
+        emit(sys.stderr, f"xpuctl: {msg}")
 
     tty = a.stdout_tty
     if tty:
-        emit: Any = L.LineWriter(lambda text: (sys.stdout.write(text), sys.stdout.flush()), safe)
+        out: Any = L.LineWriter(lambda text: emit(sys.stdout, text), safe)
     else:
-        def emit(data: bytes) -> None:
-            sys.stdout.buffer.write(data)
-            sys.stdout.buffer.flush()
+        def out(data: bytes) -> None:
+            passthrough(sys.stdout.buffer, data)
 
     try:
-        L.copy(rec.log_path, lines, follow, alive, emit, note)
+        L.copy(rec.log_path, lines, follow, alive, out, note)
     except FileNotFoundError:
         raise XpuctlError(f"run {safe(name)!r} has no log at {safe(rec.log_path)}") from None
     finally:
         if tty:
-            emit.close()
+            out.close()
 
 
 @app.command()

@@ -127,8 +127,9 @@ def copy(path: str, lines: int | None, follow: bool, alive: Callable[[], bool],
 
 
 class LineWriter:
-    """`emit` for a terminal: whole lines, each escaped by `escape` (host text: vLLM's log
-    lines may carry control sequences), a final partial line on `close`."""
+    """The sink for a terminal: whole lines, each escaped by `escape` (host text: vLLM's log
+    lines may carry control sequences), handed to `write` as one block without its final
+    newline (safetext.emit adds it); a final partial line on `close`."""
 
     def __init__(self, write: Callable[[str], None], escape: Callable[[bytes], str]) -> None:
         self.write = write
@@ -139,9 +140,9 @@ class LineWriter:
         data = self.partial + data
         *whole, self.partial = data.split(b"\n")
         if whole:
-            self.write("".join(self.escape(line) + "\n" for line in whole))
+            self.write("\n".join(self.escape(line) for line in whole))
 
     def close(self) -> None:
         if self.partial:
-            self.write(self.escape(self.partial) + "\n")
+            self.write(self.escape(self.partial))
             self.partial = b""

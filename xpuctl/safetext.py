@@ -97,6 +97,16 @@ def emit(stream: IO[str], text: str) -> None:
     stream.flush()
 
 
+def passthrough(stream: IO[bytes], data: bytes) -> None:
+    """Bytes copied unchanged for a script: `xpuctl logs` into a pipe or a file (the log is
+    the user's own file; `cat` would copy it as it is). Never to a terminal: there every
+    line goes through `emit`."""
+    if stream.isatty():
+        raise ValueError("passthrough refuses a terminal: use emit")
+    stream.write(data)
+    stream.flush()
+
+
 # -- rich ----------------------------------------------------------------------------------
 
 _CONSOLE_CLASS: Any = None
