@@ -17,6 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
+import xpuctl.atomic as atomic
 import xpuctl.textfile as textfile
 from xpuctl.cli import app
 
@@ -199,7 +200,7 @@ def test_failed_write_leaves_the_old_file_and_no_temporary(hosts, tmp_path, monk
     def boom(*a, **k):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(textfile.os, fail_at, boom)
+    monkeypatch.setattr(atomic.os, fail_at, boom)
     res = invoke(hosts["clean"].root, "--textfile", str(target))
     monkeypatch.undo()
     assert res.exit_code == 1

@@ -25,7 +25,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -448,15 +447,7 @@ def record_baseline(state_dir: str, snap: Snapshot) -> list[tuple[str, int | Non
             devices[v.bdf] = {"memory_used_bytes": used, "source": v.source, "recorded_at": time.time()}
             out.append((v.bdf, used, f"recorded from {v.source}"
                         + (f" (was {current[v.bdf]})" if v.bdf in current else "")))
-    fd, tmp = tempfile.mkstemp(prefix=".baseline.", dir=state_dir)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump({"schema": BASELINE_SCHEMA, "devices": devices}, f, indent=2)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    from xpuctl import atomic
+
+    atomic.replace(path, json.dumps({"schema": BASELINE_SCHEMA, "devices": devices}, indent=2).encode())
     return out

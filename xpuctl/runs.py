@@ -18,6 +18,7 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from xpuctl import atomic
 from xpuctl.errors import LockedError, UsageError
 
 STATES = ("starting", "ready", "stopping", "stopped", "failed")
@@ -101,20 +102,7 @@ def _record_path(state_dir: str, name: str) -> str:
 
 
 def write_record(state_dir: str, rec: RunRecord) -> None:
-    path = _record_path(state_dir, rec.name)
-    fd, tmp = tempfile.mkstemp(prefix=f".{rec.name}.", dir=os.path.dirname(path))
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(rec.to_dict(), fh, indent=2)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    atomic.replace(_record_path(state_dir, rec.name), json.dumps(rec.to_dict(), indent=2).encode())
 
 
 def update_record(state_dir: str, rec: RunRecord, **changes: Any) -> RunRecord:

@@ -26,11 +26,10 @@ import os
 import re
 import socket
 import tarfile
-import tempfile
 import time
 from typing import Any, NamedTuple
 
-from xpuctl import __version__
+from xpuctl import __version__, atomic
 from xpuctl.doctor import DeepOptions, diagnose
 from xpuctl.errors import UsageError
 from xpuctl.host import Host
@@ -290,25 +289,10 @@ def take(
         sys.stdout.buffer.flush()
     else:
         path = os.path.abspath(out or f"{top}.tar.gz")
-        directory = os.path.dirname(path)
         try:
-            fd, tmp = tempfile.mkstemp(prefix=".xpuctl-snapshot-", suffix=".tmp", dir=directory)
+            atomic.replace(path, write)
         except OSError as exc:
             raise UsageError(f"cannot write {path}: {exc.strerror or exc}") from None
-        try:
-            with os.fdopen(fd, "wb") as f:
-                write(f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException as exc:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            if isinstance(exc, OSError):
-                raise UsageError(f"cannot write {path}: {exc.strerror or exc}") from None
-            raise
         size = os.path.getsize(path)
     return Taken(path, size, members, manifest["contents"]["processes"], len(unreadable),
                  time.monotonic() - t0, report)

@@ -10,10 +10,9 @@ temporary file is removed and the old PATH is left as it was.
 
 from __future__ import annotations
 
-import errno
 import os
-import tempfile
 
+from xpuctl import atomic
 from xpuctl.errors import UsageError, XpuctlError
 
 MODE = 0o644
@@ -34,17 +33,6 @@ def check_target(path: str) -> str:
     return full
 
 
-def _fsync_dir(directory: str) -> None:
-    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(dfd)
-    except OSError as exc:
-        if exc.errno != errno.EINVAL:  # a filesystem that cannot sync directories
-            raise
-    finally:
-        os.close(dfd)
-
-
 def write_atomic(path: str, text: str) -> None:
     """Replace `path` with `text` atomically (see the module docstring).
 
@@ -52,27 +40,7 @@ def write_atomic(path: str, text: str) -> None:
     (exit 1) with one line; nothing is left behind and the previous file is untouched.
     """
     full = check_target(path)
-    directory, name = os.path.split(full)
-    data = text.encode()
-    tmp = None
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
-        try:
-            os.fchmod(fd, MODE)
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, full)
-        tmp = None
-        _fsync_dir(directory)
+        atomic.replace(full, text.encode(), mode=MODE, sync_dir=True)
     except OSError as exc:
         raise XpuctlError(f"--textfile {path}: cannot write: {exc.strerror or exc}") from None
-    finally:
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
