@@ -279,9 +279,12 @@ def test_group_sigterm_tears_down_in_parallel(standin_root, proc_token):
     assert "died unexpectedly" not in fv.log()
     ev = fv.events()
     got = sorted((e["role"], e["rank"] or 0) for e in ev if e["event"] == "signal")
-    # EngineCore gets the group's SIGTERM and then the API server's own (ignored)
-    assert got == [("api-server", 0), ("engine-core", 0), ("engine-core", 0),
-                   ("worker", 0), ("worker", 1)]
+    # EngineCore gets the group's SIGTERM and then the API server's own (ignored). Standard
+    # signals do not queue: when the second arrives before the first was handled (a loaded
+    # machine), the kernel merges them and one is recorded.
+    engine = [g for g in got if g[0] == "engine-core"]
+    assert 1 <= len(engine) <= 2, got
+    assert [g for g in got if g[0] != "engine-core"] == [("api-server", 0), ("worker", 0), ("worker", 1)]
     assert sorted(e["code"] for e in ev if e["event"] == "exit") == [0, 0, 0, 0]
     assert shm_files(root) == [] and dist_files(root) == [] and nobody_holds(root, 2)
 

@@ -201,8 +201,11 @@ def test_follow_interrupted_exits_130(tmp_path, proc_token):
         env = {**os.environ, "XPUCTL_STATE_DIR": str(tmp_path / "s")}
         out_path = tmp_path / "out"
         with open(out_path, "wb") as out:
+            # a test run started in the background by a non-interactive shell inherits SIGINT
+            # ignored, and Python keeps it ignored: give the follower the default, as a terminal would
             follower = subprocess.Popen([*XPUCTL, "logs", "r", "-f"], stdout=out,
-                                        stderr=subprocess.PIPE, env=env)
+                                        stderr=subprocess.PIPE, env=env,
+                                        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         try:
             assert proctools.wait_for(lambda: out_path.read_bytes() == LOG, 30)
             follower.send_signal(signal.SIGINT)
