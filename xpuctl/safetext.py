@@ -38,8 +38,19 @@ LIMIT = 4096
 # C0 controls are listed apart: the sinks keep newlines, `safe` escapes them too
 _REST = "\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff"
 _UNSAFE_CLASS = "\x00-\x1f" + _REST
-_UNSAFE = re.compile(f"[{_UNSAFE_CLASS}]")
-_UNSAFE_BUT_NEWLINE = re.compile(f"[\x00-\x09\x0b-\x1f{_REST}]")
+_UNSAFE = f"[{_UNSAFE_CLASS}]"
+_UNSAFE_BUT_NEWLINE = f"[\x00-\x09\x0b-\x1f{_REST}]"
+_PROM = f'[\\\\"{_UNSAFE_CLASS}]'
+_COMPILED: dict[str, re.Pattern[str]] = {}
+
+
+def _re(pattern: str) -> re.Pattern[str]:
+    """Compiled on first use: a class spanning the BMP takes ~1 ms to compile, and most
+    runs (JSON, completion) never escape anything."""
+    compiled = _COMPILED.get(pattern)
+    if compiled is None:
+        compiled = _COMPILED[pattern] = re.compile(pattern)
+    return compiled
 _NAMED = {"\n": "\\n", "\t": "\\t", "\r": "\\r", "\x1b": "\\x1b"}
 
 
@@ -74,8 +85,9 @@ def safe(text: object, limit: int = LIMIT) -> str:
     becomes "". Longer results are cut to `limit` characters, the last one an ellipsis.
     """
     text = _text(text)
-    if _UNSAFE.search(text):
-        text = _UNSAFE.sub(_escape, text)
+    unsafe = _re(_UNSAFE)
+    if unsafe.search(text):
+        text = unsafe.sub(_escape, text)
     if len(text) > limit:
         text = text[: max(0, limit - 1)] + "…"
     return text
@@ -84,7 +96,7 @@ def safe(text: object, limit: int = LIMIT) -> str:
 def safe_lines(text: object, limit: int = LIMIT) -> str:
     """Like `safe`, but newlines stay newlines (a block of lines; each line capped)."""
     text = _text(text)
-    if not _UNSAFE_BUT_NEWLINE.search(text) and len(text) <= limit:
+    if not _re(_UNSAFE_BUT_NEWLINE).search(text) and len(text) <= limit:
         return text
     return "\n".join(safe(line, limit) for line in text.split("\n"))
 
@@ -142,9 +154,10 @@ def console(stderr: bool = False, **kwargs: Any) -> Any:
 
             def _render_buffer(self, buffer: Any) -> str:
                 buffer = list(buffer)
-                if _UNSAFE_BUT_NEWLINE.search("".join(s.text for s in buffer if not s.control)):
+                unsafe = _re(_UNSAFE_BUT_NEWLINE)
+                if unsafe.search("".join(s.text for s in buffer if not s.control)):
                     buffer = [
-                        seg if seg.control or not _UNSAFE_BUT_NEWLINE.search(seg.text)
+                        seg if seg.control or not unsafe.search(seg.text)
                         else Segment(safe_lines(seg.text, sys.maxsize), seg.style, seg.control)
                         for seg in buffer
                     ]
@@ -160,9 +173,6 @@ def console(stderr: bool = False, **kwargs: Any) -> Any:
 
 
 # -- Prometheus ----------------------------------------------------------------------------
-
-_PROM = re.compile(f'[\\\\"{_UNSAFE_CLASS}]')
-
 
 def _prom_escape(m: re.Match[str]) -> str:
     ch = m.group()
@@ -180,4 +190,4 @@ def prom_label(value: object) -> str:
     """A Prometheus label value: backslash, double quote and newline escaped as the text
     exposition format requires (so a parser reads the exact text back); other control
     characters and stray bytes, which the format cannot carry, become visible escapes."""
-    return _PROM.sub(_prom_escape, _text(value))
+    return _re(_PROM).sub(_prom_escape, _text(value))
