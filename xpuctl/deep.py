@@ -396,10 +396,9 @@ def attach(host: Host, snap: Snapshot, results: tuple[ProbeResult, ...],
 # -- the idle baseline -----------------------------------------------------------------------
 
 
-def load_baseline(state_dir: str | None) -> tuple[dict[str, int], Issue | None]:
-    """{bdf: bytes} from the state directory; none recorded is {} (a baseline of 0)."""
-    if not state_dir:
-        return {}, None
+def _baseline_records(state_dir: str) -> tuple[dict[str, Any], Issue | None]:
+    """The baseline file's per-device records as stored ({} when none is recorded), and why
+    it could not be used, if so."""
     path = os.path.join(state_dir, BASELINE_FILE)
     try:
         with open(path, encoding="utf-8") as f:
@@ -411,12 +410,24 @@ def load_baseline(state_dir: str | None) -> tuple[dict[str, int], Issue | None]:
     devices = data.get("devices") if isinstance(data, dict) else None
     if not isinstance(devices, dict):
         return {}, Issue(path, "baseline is not a xpuctl.baseline/1 document, taken as 0")
+    return devices, None
+
+
+def _used_bytes(devices: dict[str, Any]) -> dict[str, int]:
     out = {}
     for bdf, rec in devices.items():
         value = rec.get("memory_used_bytes") if isinstance(rec, dict) else None
         if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
             out[bdf] = value
-    return out, None
+    return out
+
+
+def load_baseline(state_dir: str | None) -> tuple[dict[str, int], Issue | None]:
+    """{bdf: bytes} from the state directory; none recorded is {} (a baseline of 0)."""
+    if not state_dir:
+        return {}, None
+    devices, problem = _baseline_records(state_dir)
+    return _used_bytes(devices), problem
 
 
 def record_baseline(state_dir: str, snap: Snapshot) -> list[tuple[str, int | None, str]]:
@@ -426,17 +437,12 @@ def record_baseline(state_dir: str, snap: Snapshot) -> list[tuple[str, int | Non
     assert snap.deep is not None
     state_dir = ensure_state_dir(state_dir)
     path = os.path.join(state_dir, BASELINE_FILE)
-    current, _ = load_baseline(state_dir)
-    try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
-        devices = doc["devices"] if isinstance(doc.get("devices"), dict) else {}
-    except (OSError, ValueError, AttributeError, KeyError):
-        devices = {}
+    devices, _ = _baseline_records(state_dir)  # one read: kept records and the current figures
+    current = _used_bytes(devices)
     out: list[tuple[str, int | None, str]] = []
     for v in snap.deep.devices:
         holders = set(snap.holders(v.bdf)) | {p.pid for p in v.processes}
-        used = None if v.memory_used_bytes is None else v.memory_used_bytes
+        used = v.memory_used_bytes
         if holders:
             out.append((v.bdf, None, f"not recorded: held by pid(s) {', '.join(map(str, sorted(holders)))}"))
         elif used is None:
