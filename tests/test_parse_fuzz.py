@@ -69,6 +69,7 @@ def test_procfs_never_raises(data):
     procfs.parse_environ(data)
     text = data.decode("utf-8", "surrogateescape")
     procfs.parse_status_uid(text)
+    procfs.parse_status_nspid(text)
     procfs.parse_maps_paths(text)
     procfs.parse_boot_time(text)
 

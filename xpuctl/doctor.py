@@ -10,6 +10,7 @@ from typing import NamedTuple
 from xpuctl.checks import Options, evaluate
 from xpuctl.host import Host
 from xpuctl.model import Issue, Report, Snapshot
+from xpuctl.parse.procfs import parse_status_nspid
 from xpuctl.probes.devices import scan_devices, select_devices
 from xpuctl.scan import DEFAULT_PORT, take_snapshot
 
@@ -50,16 +51,14 @@ def pid_namespace_issue(host: Host) -> Issue | None:
         text = host.read_text("/proc/self/status", 1 << 16)
     except OSError:
         return None
-    for line in text.splitlines():
-        if line.startswith("NSpid:"):
-            ids = line.split(":", 1)[1].split()
-            if len(ids) > 1:
-                return Issue(
-                    "pid-namespace",
-                    f"xpuctl runs in a child PID namespace (NSpid {' '.join(ids[:8])}): device "
-                    "holders in other namespaces are invisible to /proc; --deep asks the device itself",
-                )
-    return None
+    ids = parse_status_nspid(text)
+    if len(ids) <= 1:
+        return None
+    return Issue(
+        "pid-namespace",
+        f"xpuctl runs in a child PID namespace (NSpid {' '.join(ids[:8])}): device "
+        "holders in other namespaces are invisible to /proc; --deep asks the device itself",
+    )
 
 
 def deep_snapshot(host: Host, environ: dict[str, str], deep: DeepOptions, **scan: object) -> Snapshot:

@@ -53,6 +53,15 @@ def parse_status_uid(text: str) -> int | None:
     return None
 
 
+def parse_status_nspid(text: str) -> tuple[str, ...]:
+    """The `NSpid:` ids of /proc/<pid>/status, outermost namespace first (one entry in the
+    initial PID namespace; () on kernels before 4.1, which have no such line)."""
+    for line in text.splitlines():
+        if line.startswith("NSpid:"):
+            return tuple(line.split(":", 1)[1].split())
+    return ()
+
+
 def parse_cmdline(data: bytes) -> list[str]:
     """argv from /proc/<pid>/cmdline.
 
