@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from xpuctl import __version__
 from xpuctl.checks import CHECKS, human_bytes
 from xpuctl.model import Artifact, Device, Finding, Port, Process, Report, RuntimeView, Snapshot
-from xpuctl.parse.probes import ProbeResult
+from xpuctl.parse.probes import ProbeResult, result_to_dict
 from xpuctl.safetext import prom_label, safe
 
 if TYPE_CHECKING:
@@ -25,16 +25,11 @@ if TYPE_CHECKING:
 
 
 def probe_dict(r: ProbeResult) -> dict[str, Any]:
-    return {
-        "name": r.name,
-        "available": r.available,
-        "reason": r.reason,
-        "seconds": r.seconds,
-        "version": r.version,
-        "live": r.live,
-        "timed_out": r.timed_out,
-        "notes": list(r.notes),
-    }
+    """A probe's summary: its stored form without the per-device answers (those are shown
+    per device, under `runtime`)."""
+    data = result_to_dict(r)
+    del data["devices"]
+    return data
 
 
 def runtime_dict(v: RuntimeView | None) -> dict[str, Any] | None:
