@@ -4,7 +4,7 @@
     python bench/scanpass.py [--n 1000] [--fds 35] [--rounds 9]
 
 Builds N idle processes with K fds each (bench/holders.py, 10 of them holding a stand-in
-node under a StandInRoot) and times `xpuctl.probes.processes.scan_processes` in this
+node under a StandInRoot) and times `xpuctl.host.processes.scan_processes` in this
 process, interleaved, in these ways:
 
   plain        one process, one thread
@@ -28,10 +28,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import run as bench  # noqa: E402  (Population, StandInRoot via proctools)
 
-import xpuctl.host as H  # noqa: E402
-from xpuctl.host import Host  # noqa: E402
-from xpuctl.probes import processes as P  # noqa: E402
-from xpuctl.probes import split as Sp  # noqa: E402
+import xpuctl.host.seam as H  # noqa: E402
+from xpuctl.host.seam import Host  # noqa: E402
+from xpuctl.host import processes as P  # noqa: E402
+from xpuctl.host import split as Sp  # noqa: E402
 
 
 def plain(host: Host) -> P.FdScan:

@@ -96,7 +96,7 @@ def hostile_env() -> dict[str, str]:
 
 def escaped(text: str) -> str:
     """How the terminal shows host text (for asserting that it is there, escaped)."""
-    from xpuctl.safetext import safe
+    from xpuctl.output.safetext import safe
 
     return safe(text)
 

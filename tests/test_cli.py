@@ -120,8 +120,8 @@ def test_bare_xpuctl_still_shows_the_help():
 def test_findings_wrap_with_a_hanging_indent():
     from rich.console import Console
 
-    from xpuctl.model import Finding
-    from xpuctl.render import findings_table
+    from xpuctl.core.model import Finding
+    from xpuctl.output.render import findings_table
 
     long = "the quick brown fox jumps over the lazy dog " * 4
     findings = [Finding("stuck-processes", "fail", long.strip(), "run the thing " * 6),
@@ -145,12 +145,12 @@ def test_findings_wrap_with_a_hanging_indent():
 
 
 def test_internal_error_is_one_line_and_debug_shows_the_traceback(tmp_path, monkeypatch):
-    import xpuctl.scan
+    import xpuctl.host.scan
 
     def boom(*a, **k):
         raise RuntimeError("kaboom")
 
-    monkeypatch.setattr(xpuctl.scan, "take_snapshot", boom)
+    monkeypatch.setattr(xpuctl.host.scan, "take_snapshot", boom)
     h = fakehost.clean_host(tmp_path / "root")
     res = runner.invoke(app, ["--root", str(h.root), "devices"])
     assert res.exit_code == 70
@@ -270,7 +270,7 @@ BANNED = ("torch", "intel_extension_for_pytorch", "pyzes", "vllm")
 
 
 # the deep probe modules import the GPU stacks: only their child processes may load them
-PROBE_MODULES = ("xpuctl.probes.sysman", "xpuctl.probes.torch_xpu", "xpuctl.probes.kmd")
+PROBE_MODULES = ("xpuctl.probes.children.sysman", "xpuctl.probes.children.torch_xpu", "xpuctl.probes.children.kmd")
 
 
 @pytest.mark.parametrize(

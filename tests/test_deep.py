@@ -18,11 +18,11 @@ import pytest
 from fakehost import GiB, MiB
 from typer.testing import CliRunner
 
-from xpuctl import deep as X
+from xpuctl.probes import deep as X
 from xpuctl.cli import app
-from xpuctl.host import Host
+from xpuctl.host.seam import Host
 from xpuctl.parse.probes import ProbeDevice, ProbeProcess, ProbeResult
-from xpuctl.scan import take_snapshot
+from xpuctl.host.scan import take_snapshot
 
 STANDINS = Path(__file__).resolve().parent / "standins"
 BDF0, BDF1 = "0000:03:00.0", "0000:04:00.0"

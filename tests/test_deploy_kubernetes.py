@@ -30,9 +30,9 @@ from proctools import wait_for
 from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
-from xpuctl.checks import CHECKS
+from xpuctl.core.checks import CHECKS
 from xpuctl.cli import app
-from xpuctl.serve import worst_stop_seconds
+from xpuctl.serve.supervise import worst_stop_seconds
 
 K8S = DEPLOY / "kubernetes"
 MANIFESTS = sorted(K8S.glob("*.yaml"))

@@ -953,7 +953,7 @@ def test_data_parallel_roles(tmp_path):
 def test_only_doctor_reads_maps(hosts, monkeypatch):
     """The maps pass (is a stale-looking file still mapped?) reads every process's maps, and
     a busy process can hold its mmap lock for long: ps, devices and shutdown need no files."""
-    from xpuctl import scan
+    from xpuctl.host import scan
 
     def trap(self):
         raise AssertionError("maps read")
@@ -969,7 +969,7 @@ def test_only_doctor_reads_maps(hosts, monkeypatch):
 
 
 def test_every_check_id_has_one_registered_function() -> None:
-    from xpuctl import checks
+    from xpuctl.core import checks
 
     assert set(checks.REGISTRY) == set(checks.CHECKS) == CHECKS
     assert len(checks.CHECKS) == len(set(checks.CHECKS))

@@ -19,7 +19,7 @@ from pathlib import Path
 import proctools
 import pytest
 
-from xpuctl import runs
+from xpuctl.state import runs
 from xpuctl.logs import start_of_last_lines
 
 XPUCTL = [sys.executable, "-m", "xpuctl"]

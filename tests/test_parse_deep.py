@@ -16,7 +16,7 @@ from xpuctl.parse.probes import (
     result_from_dict,
     result_to_dict,
 )
-from xpuctl.probes.kmd import privileged
+from xpuctl.probes.children.kmd import privileged
 
 GiB, MiB = 1 << 30, 1 << 20
 
@@ -201,7 +201,7 @@ def test_kmd_probe_two_call_protocol(monkeypatch):
     stand-in for the kernel answers the way the uapi documents."""
     import ctypes
 
-    from xpuctl.probes import kmd as probe
+    from xpuctl.probes.children import kmd as probe
 
     def kernel(fd, req, buf, mutate):
         assert mutate is True and isinstance(buf, bytearray)
@@ -247,7 +247,7 @@ def test_kmd_probe_child_on_this_machine():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "xpuctl.probes.kmd"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "xpuctl.probes.children.kmd"], capture_output=True, text=True,
                          timeout=60, check=True)
     r = K.probe_result(out.stdout)
     assert not r.available and "render node" in r.reason

@@ -158,7 +158,7 @@ def test_probe_output_raises_only_probe_output_error(text):
 @FUZZ
 @given(json_values)
 def test_probe_document_raises_only_probe_output_error(value):
-    from xpuctl import deep
+    from xpuctl.probes import deep
 
     try:
         deep.results_from_json({"schema": deep.SCHEMA, "probes": value if isinstance(value, list) else [value]})

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from xpuctl import advice, progress
-from xpuctl.checks import REGISTRY, last_run_findings
+from xpuctl.core import advice
+from xpuctl.output import progress
+from xpuctl.core.checks import REGISTRY, last_run_findings
 from xpuctl.parse import vllmlog as V
-from xpuctl.probes import lastrun
+from xpuctl.state import lastrun
 
 # vLLM 0.32.0 (CPU build) on this machine, in order (issue 12); XPU logs backend=xccl
 REAL_0_32 = [
@@ -294,9 +295,9 @@ def test_doctor_and_reset_show_last_run_for_each_signature(tmp_path, key):
 
 
 def test_a_tree_that_never_became_ready_gets_the_teardown_budget_only():
-    from xpuctl.runs import RunRecord
-    from xpuctl.stop import DRAIN_MARGIN, Tree, exit_budget
-    from xpuctl.supervisor import Target
+    from xpuctl.state.runs import RunRecord
+    from xpuctl.shutdown.ladder import DRAIN_MARGIN, Tree, exit_budget
+    from xpuctl.actions.signals import Target
 
     rec = RunRecord(name="r", run_id="1" * 16, pid=10, start_ticks=1, session=10, command=[],
                     devices=[], port=8000, host="127.0.0.1", shutdown_timeout=50,

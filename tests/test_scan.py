@@ -23,9 +23,9 @@ from proctools import (
     token_env,
     wait_for,
 )
-from xpuctl.host import Host
-from xpuctl.probes import processes as P
-from xpuctl.probes import split as Sp
+from xpuctl.host.seam import Host
+from xpuctl.host import processes as P
+from xpuctl.host import split as Sp
 
 PY = sys.executable
 
@@ -221,7 +221,7 @@ time.sleep(60)
 
 
 def test_split_maps_pass_sees_a_file_kept_only_by_a_mapping(standin_root, proc_token, monkeypatch):
-    from xpuctl.scan import take_snapshot
+    from xpuctl.host.scan import take_snapshot
 
     root = standin_root
     mapped = os.path.join(root.root, "dev/shm/psm_mapped_only")
@@ -336,8 +336,8 @@ def test_shutdown_members_read_environ_only_since_the_run_and_cmdline_only_of_me
     the target's mmap lock, which a process stuck in the kernel can hold for good."""
     import time
 
-    from xpuctl import stop as S
-    from xpuctl.supervisor import target_of
+    from xpuctl.shutdown import ladder as S
+    from xpuctl.actions.signals import target_of
 
     run_id = "scan-test-" + proc_token[-8:]
     env = token_env(proc_token, XPUCTL_RUN_ID=run_id)

@@ -26,14 +26,14 @@ from proctools import start_fake_vllm, wait_for
 from test_fakehosts import MALFORMED
 from typer.testing import CliRunner
 
-from xpuctl import render
-from xpuctl import snapshot as S
-from xpuctl import unpack as U
-from xpuctl.checks import Options, evaluate
+from xpuctl.output import render
+from xpuctl.archive import capture as S
+from xpuctl.archive import unpack as U
+from xpuctl.core.checks import Options, evaluate
 from xpuctl.cli import app
 from xpuctl.doctor import diagnose
-from xpuctl.host import Host
-from xpuctl.replay import open_snapshot
+from xpuctl.host.seam import Host
+from xpuctl.archive.replay import open_snapshot
 
 runner = CliRunner()
 NOW = 1_900_000_000.25  # a fixed "now" for the live run and the capture alike
@@ -246,7 +246,7 @@ def test_unreadable_files_are_listed_with_the_reason(tmp_path, pinned_now):
 
 
 def test_run_records_and_log_tails_are_kept(tmp_path, pinned_now):
-    from xpuctl import runs
+    from xpuctl.state import runs
 
     h = fh.healthy_host(tmp_path / "host")
     sdir = runs.ensure_state_dir(str(tmp_path / "state"))
@@ -562,7 +562,7 @@ def test_redact_environ_keeps_only_the_listed_variables_in_order():
 
 
 def test_redact_maps_keeps_shm_and_tmp_lines_with_host_paths():
-    from xpuctl.host import Host
+    from xpuctl.host.seam import Host
     from xpuctl.parse import redact
     from xpuctl.parse.procfs import parse_maps_paths
 

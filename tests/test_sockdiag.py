@@ -9,11 +9,11 @@ import struct
 
 import pytest
 
-from xpuctl.host import Host
+from xpuctl.host.seam import Host
 from xpuctl.parse import sockdiag as S
 from xpuctl.parse.net import TcpSocket, parse_tcp
-from xpuctl.probes import sockdiag
-from xpuctl.scan import listening_sockets
+from xpuctl.host import sockdiag
+from xpuctl.host.scan import listening_sockets
 
 
 def diag_msg(family: int, state: int, port: int, addr: bytes, uid: int, inode: int) -> bytes:

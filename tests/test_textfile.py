@@ -17,8 +17,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
-import xpuctl.atomic as atomic
-import xpuctl.textfile as textfile
+import xpuctl.state.atomic as atomic
+import xpuctl.state.textfile as textfile
 from xpuctl.cli import app
 
 runner = CliRunner()
@@ -139,7 +139,7 @@ def test_orphan_metrics(hosts):
 
 
 def test_value_formatting_is_exact():
-    from xpuctl.render import _value
+    from xpuctl.output.render import _value
 
     assert _value(12889096192) == "12889096192"
     assert _value(1796107093.486507) == "1796107093.486507"

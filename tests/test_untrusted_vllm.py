@@ -14,7 +14,7 @@ import pytest
 from proctools import free_port
 from test_serve_shutdown import XPUCTL, _wait_ready, rig  # noqa: F401  (fixture)
 
-from xpuctl.safetext import safe
+from xpuctl.output.safetext import safe
 
 pytestmark = pytest.mark.slow
 

@@ -18,8 +18,8 @@ from typer.core import TyperGroup
 from xpuctl import __version__
 from xpuctl.context import AppContext
 from xpuctl.errors import ExitCode, UsageError, XpuctlError
-from xpuctl.host import Host
-from xpuctl.safetext import emit, passthrough, safe
+from xpuctl.host.seam import Host
+from xpuctl.output.safetext import emit, passthrough, safe
 
 
 class _Group(TyperGroup):
@@ -162,8 +162,8 @@ def _main(
 
 def _age_seconds() -> float | None:
     """Wall seconds since this process started (its /proc start time against CLOCK_BOOTTIME)."""
-    from xpuctl.probes.processes import stat_of
-    from xpuctl.scan import CLK_TCK
+    from xpuctl.host.processes import stat_of
+    from xpuctl.host.scan import CLK_TCK
 
     st = stat_of(Host("/"), os.getpid())
     boottime = getattr(time, "CLOCK_BOOTTIME", None)
@@ -197,7 +197,7 @@ def _format(fmt: Format | None, as_json: bool, default: Format = Format.table) -
 
 def complete_device(ctx: typer.Context, incomplete: str) -> list[tuple[str, str]]:
     """Device indices, BDFs and node names, read from sysfs only (this runs on every TAB)."""
-    from xpuctl.probes.devices import scan_devices
+    from xpuctl.host.devices import scan_devices
 
     root = ctx.parent.params.get("root") if ctx.parent else None
     try:
@@ -246,7 +246,7 @@ def _size(value: str) -> int:
 
 
 def _deep_options(a: AppContext, timeout: float, threshold: str, state_dir: str | None) -> Any:
-    from xpuctl import runs
+    from xpuctl.state import runs
     from xpuctl.doctor import DeepOptions
 
     sdir = state_dir or runs.default_state_dir(a.environ)
@@ -284,7 +284,7 @@ def _source(ctx: typer.Context, from_: str | None) -> tuple[Host, dict[str, str]
     a = _app(ctx)
     if from_ is None:
         return a.host, a.environ, None
-    from xpuctl.replay import open_snapshot
+    from xpuctl.archive.replay import open_snapshot
 
     opened = open_snapshot(from_)
     snap = opened.__enter__()
@@ -359,7 +359,7 @@ def doctor(
     a = _app(ctx)
     out_fmt = _format(fmt, as_json, Format.prometheus if textfile is not None else Format.table)
     if textfile is not None:
-        from xpuctl.textfile import check_target
+        from xpuctl.state.textfile import check_target
 
         if out_fmt is not Format.prometheus:
             raise UsageError("--textfile writes Prometheus text: drop --json/--format or use --format prometheus")
@@ -397,12 +397,12 @@ def doctor(
                 report, clean = D.wait_clean(report, run, wait_clean, strict, tick=tick)
         else:
             report, clean = D.wait_clean(report, run, wait_clean, strict)
-    from xpuctl import render
+    from xpuctl.output import render
 
     if out_fmt is Format.json:
         sys.stdout.write(render.to_json(render.doctor_dict(report)) + "\n")
     elif out_fmt is Format.prometheus and textfile is not None:
-        from xpuctl.textfile import write_atomic
+        from xpuctl.state.textfile import write_atomic
 
         write_atomic(textfile, render.prometheus(report))
     elif out_fmt is Format.prometheus:
@@ -427,9 +427,9 @@ def ps(
     """xpuctl's runs (state: starting, ready, stopping; age) and the vLLM process trees on
     this host: role, state, devices, memory, orphan, run."""
 
-    from xpuctl import render
+    from xpuctl.output import render
     from xpuctl.doctor import resolve_device_specs
-    from xpuctl.scan import take_snapshot
+    from xpuctl.host.scan import take_snapshot
 
     a = _app(ctx)
     host, _, _ = _source(ctx, from_)
@@ -444,7 +444,7 @@ def ps(
         tops = {p.top for p in procs if bdfs & set(p.devices)}
         procs = [p for p in procs if p.devices or p.top in tops]
     from xpuctl.doctor import state_dir_for
-    from xpuctl.serve import live_runs
+    from xpuctl.serve.supervise import live_runs
 
     sdir = state_dir_for(host, state_dir, a.environ)
     runs = live_runs(host, sdir) if sdir and host.proc_is_live else []
@@ -482,8 +482,8 @@ def devices(
     from_: FromOpt = None,
 ) -> None:
     """Intel GPUs (Level Zero order) and other DRM devices, with holders and memory."""
-    from xpuctl import render
-    from xpuctl.scan import take_snapshot
+    from xpuctl.output import render
+    from xpuctl.host.scan import take_snapshot
 
     a = _app(ctx)
     if from_ is not None and (deep or record_baseline):
@@ -493,7 +493,7 @@ def devices(
         raise UsageError("--record-baseline needs --deep (the baseline is what the devices report)")
     recorded: list[Any] = []
     if deep:
-        from xpuctl import deep as X
+        from xpuctl.probes import deep as X
         from xpuctl.doctor import deep_snapshot
 
         opts = _deep_options(a, probe_timeout, "1GiB", state_dir)
@@ -534,9 +534,9 @@ def devices(
 
 def _relaunch_advice(a: AppContext, state_dir: str | None) -> list[Any]:
     """doctor's `last-run` finding for the state directory's newest run."""
-    from xpuctl.checks import last_run_findings
+    from xpuctl.core.checks import last_run_findings
     from xpuctl.doctor import state_dir_for
-    from xpuctl.probes.lastrun import last_run
+    from xpuctl.state.lastrun import last_run
 
     return last_run_findings(last_run(state_dir_for(a.host, state_dir, a.environ)))
 
@@ -569,8 +569,8 @@ def snapshot(
     Process environments keep only XPUCTL_*, ZE_*, ONEAPI_*, SYCL_*, CCL_*, VLLM_* and
     SPT_NOENV; /dev/shm and /tmp are listed, never copied. Exit 0: written. 2: cannot write.
     """
-    from xpuctl import runs
-    from xpuctl import snapshot as S
+    from xpuctl.state import runs
+    from xpuctl.archive import capture as S
 
     a = _app(ctx)
     if output == "-" and a.stdout_tty:  # as gzip does: binary bytes would garble a terminal
@@ -588,7 +588,7 @@ def snapshot(
 
 def complete_run(ctx: typer.Context, incomplete: str) -> list[tuple[str, str]]:
     """Run names from the state directory (this runs on every TAB)."""
-    from xpuctl import runs
+    from xpuctl.state import runs
 
     try:
         sdir = ctx.params.get("state_dir") or runs.default_state_dir()
@@ -601,7 +601,7 @@ def complete_run(ctx: typer.Context, incomplete: str) -> list[tuple[str, str]]:
 
 def _find_record(state_dir: str | None, environ: dict[str, str], name: str) -> tuple[str, Any]:
     """(state dir, the run record named `name`); NotFoundError (exit 3) when there is none."""
-    from xpuctl import runs
+    from xpuctl.state import runs
     from xpuctl.errors import NotFoundError
     sdir = state_dir or runs.default_state_dir(environ)
     sdir = runs.ensure_state_dir(sdir, create=False)
@@ -707,8 +707,8 @@ def serve(
     leftovers remain or the preflight fails; 4 when not ready in time; 5 when a device or
     the port is claimed by another run.
     """
-    from xpuctl import runs
-    from xpuctl import serve as S
+    from xpuctl.state import runs
+    from xpuctl.serve import supervise as S
 
     a = _app(ctx)
     passed = list(vllm_args or []) + list(ctx.args)
@@ -765,11 +765,12 @@ def shutdown(
     Exit 0: stopped and released (escalation is reported, not an error). 1: leftovers
     remain. 3: NAME, --pid or --port matches nothing. --all with nothing running exits 0.
     """
-    from xpuctl import render, runs
-    from xpuctl import stop as S
+    from xpuctl.output import render
+    from xpuctl.state import runs
+    from xpuctl.shutdown import ladder as S
     from xpuctl.doctor import resolve_device_specs
-    from xpuctl.scan import take_snapshot
-    from xpuctl.supervisor import can_signal
+    from xpuctl.host.scan import take_snapshot
+    from xpuctl.actions.signals import can_signal
 
     a = _app(ctx)
     if name is None and pid is None and port is None and not device and not all_:
@@ -831,7 +832,7 @@ def shutdown(
     if not as_json and resolve_s is not None:
         emit(sys.stdout, f"found {len(trees)} server tree(s) {resolve_s:.2f}s after start")
 
-    from xpuctl import audit
+    from xpuctl.state import audit
 
     with audit.recording(sdir, "shutdown") as log:
         result = S.stop(a.host, trees, timeout=timeout, kill_after=kill_after, release_timeout=release_timeout, on_event=show)
@@ -884,7 +885,7 @@ def logs(
     Exit 0; 3: no run of that name.
     """
     from xpuctl import logs as L
-    from xpuctl import runs
+    from xpuctl.state import runs
     a = _app(ctx)
     sdir, rec = _find_record(state_dir, a.environ, name)
 
@@ -937,7 +938,7 @@ def reset(
 
     Exit 0: clean afterwards. 1: problems remain. 2: usage (or no --yes without a terminal).
     """
-    from xpuctl import render
+    from xpuctl.output import render
     from xpuctl import reset as R
     from xpuctl.doctor import resolve_device_specs
     a = _app(ctx)
@@ -998,7 +999,7 @@ def reset(
             raise UsageError("refusing to clean without confirmation: pass --yes (no terminal to ask)")
         if not typer.confirm("Proceed?", default=False):
             raise typer.Exit(ExitCode.PROBLEMS)
-    from xpuctl import audit, runs
+    from xpuctl.state import audit, runs
 
     with audit.recording(state_dir or runs.default_state_dir(a.environ), "reset") as log:
         outcome = R.execute(a.host, plan, bdfs, port, kill_after, timeout, say)

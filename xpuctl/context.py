@@ -6,7 +6,7 @@ import os
 import sys
 from typing import Any
 
-from xpuctl.host import Host
+from xpuctl.host.seam import Host
 
 
 class AppContext:
@@ -25,7 +25,7 @@ class AppContext:
         """rich Console on stdout (created on first use: rich is slow to import). It escapes
         every text it prints and reads no markup (safetext.console)."""
         if self._out is None:
-            from xpuctl.safetext import console
+            from xpuctl.output.safetext import console
 
             # Not a terminal (a pipe, a log): wide enough that nothing useful is cut.
             width = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 200
@@ -35,7 +35,7 @@ class AppContext:
     @property
     def err(self) -> Any:
         if self._err is None:
-            from xpuctl.safetext import console
+            from xpuctl.output.safetext import console
 
             self._err = console(stderr=True)
         return self._err

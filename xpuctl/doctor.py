@@ -7,12 +7,12 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
-from xpuctl.checks import Options, evaluate
-from xpuctl.host import Host
-from xpuctl.model import Issue, Report, Snapshot
+from xpuctl.core.checks import Options, evaluate
+from xpuctl.host.seam import Host
+from xpuctl.core.model import Issue, Report, Snapshot
 from xpuctl.parse.procfs import parse_status_nspid
-from xpuctl.probes.devices import scan_devices, select_devices
-from xpuctl.scan import DEFAULT_PORT, take_snapshot
+from xpuctl.host.devices import scan_devices, select_devices
+from xpuctl.host.scan import DEFAULT_PORT, take_snapshot
 
 
 def resolve_device_specs(host: Host, specs: list[str]) -> tuple[str, ...]:
@@ -35,7 +35,7 @@ class RecordedProbes(NamedTuple):
 
 
 class DeepOptions(NamedTuple):
-    """`--deep`: run the device-level probes (xpuctl.deep) alongside the scan."""
+    """`--deep`: run the device-level probes (xpuctl.probes.deep) alongside the scan."""
 
     timeout: float = 10.0
     unattributed_threshold: int = 1 << 30
@@ -63,7 +63,7 @@ def pid_namespace_issue(host: Host) -> Issue | None:
 
 def deep_snapshot(host: Host, environ: dict[str, str], deep: DeepOptions, **scan: object) -> Snapshot:
     """The probes run while /proc is scanned; the probe children are left out of the scan."""
-    from xpuctl import deep as X
+    from xpuctl.probes import deep as X
 
     if deep.recorded is not None:
         snap = take_snapshot(host, **scan)  # type: ignore[arg-type]
@@ -108,7 +108,7 @@ def diagnose(
     if ns is not None:
         snap = snap._replace(issues=snap.issues + (ns,))
     if state_dir:
-        from xpuctl.probes.lastrun import last_run
+        from xpuctl.state.lastrun import last_run
 
         snap = snap._replace(last_run=last_run(state_dir))
     return evaluate(snap, opts)
@@ -117,7 +117,7 @@ def diagnose(
 def state_dir_for(host: Host, given: str | None, environ: dict[str, str]) -> str | None:
     """The state directory doctor and reset read, found as serve finds it. A re-rooted host
     (a fake tree, a snapshot) has no runs of this machine: only an explicit one is read."""
-    from xpuctl.runs import default_state_dir
+    from xpuctl.state.runs import default_state_dir
 
     if given:
         return given

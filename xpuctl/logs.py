@@ -14,9 +14,9 @@ import time
 from collections.abc import Callable
 from typing import BinaryIO
 
-from xpuctl.host import Host
-from xpuctl.probes.processes import stat_of
-from xpuctl.runs import RunRecord
+from xpuctl.host.seam import Host
+from xpuctl.host.processes import stat_of
+from xpuctl.state.runs import RunRecord
 
 CHUNK = 1 << 16
 

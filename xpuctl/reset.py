@@ -17,18 +17,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from xpuctl import audit
-from xpuctl.checks import Options, evaluate
-from xpuctl.cleanup import Removal, may_delete, removable, remove
+from xpuctl.state import audit
+from xpuctl.core.checks import Options, evaluate
+from xpuctl.actions.cleanup import Removal, may_delete, removable, remove
 from xpuctl.errors import UsageError
-from xpuctl.host import Host
-from xpuctl.model import Artifact, Process, Report, Snapshot
+from xpuctl.host.seam import Host
+from xpuctl.core.model import Artifact, Process, Report, Snapshot
 from xpuctl.parse.roles import API_SERVER
-from xpuctl.probes.processes import list_pids, stat_of
-from xpuctl.safetext import safe
-from xpuctl.scan import DEFAULT_PORT, take_snapshot
-from xpuctl.stop import StopResult, Tree, stop, tree_from_snapshot
-from xpuctl.supervisor import can_signal, target_of
+from xpuctl.host.processes import list_pids, stat_of
+from xpuctl.output.safetext import safe
+from xpuctl.host.scan import DEFAULT_PORT, take_snapshot
+from xpuctl.shutdown.ladder import StopResult, Tree, stop, tree_from_snapshot
+from xpuctl.actions.signals import can_signal, target_of
 
 
 class Holder(NamedTuple):

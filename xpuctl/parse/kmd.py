@@ -154,7 +154,7 @@ LOST_ERRNOS = (125, 19)  # ECANCELED: xe blocks every ioctl of a wedged device; 
 
 
 def probe_result(text: str, seconds: float | None = None, live: bool = True) -> ProbeResult:
-    """The kmd child's JSON line (`xpuctl.probes.kmd`) → a ProbeResult, replies parsed here."""
+    """The kmd child's JSON line (`xpuctl.probes.children.kmd`) → a ProbeResult, replies parsed here."""
     lines = [line for line in text.splitlines() if line.strip()]
     try:
         data = json.loads(lines[-1]) if lines else None

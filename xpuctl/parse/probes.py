@@ -1,7 +1,7 @@
 """What a deep probe reports, as records: parsed from the JSON a probe child prints (text in).
 
 One probe's JSON (the sysman and torch children print exactly this; the CLI adds `seconds`
-and `live`; `xpuctl.deep` builds the same shape for kmd and xpu-smi):
+and `live`; `xpuctl.probes.deep` builds the same shape for kmd and xpu-smi):
 
     {"name": "sysman", "available": true, "reason": null, "version": "0.1.3",
      "notes": ["..."],

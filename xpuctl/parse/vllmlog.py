@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
-from xpuctl.model import LogSignature
+from xpuctl.core.model import LogSignature
 
 
 class Phase(NamedTuple):

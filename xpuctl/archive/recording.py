@@ -1,0 +1,136 @@
+"""A Host that remembers every answer it gave: what a snapshot writes is exactly what the
+scan read.
+
+`RecordingHost` wraps a `Host` and keeps, per host path, the first answer of each kind of
+read: file contents, directory listings, link texts, lstat, resolved paths, existence,
+char-device numbers, fd link lists, and every OSError (errno, message, file name). The
+first answer is the one the scan acted on. A recorded scan never forks (`splittable`):
+a forked helper's reads would be lost with it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from xpuctl.host.seam import FileInfo, Host
+
+#: An OSError as recorded: (errno, strerror, filename) or (None, message, None).
+ErrorRec = tuple[Any, str, Any]
+
+
+def error_rec(exc: OSError) -> ErrorRec:
+    if exc.errno is None:
+        return (None, str(exc), None)
+    return (exc.errno, exc.strerror or "", exc.filename)
+
+
+def raise_rec(rec: ErrorRec | list) -> None:
+    """Raise the OSError a record describes: the same class (OSError picks it from errno),
+    the same `strerror` and the same text."""
+    errno_, text, filename = rec
+    if errno_ is None:
+        raise OSError(text)
+    if filename is None:
+        raise OSError(errno_, text)
+    raise OSError(errno_, text, filename)
+
+
+class RecordingHost(Host):
+    """`Host` over the same root, recording each answer (see the module docstring)."""
+
+    splittable = False
+
+    def __init__(self, inner: Host) -> None:
+        super().__init__(inner.root or "/")
+        self.inner = inner
+        self.contents: dict[str, bytes] = {}
+        self.read_errors: dict[str, ErrorRec] = {}
+        self.lists: dict[str, list[str] | dict] = {}
+        self.links: dict[str, str | dict] = {}
+        self.lstats: dict[str, list | dict] = {}
+        self.resolved: dict[str, str | dict] = {}
+        self.existence: dict[str, bool] = {}
+        self.rdevs: dict[str, list[int] | None] = {}
+        self.fds: dict[int, list[tuple[str, str]] | dict] = {}
+        self.taken_at: float | None = None
+        self.listeners: list | None = None  # the first scan's TCP LISTEN sockets
+
+    # -- what the scan sees of its own situation: the wrapped host's ---------------------
+    @property
+    def proc_is_live(self) -> bool:
+        return self.inner.proc_is_live
+
+    @property
+    def comm_trusted(self) -> bool:
+        return self.inner.comm_trusted
+
+    @property
+    def rdev_checked(self) -> bool:
+        return self.inner.rdev_checked
+
+    def now(self) -> float:
+        t = self.inner.now()
+        if self.taken_at is None:
+            self.taken_at = t
+        return t
+
+    def found_listeners(self, sockets: list) -> None:
+        if self.listeners is None:
+            self.listeners = list(sockets)
+
+    # -- reads ---------------------------------------------------------------------------
+    def _content(self, hostpath: str, read: Any, *args: Any) -> bytes:
+        try:
+            data = read(hostpath, *args)
+        except OSError as exc:
+            if hostpath not in self.contents:
+                self.read_errors.setdefault(hostpath, error_rec(exc))
+            raise
+        if hostpath not in self.read_errors:
+            self.contents.setdefault(hostpath, data)
+        return data
+
+    def read_bytes(self, hostpath: str, limit: int | None = None) -> bytes:
+        return self._content(hostpath, self.inner.read_bytes, limit)
+
+    def read_once(self, hostpath: str, limit: int = 4096) -> bytes:
+        return self._content(hostpath, self.inner.read_once, limit)
+
+    @staticmethod
+    def _answer(table: dict, key: Any, call: Any, *args: Any) -> Any:
+        try:
+            value = call(*args)
+        except OSError as exc:
+            table.setdefault(key, {"error": error_rec(exc)})
+            raise
+        table.setdefault(key, value)
+        return value
+
+    def listdir(self, hostpath: str) -> list[str]:
+        return self._answer(self.lists, hostpath, self.inner.listdir, hostpath)
+
+    def readlink(self, hostpath: str) -> str:
+        return self._answer(self.links, hostpath, self.inner.readlink, hostpath)
+
+    def resolve(self, hostpath: str, max_links: int = 40) -> str:
+        return self._answer(self.resolved, hostpath, self.inner.resolve, hostpath, max_links)
+
+    def lstat(self, hostpath: str) -> FileInfo:
+        try:
+            info = self.inner.lstat(hostpath)
+        except OSError as exc:
+            self.lstats.setdefault(hostpath, {"error": error_rec(exc)})
+            raise
+        self.lstats.setdefault(hostpath, list(info))
+        return info
+
+    def exists(self, hostpath: str) -> bool:
+        return self.existence.setdefault(hostpath, self.inner.exists(hostpath))
+
+    def stat_rdev(self, hostpath: str) -> tuple[int, int] | None:
+        rdev = self.inner.stat_rdev(hostpath)
+        self.rdevs.setdefault(hostpath, list(rdev) if rdev is not None else None)
+        return rdev
+
+    def fd_links(self, pid: int, keep: tuple[str, ...] = ("",)) -> list[tuple[str, str]]:
+        return self._answer(self.fds, pid, self.inner.fd_links, pid, keep)

@@ -1,0 +1,164 @@
+"""DRM devices from sysfs: /sys/class/drm/{cardN,renderDN}/{dev,device→PCI dir}.
+
+Source: `/sys/class/drm/renderD128/device` links to the PCI function (`0000:03:00.0`), which
+holds `vendor`, `device` and `driver` (a link to `…/drivers/xe`); `dev` holds `226:128`.
+Equivalent: `intel_gpu_top -L`, `xpu-smi discovery`.
+"""
+
+from __future__ import annotations
+
+import re
+
+from xpuctl.host.seam import Host
+from xpuctl.core.model import Device, Issue
+
+DRM_MAJOR = 226
+_NODE_RE = re.compile(r"^(card|renderD)(\d+)$")
+SYS_DRM = "/sys/class/drm"
+
+
+def _read_strip(host: Host, path: str) -> str | None:
+    try:
+        return host.read_text(path, 4096).strip() or None
+    except OSError:
+        return None
+
+
+def _minor_of(host: Host, name: str, number: int) -> int | None:
+    dev = _read_strip(host, f"{SYS_DRM}/{name}/dev")
+    if dev:
+        major, _, minor = dev.partition(":")
+        if major.strip().isdigit() and minor.strip().isdigit():
+            return int(minor) if int(major) == DRM_MAJOR else None
+    # no `dev` file: the node name carries the minor (renderD128 -> 128, card0 -> 0)
+    return number
+
+
+def _memory_total(host: Host, pci: str, card: str | None, driver: str | None) -> int | None:
+    total = 0
+    found = False
+    try:
+        entries = host.listdir(pci)
+    except OSError:
+        entries = []
+    for entry in sorted(entries):
+        if entry.startswith("tile") and entry[4:].isdigit():
+            value = _read_strip(host, f"{pci}/{entry}/physical_vram_size_bytes")
+            if value and value.isdigit():
+                total += int(value)
+                found = True
+    if found:
+        return total
+    if card:
+        value = _read_strip(host, f"{SYS_DRM}/{card}/lmem_total_bytes")
+        if value and value.isdigit():
+            return int(value)
+    return None
+
+
+def scan_devices(host: Host) -> tuple[list[Device], list[Issue]]:
+    """All DRM devices, Intel ones numbered in Level Zero order (by PCI BDF)."""
+    issues: list[Issue] = []
+    try:
+        names = host.listdir(SYS_DRM)
+    except OSError as exc:
+        return [], [Issue(SYS_DRM, f"no DRM devices visible ({exc.strerror or exc})")]
+    by_bdf: dict[str, dict] = {}
+    for name in sorted(names):
+        m = _NODE_RE.match(name)
+        if not m:
+            continue  # connectors (card0-DP-1), version
+        minor = _minor_of(host, name, int(m.group(2)))
+        if minor is None:
+            continue
+        try:
+            pci = host.resolve(f"{SYS_DRM}/{name}/device")
+        except OSError as exc:
+            issues.append(Issue(f"{SYS_DRM}/{name}", f"unreadable: {exc}"))
+            continue
+        if not host.exists(pci):
+            issues.append(Issue(f"{SYS_DRM}/{name}/device", "missing PCI device link"))
+            continue
+        bdf = pci.rstrip("/").rsplit("/", 1)[-1]
+        rec = by_bdf.setdefault(bdf, {"pci": pci, "minors": [], "render": None, "card": None})
+        rec["minors"].append(minor)
+        if m.group(1) == "renderD":
+            rec["render"] = name
+        else:
+            rec["card"] = name
+    devices: list[Device] = []
+    for bdf, rec in by_bdf.items():
+        pci = rec["pci"]
+        driver = None
+        try:
+            driver = host.readlink(f"{pci}/driver").rstrip("/").rsplit("/", 1)[-1] or None
+        except OSError:
+            pass
+        devices.append(
+            Device(
+                bdf=bdf,
+                vendor_id=_norm_id(_read_strip(host, f"{pci}/vendor")),
+                device_id=_norm_id(_read_strip(host, f"{pci}/device")),
+                driver=driver,
+                render_node=f"/dev/dri/{rec['render']}" if rec["render"] else None,
+                card_node=f"/dev/dri/{rec['card']}" if rec["card"] else None,
+                minors=tuple(sorted(rec["minors"])),
+                memory_total_bytes=_memory_total(host, pci, rec["card"], driver),
+            )
+        )
+    return number_devices(devices), issues
+
+
+def _norm_id(value: str | None) -> str | None:
+    if value is None:
+        return None
+    try:
+        return f"0x{int(value, 16):04x}"
+    except ValueError:
+        return value
+
+
+def number_devices(devices: list[Device]) -> list[Device]:
+    """Intel devices first, in BDF order with their Level Zero index; then the others."""
+    intel = sorted((d for d in devices if d.is_intel), key=lambda d: d.bdf)
+    other = sorted((d for d in devices if not d.is_intel), key=lambda d: d.bdf)
+    return [d._replace(index=i) for i, d in enumerate(intel)] + [
+        d._replace(index=None) for d in other
+    ]
+
+
+def select_devices(devices: list[Device] | tuple[Device, ...], specs: list[str]) -> list[Device]:
+    """Resolve `--device` values (index, BDF, node name or path) to devices.
+
+    Raises UsageError naming the devices that exist.
+    """
+    from xpuctl.errors import UsageError
+
+    chosen: list[Device] = []
+    for spec in specs:
+        dev = find_device(devices, spec)
+        if dev is None:
+            known = ", ".join(
+                f"{d.index if d.index is not None else '-'}={d.bdf}"
+                f"({(d.render_node or d.card_node or '?').rsplit('/', 1)[-1]})"
+                for d in devices
+            )
+            raise UsageError(f"unknown device {spec!r}; devices here: {known or 'none'}")
+        if dev not in chosen:
+            chosen.append(dev)
+    return chosen
+
+
+def find_device(devices: list[Device] | tuple[Device, ...], spec: str) -> Device | None:
+    s = spec.strip()
+    if s.isdigit():
+        return next((d for d in devices if d.index == int(s)), None)
+    low = s.lower()
+    name = low.rsplit("/", 1)[-1]
+    for d in devices:
+        if d.bdf.lower() == low or d.bdf.lower().endswith(":" + low) and low.count(":") == 1:
+            return d
+        for node in d.nodes:
+            if node.lower() == low or node.rsplit("/", 1)[-1].lower() == name:
+                return d
+    return None

@@ -1,0 +1,218 @@
+"""One pass over /proc: every process's stat, and every fd's link text.
+
+The cmdline is read only when `comm` could be vLLM. Only fds that matter are kept: DRM
+nodes (fdinfo later), dma-bufs (fdinfo later), sockets (inode, for ports) and files under
+/dev/shm and /tmp (for stale-artifact checks). A process that vanishes mid-scan is skipped;
+one whose fds cannot be read is counted. On a busy host the pass is split over two
+processes (probes/split.py). Equivalent: `fuser -v /dev/dri/*`, `lsof /dev/dri/*`.
+"""
+
+from __future__ import annotations
+
+import marshal
+from collections.abc import Iterable
+
+from xpuctl.host.seam import Host
+from xpuctl.parse.procfs import ProcStat, parse_cmdline, parse_stat
+from xpuctl.parse.roles import classify
+from xpuctl.host.split import in_two
+
+_GONE = (FileNotFoundError, ProcessLookupError)
+
+
+class RawProcess:
+    """One process as the pass saw it (mutable: roles are refined after the pass)."""
+
+    __slots__ = ("pid", "stat", "cmdline", "role", "rank", "fds_readable")
+
+    def __init__(self, pid: int, stat: ProcStat, cmdline: list[str] | None, role: str | None,
+                 rank: str | None, fds_readable: bool = True) -> None:
+        self.pid = pid
+        self.stat = stat
+        self.cmdline = cmdline  # None: not read (comm rules vLLM out); see fill_cmdline
+        self.role = role
+        self.rank = rank
+        self.fds_readable = fds_readable
+
+    def __repr__(self) -> str:
+        return f"RawProcess(pid={self.pid}, comm={self.stat.comm!r}, role={self.role!r})"
+
+
+class FdScan:
+    """What the pass over /proc found."""
+
+    __slots__ = ("procs", "drm_fds", "dmabuf_fds", "sockets", "files", "unreadable", "malformed")
+
+    def __init__(self) -> None:
+        self.procs: dict[int, RawProcess] = {}
+        self.drm_fds: list[tuple[int, str, str]] = []  # (pid, fd, host path)
+        self.dmabuf_fds: list[tuple[int, str]] = []  # (pid, fd)
+        self.sockets: dict[int, list[int]] = {}  # inode -> pids
+        self.files: dict[str, list[int]] = {}  # /dev/shm|/tmp path -> pids
+        self.unreadable: list[int] = []  # pids whose fds we could not read
+        self.malformed: list[int] = []  # pids whose stat we could not parse
+
+    def merge(self, other: FdScan) -> None:
+        self.procs.update(other.procs)
+        self.drm_fds.extend(other.drm_fds)
+        self.dmabuf_fds.extend(other.dmabuf_fds)
+        for inode, owners in other.sockets.items():
+            self.sockets.setdefault(inode, []).extend(owners)
+        for path, owners in other.files.items():
+            self.files.setdefault(path, []).extend(owners)
+        self.unreadable.extend(other.unreadable)
+        self.malformed.extend(other.malformed)
+
+    def dumps(self) -> bytes:
+        """Plain containers for `marshal` (the helper's half of a split pass)."""
+        procs = [(p.pid, tuple(p.stat), p.cmdline, p.role, p.rank, p.fds_readable)
+                 for p in self.procs.values()]
+        return marshal.dumps((procs, self.drm_fds, self.dmabuf_fds, self.sockets, self.files,
+                              self.unreadable, self.malformed))
+
+    @classmethod
+    def loads(cls, data: bytes) -> FdScan:
+        procs, drm, dmabuf, sockets, files, unreadable, malformed = marshal.loads(data)
+        out = cls()
+        for pid, st, argv, role, rank, readable in procs:
+            out.procs[pid] = RawProcess(pid, ProcStat(*st), argv, role, rank, readable)
+        out.drm_fds, out.dmabuf_fds = drm, dmabuf  # marshal keeps tuples tuples
+        out.sockets, out.files = sockets, files
+        out.unreadable, out.malformed = unreadable, malformed
+        return out
+
+
+def list_pids(host: Host) -> list[int]:
+    return [int(d) for d in host.listdir("/proc") if d.isdigit()]
+
+
+def _maybe_vllm(comm: str) -> bool:
+    """Could a process with this kernel `comm` be vLLM? Only used on a live /proc, where
+    comm is what the kernel keeps: setproctitle also sets it (`VLLM::EngineCor`), the API
+    server runs as python or `vllm`, torch may rename the main thread `pt_main_thread`."""
+    return "::" in comm or comm.startswith(("python", "vllm", "pt_", "pypy", "uv"))
+
+
+def stat_of(host: Host, pid: int) -> ProcStat | None:
+    """The parsed /proc/<pid>/stat (one read: the kernel renders it whole), or None when
+    the process is gone or the file unreadable or garbled."""
+    try:
+        return parse_stat(host.read_once(f"/proc/{pid}/stat", 4096))
+    except OSError:
+        return None
+
+
+def read_cmdline(host: Host, pid: int) -> list[str]:
+    """argv of a process; [] when it is gone, unreadable or a kernel thread."""
+    try:
+        return parse_cmdline(host.read_bytes(f"/proc/{pid}/cmdline", 1 << 20))
+    except OSError:
+        return []
+
+
+def read_process(host: Host, pid: int, argv_if: bool = True) -> RawProcess | None:
+    """stat + cmdline of one process; None when it is gone or unparsable.
+
+    With `argv_if` False the cmdline is read only when `comm` could be vLLM (see
+    `_maybe_vllm`); `RawProcess.cmdline` is then None until `fill_cmdline`.
+    """
+    st = stat_of(host, pid)
+    if st is None:
+        return None
+    if not argv_if and not _maybe_vllm(st.comm):
+        return RawProcess(pid, st, None, None, None)
+    argv = read_cmdline(host, pid)
+    role, rank = classify(argv)
+    return RawProcess(pid, st, argv, role, rank)
+
+
+def fill_cmdline(host: Host, proc: RawProcess) -> list[str]:
+    """Read a deferred cmdline (for display of a device holder)."""
+    if proc.cmdline is None:
+        proc.cmdline = read_cmdline(host, proc.pid)
+    return proc.cmdline
+
+
+#: Link texts worth a second look; every other fd (pipes, eventfds, /dev/null, libraries,
+#: logs) is dropped inside `Host.fd_links` with one startswith per fd.
+_KEEP = ("/dev/dri/", "/dev/shm/", "/tmp/", "/dmabuf:", "socket:[", "anon_inode:dmabuf")
+
+
+def _scan_some(host: Host, pids: Iterable[int], skip: frozenset[int], out: FdScan) -> None:
+    procs = out.procs
+    drm = out.drm_fds
+    dmabuf = out.dmabuf_fds
+    sockets = out.sockets
+    files = out.files
+    root = host.root
+    cut = len(root)
+    keep = _KEEP + ((root + "/dev/", root + "/tmp/") if root else ())
+    fd_links = host.fd_links
+    full_argv = not host.comm_trusted  # a fake tree's comm may not match its argv
+    for pid in pids:
+        if pid in skip:
+            continue
+        proc = read_process(host, pid, full_argv)
+        if proc is None:
+            base = f"/proc/{pid}"
+            if host.exists(base + "/stat") and not _is_gone(host, base):
+                out.malformed.append(pid)
+            continue
+        procs[pid] = proc
+        if proc.stat.state == "Z":
+            continue  # a zombie holds nothing: its fds are closed
+        try:
+            links = fd_links(pid, keep)
+        except _GONE:
+            del procs[pid]
+            continue
+        except OSError:
+            proc.fds_readable = False
+            out.unreadable.append(pid)
+            continue
+        for fd, link in links:
+            c = link[:1]
+            if c == "/":
+                if root and link.startswith(root) and link[cut : cut + 1] == "/":
+                    link = link[cut:]
+                if link.startswith("/dev/"):
+                    if link.startswith("/dev/dri/"):
+                        drm.append((pid, fd, link))
+                    elif link.startswith("/dev/shm/"):
+                        files.setdefault(link, []).append(pid)
+                elif link.startswith("/tmp/"):
+                    files.setdefault(link, []).append(pid)
+                elif link.startswith("/dmabuf:"):
+                    dmabuf.append((pid, fd))
+            elif c == "s":
+                try:
+                    sockets.setdefault(int(link[8:-1]), []).append(pid)
+                except ValueError:
+                    pass
+            else:
+                dmabuf.append((pid, fd))  # anon_inode:dmabuf
+
+
+def scan_processes(host: Host, skip_pids: frozenset[int] = frozenset()) -> FdScan:
+    try:
+        pids = list_pids(host)
+    except OSError:
+        return FdScan()
+
+    def work(some: Iterable[int]) -> FdScan:
+        part = FdScan()
+        _scan_some(host, some, skip_pids, part)
+        return part
+
+    out, *rest = in_two(work, pids, FdScan.dumps, FdScan.loads, split=host.splittable)
+    for part in rest:
+        out.merge(part)
+    return out
+
+
+def _is_gone(host: Host, base: str) -> bool:
+    try:
+        host.lstat(base)
+        return False
+    except OSError:
+        return True

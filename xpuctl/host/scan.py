@@ -1,0 +1,417 @@
+"""host → probes → Snapshot: one scan of everything doctor, ps and shutdown look at."""
+
+from __future__ import annotations
+
+import marshal
+import os
+import re
+from collections.abc import Iterable
+
+from xpuctl.host.seam import CLK_TCK, Host  # noqa: F401 (CLK_TCK: cli's own-age check)
+from xpuctl.core.model import Artifact, Device, DmabufHold, DrmClient, Issue, Port, Process, Snapshot
+from xpuctl.parse.fdinfo import parse_dmabuf, parse_fdinfo
+from xpuctl.parse.net import TcpSocket, parse_tcp, parse_unix_paths
+from xpuctl.parse.procfs import parse_boot_time, parse_environ, parse_maps_paths, parse_status_uid
+from xpuctl.host.devices import DRM_MAJOR, scan_devices
+from xpuctl.host.processes import FdScan, RawProcess, fill_cmdline, scan_processes
+from xpuctl.host.split import in_two
+from xpuctl.core.rules import Facts, judge, match
+from xpuctl.parse.roles import API_SERVER
+from xpuctl.core.trees import Member, resolve
+
+RUN_ID_VAR = "XPUCTL_RUN_ID"
+DEFAULT_PORT = 8000
+_NODE_RE = re.compile(r"^(card|renderD)(\d+)$")
+_GPU_DRIVERS = ("xe", "i915")
+
+
+def own_pids(host: Host) -> frozenset[int]:
+    """Our own pid, when the scanned /proc is the one we run in."""
+    return frozenset({os.getpid()}) if host.proc_is_live else frozenset()
+
+
+class _Lazy:
+    """Host reads that only some scans need: done once, on first use."""
+
+    def __init__(self, host: Host, fds: FdScan) -> None:
+        self.host = host
+        self.fds = fds
+        self._maps: dict[str, list[int]] | None = None
+        self._unix: set[str] | None = None
+        self._boot: float | None | bool = False
+
+    def boot_time(self) -> float | None:
+        if self._boot is False:
+            try:
+                self._boot = parse_boot_time(self.host.read_text("/proc/stat", 1 << 20))
+            except OSError:
+                self._boot = None
+        return self._boot  # type: ignore[return-value]
+
+    def mapped(self) -> dict[str, list[int]]:
+        """/dev/shm and /tmp paths -> pids that map them (a mapping outlives its fd)."""
+        if self._maps is None:
+            pids = [pid for pid, proc in self.fds.procs.items() if proc.stat.state != "Z"]
+            first, *rest = in_two(self._mapped_by, pids, marshal.dumps, marshal.loads,
+                                  split=self.host.splittable)
+            for part in rest:
+                for path, owners in part.items():
+                    first.setdefault(path, []).extend(owners)
+            self._maps = first
+        return self._maps
+
+    def _mapped_by(self, pids: Iterable[int]) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {}
+        for pid in pids:
+            try:
+                data = self.host.read_bytes(f"/proc/{pid}/maps", 64 << 20)
+            except OSError:
+                continue
+            if b"/dev/shm/" not in data and b"/tmp/" not in data:
+                continue  # the common case: nothing mapped from there
+            for path in parse_maps_paths(data.decode("utf-8", "surrogateescape")):
+                path = self.host.to_host(path)
+                if path.startswith("/dev/shm/") or path.startswith("/tmp/"):
+                    out.setdefault(path, []).append(pid)
+        return out
+
+    def unix_bound(self) -> set[str]:
+        if self._unix is None:
+            try:
+                text = self.host.read_text("/proc/net/unix")
+            except OSError:
+                text = ""
+            self._unix = {self.host.to_host(p) for p in parse_unix_paths(text)}
+        return self._unix
+
+
+def _read_opt(host: Host, path: str, limit: int = 1 << 20) -> bytes | None:
+    try:
+        return host.read_bytes(path, limit)
+    except OSError:
+        return None
+
+
+def _drm_clients(
+    host: Host, fds: FdScan, devices: list[Device]
+) -> tuple[list[DrmClient], dict[int, set[str]]]:
+    by_node: dict[str, Device] = {}
+    by_minor: dict[int, Device] = {}
+    for d in devices:
+        for node in d.nodes:
+            by_node[node.rsplit("/", 1)[-1]] = d
+        for minor in d.minors:
+            by_minor[minor] = d
+    known_bdfs = {d.bdf for d in devices}
+    agg: dict[tuple, dict] = {}
+    for pid, fd, path in fds.drm_fds:
+        name = path[len("/dev/dri/") :]
+        dev = by_node.get(name)
+        if host.rdev_checked:
+            rdev = host.stat_rdev(f"/proc/{pid}/fd/{fd}")
+            if rdev is None or rdev[0] != DRM_MAJOR:
+                continue
+            dev = by_minor.get(rdev[1], dev)
+        if dev is None:
+            if not _NODE_RE.match(name):
+                continue  # e.g. /dev/dri/by-path/…: not a node
+        raw = _read_opt(host, f"/proc/{pid}/fdinfo/{fd}", 1 << 16)
+        info = parse_fdinfo(raw.decode("utf-8", "replace")) if raw is not None else None
+        bdf = dev.bdf if dev else None
+        if info is not None and info.pdev and (info.pdev in known_bdfs or bdf is None):
+            bdf = info.pdev
+        if info is not None and info.client_id is not None:
+            key: tuple = ("client", bdf, info.client_id)
+        else:
+            key = ("fd", pid, fd)
+        rec = agg.setdefault(
+            key,
+            {
+                "bdf": bdf,
+                "client_id": info.client_id if info else None,
+                "driver": (info.driver if info else None) or (dev.driver if dev else None),
+                "memory": None,
+                "pids": [],
+                "node": f"/dev/dri/{name}",
+            },
+        )
+        if pid not in rec["pids"]:
+            rec["pids"].append(pid)
+        if info is not None and info.memory_bytes is not None:
+            rec["memory"] = max(rec["memory"] or 0, info.memory_bytes)
+    clients = [
+        DrmClient(r["bdf"], r["client_id"], r["driver"], r["memory"], tuple(r["pids"]), r["node"])
+        for r in agg.values()
+    ]
+    held: dict[int, set[str]] = {}
+    for c in clients:
+        for pid in c.pids:
+            held.setdefault(pid, set())
+            if c.bdf:
+                held[pid].add(c.bdf)
+    return clients, held
+
+
+def _dmabufs(
+    host: Host, fds: FdScan, devices: list[Device], held: dict[int, set[str]]
+) -> list[DmabufHold]:
+    out: list[DmabufHold] = []
+    for pid, fd in fds.dmabuf_fds:
+        raw = _read_opt(host, f"/proc/{pid}/fdinfo/{fd}", 1 << 16)
+        if raw is None:
+            continue
+        buf = parse_dmabuf(raw.decode("utf-8", "replace"))
+        if buf is None or buf.exporter not in _GPU_DRIVERS:
+            continue
+        # dma-buf fdinfo does not name the device: attribute it when only one fits
+        same_driver = [d.bdf for d in devices if d.driver == buf.exporter]
+        mine = [b for b in held.get(pid, ()) if b in same_driver]
+        if len(mine) == 1:
+            bdf: str | None = mine[0]
+        elif len(same_driver) == 1:
+            bdf = same_driver[0]
+        else:
+            bdf = None
+        out.append(DmabufHold(pid, buf.exporter, buf.size_bytes, buf.inode, bdf))
+    return out
+
+
+def _details(host: Host, pid: int, want_env: bool) -> tuple[int | None, dict[str, str] | None]:
+    uid = None
+    raw = _read_opt(host, f"/proc/{pid}/status", 1 << 16)
+    if raw is not None:
+        uid = parse_status_uid(raw.decode("utf-8", "replace"))
+    env = None
+    if want_env:
+        data = _read_opt(host, f"/proc/{pid}/environ")
+        env = parse_environ(data) if data else {}
+    return uid, env
+
+
+def _artifacts(
+    host: Host, fds: FdScan, lazy: _Lazy, procs: list[Process], now: float
+) -> tuple[list[Artifact], list[Issue]]:
+    issues: list[Issue] = []
+    candidates: list[tuple[str, str, object]] = []
+    for directory in ("/dev/shm", "/tmp"):
+        try:
+            names = host.listdir(directory)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            issues.append(Issue(directory, f"cannot list: {exc.strerror or exc}"))
+            continue
+        for name in names:
+            m = match(directory, name)
+            if m is None:
+                continue
+            path = f"{directory}/{name}"
+            try:
+                info = host.lstat(path)
+            except OSError:
+                continue
+            kind, socket_only = m
+            if socket_only and not info.is_socket:
+                continue
+            candidates.append((path, kind, info))
+    if not candidates:
+        return [], issues
+    live = frozenset(pid for pid, p in fds.procs.items() if p.stat.state != "Z")
+    vllm_starts = tuple(
+        (p.uid, p.start_time) for p in procs if p.role is not None and not p.is_zombie
+    )
+    out: list[Artifact] = []
+    for path, kind, info in sorted(candidates):
+        open_by = tuple(sorted(set(fds.files.get(path, ()))))
+        mapped_by: tuple[int, ...] = ()
+        # sockets are never mmapped: only regular files need the (costly) maps pass
+        if not open_by and kind != "cache" and info.is_regular:  # type: ignore[attr-defined]
+            mapped_by = tuple(sorted(set(lazy.mapped().get(path, ()))))
+        bound = bool(info.is_socket and path in lazy.unix_bound())  # type: ignore[attr-defined]
+        facts = Facts(open_by, mapped_by, bound, live, vllm_starts)
+        stale, reason = judge(path, kind, info, facts)  # type: ignore[arg-type]
+        out.append(
+            Artifact(
+                path=path,
+                kind=kind,
+                stale=stale,
+                reason=reason,
+                open_by=tuple(sorted(set(open_by + mapped_by))),
+                owner_uid=info.uid,  # type: ignore[attr-defined]
+                size_bytes=info.size,  # type: ignore[attr-defined]
+                age_seconds=max(0.0, now - info.mtime),  # type: ignore[attr-defined]
+                inode=info.inode,  # type: ignore[attr-defined]
+            )
+        )
+    return out, issues
+
+
+def listening_sockets(host: Host) -> list[TcpSocket]:
+    """TCP LISTEN sockets: from the kernel over netlink when the scanned /proc is ours (same
+    network namespace as /proc/net), else (a fake tree, or no sock_diag) from
+    /proc/net/tcp and tcp6."""
+    if host.proc_is_live:
+        from xpuctl.host.sockdiag import tcp_listeners
+
+        try:
+            return tcp_listeners()
+        except OSError:
+            pass
+    out: list[TcpSocket] = []
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            out.extend(parse_tcp(host.read_text(name)))
+        except OSError:
+            continue
+    return out
+
+
+def _ports(host: Host, fds: FdScan, procs: dict[int, Process], port: int | None) -> list[Port]:
+    listeners = listening_sockets(host)
+    host.found_listeners(listeners)
+    out: list[Port] = []
+    seen: set[tuple[int, int | None]] = set()
+    serving_found = False
+    for sock in listeners:
+        pids = fds.sockets.get(sock.inode, [])
+        owners = [procs.get(pid) for pid in pids]
+        vllm_owners = [p for p in owners if p is not None and p.role is not None]
+        is_serving = port is not None and sock.port == port
+        if not is_serving and not vllm_owners:
+            continue
+        for pid in pids or [None]:
+            p = procs.get(pid) if pid is not None else None
+            if not is_serving and (p is None or p.role is None):
+                continue
+            key = (sock.port, pid)
+            if key in seen:
+                continue
+            seen.add(key)
+            serving_found |= is_serving
+            out.append(
+                Port(
+                    sock.port,
+                    sock.address,
+                    pid,
+                    "listen",
+                    p.role if p else None,
+                    bool(p and p.orphan),
+                )
+            )
+    if port is not None and not serving_found:
+        out.append(Port(port, None, None, "free"))
+    return sorted(out, key=lambda x: (x.port, x.pid or 0))
+
+
+def _tag_run_leaders(host: Host, fds: FdScan) -> None:
+    """The process `xpuctl serve` launched is a session leader carrying XPUCTL_RUN_ID: it is
+    the top of that vLLM run even when its argv is not one we recognise (a wrapper script)."""
+    for pid, proc in fds.procs.items():
+        if proc.role is not None or proc.stat.session != pid or proc.stat.state == "Z":
+            continue
+        data = _read_opt(host, f"/proc/{pid}/environ")
+        if data and RUN_ID_VAR.encode() + b"=" in data and parse_environ(data).get(RUN_ID_VAR):
+            proc.role = API_SERVER
+
+
+def take_snapshot(
+    host: Host,
+    port: int | None = DEFAULT_PORT,
+    want_env: bool = True,
+    caller_env: dict[str, str] | None = None,
+    artifacts: bool = True,
+    exclude_pids: frozenset[int] = frozenset(),
+) -> Snapshot:
+    """One scan. `artifacts=False` skips /dev/shm and /tmp (a release check needs only
+    holders and ports). `exclude_pids` (live /proc only): our own helpers, e.g. deep probes."""
+    now = host.now()
+    devices, issues = scan_devices(host)
+    fds = scan_processes(host, own_pids(host) | (exclude_pids if host.proc_is_live else frozenset()))
+    lazy = _Lazy(host, fds)
+    clients, held = _drm_clients(host, fds, devices)
+    dmabufs = _dmabufs(host, fds, devices, held)
+    for b in dmabufs:
+        held.setdefault(b.pid, set())
+        if b.bdf:
+            held[b.pid].add(b.bdf)
+
+    # Which processes we describe: vLLM ones (and candidates) plus every holder.
+    _tag_run_leaders(host, fds)
+    relevant: dict[int, RawProcess] = {
+        pid: p for pid, p in fds.procs.items() if p.role is not None or pid in held
+    }
+    details = {pid: _details(host, pid, want_env) for pid in relevant}
+    members = {
+        pid: Member(
+            pid,
+            p.stat.ppid,
+            p.stat.session,
+            p.role,
+            (details[pid][1] or {}).get(RUN_ID_VAR) or None,
+            p.stat.state == "Z",
+        )
+        for pid, p in relevant.items()
+    }
+    placements = resolve(members)
+    boot = lazy.boot_time()
+    mem_by_pid: dict[int, int] = {}
+    for c in clients:
+        if c.memory_bytes is not None:
+            for pid in c.pids:
+                mem_by_pid[pid] = mem_by_pid.get(pid, 0) + c.memory_bytes
+    procs: dict[int, Process] = {}
+    for pid, raw in relevant.items():
+        place = placements.get(pid)
+        if place is None and pid not in held:
+            continue  # an unrelated multiprocessing helper
+        st = raw.stat
+        uid, env = details[pid]
+        wchan = None
+        if st.state == "D":
+            w = _read_opt(host, f"/proc/{pid}/wchan", 256)
+            wchan = w.decode("ascii", "replace").strip() or None if w else None
+        procs[pid] = Process(
+            pid=pid,
+            ppid=st.ppid,
+            state=st.state,
+            comm=st.comm,
+            cmdline=tuple(fill_cmdline(host, raw)),
+            start_time=(boot + st.start_ticks / host.clk_tck) if boot is not None else None,
+            start_ticks=st.start_ticks,
+            session=st.session,
+            pgrp=st.pgrp,
+            threads=st.threads,
+            uid=uid,
+            role=place.role if place else None,
+            rank=raw.rank,
+            orphan=place.orphan if place else False,
+            top=place.top if place else None,
+            run_id=members[pid].run_id,
+            devices=tuple(sorted(held.get(pid, ()))),
+            memory_bytes=mem_by_pid.get(pid),
+            wchan=wchan,
+            env=env,
+        )
+    ordered = sorted(procs.values(), key=lambda p: (p.top or p.pid, p.pid))
+    found, art_issues = _artifacts(host, fds, lazy, ordered, now) if artifacts else ([], [])
+    issues.extend(art_issues)
+    if fds.unreadable:
+        issues.append(
+            Issue("/proc", f"could not read the fds of {len(fds.unreadable)} process(es)")
+        )
+    if fds.malformed:
+        issues.append(Issue("/proc", f"could not parse {len(fds.malformed)} process(es)"))
+    ports = _ports(host, fds, procs, port)
+    return Snapshot(
+        root=host.origin,
+        taken_at=now,
+        devices=tuple(devices),
+        processes=tuple(ordered),
+        clients=tuple(clients),
+        dmabufs=tuple(dmabufs),
+        artifacts=tuple(found),
+        ports=tuple(ports),
+        issues=tuple(issues),
+        unreadable=len(fds.unreadable),
+        caller_env=dict(caller_env) if caller_env is not None else {},
+    )

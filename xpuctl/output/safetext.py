@@ -1,0 +1,193 @@
+"""The one place that makes host text safe to print on a terminal (and in Prometheus labels).
+
+xpuctl runs as root and prints text other users control: argv and comm, file names in /tmp
+and /dev/shm, sysfs strings, vLLM's log lines. GNU ps and systemd escape such text; so do we.
+
+Two layers, both here:
+
+- `safe(text, limit)` escapes one field: the renderers apply it to every host string they put
+  in a table cell, a finding or a line, so a field stays one line and tables keep their layout.
+- The sinks escape again at the point of printing, so a field that skipped `safe` still cannot
+  reach the terminal raw: `emit(stream, text)` for plain lines (escaped line by line), and
+  `console()` for rich output: a Console whose every text segment is escaped after layout,
+  just before rich adds its own styling. Markup and emoji codes are off, so `[bold]x[/bold]`
+  or `:skull:` in host text prints literally; xpuctl styles with `Text` and `style=`, never
+  with markup strings. A test (tests/test_untrusted_text.py) fails when code prints any other
+  way (print(), its own Console, markup parsing, writes of non-constant text to sys.stdout).
+
+JSON keeps the exact text (render.to_json writes `\\udcxx` escapes for bytes that were not
+UTF-8, see the README); Prometheus label values use the exposition format's escapes
+(`prom_label`).
+
+Shown as visible escapes: C0 controls (including newline and tab: one field stays one line),
+DEL, C1 controls, bytes that were not UTF-8 (kept by the readers as surrogates, \\udc80-\\udcff,
+shown as \\xNN), any other lone surrogate, the Unicode line/paragraph separators and the
+bidirectional overrides that can reorder what a reader sees (U+202A-U+202E, U+2066-U+2069).
+The result is capped at `limit` characters. A backslash is left alone: `safe` is idempotent,
+so applying it twice (field, then sink) never doubles an escape.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from typing import IO, Any
+
+LIMIT = 4096
+
+# C0 controls are listed apart: the sinks keep newlines, `safe` escapes them too
+_REST = "\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff"
+_UNSAFE_CLASS = "\x00-\x1f" + _REST
+_UNSAFE = f"[{_UNSAFE_CLASS}]"
+_UNSAFE_BUT_NEWLINE = f"[\x00-\x09\x0b-\x1f{_REST}]"
+_PROM = f'[\\\\"{_UNSAFE_CLASS}]'
+_COMPILED: dict[str, re.Pattern[str]] = {}
+
+
+def _re(pattern: str) -> re.Pattern[str]:
+    """Compiled on first use: a class spanning the BMP takes ~1 ms to compile, and most
+    runs (JSON, completion) never escape anything."""
+    compiled = _COMPILED.get(pattern)
+    if compiled is None:
+        compiled = _COMPILED[pattern] = re.compile(pattern)
+    return compiled
+_NAMED = {"\n": "\\n", "\t": "\\t", "\r": "\\r", "\x1b": "\\x1b"}
+
+
+def _escape_char(ch: str) -> str:
+    named = _NAMED.get(ch)
+    if named is not None:
+        return named
+    code = ord(ch)
+    if 0xDC80 <= code <= 0xDCFF:  # a byte that was not UTF-8 (surrogateescape)
+        return f"\\x{code - 0xDC00:02x}"
+    if code < 0x100:
+        return f"\\x{code:02x}"
+    return f"\\u{code:04x}"
+
+
+def _escape(m: re.Match[str]) -> str:
+    return _escape_char(m.group())
+
+
+def _text(text: object) -> str:
+    if text is None:
+        return ""
+    if isinstance(text, (bytes, bytearray)):
+        return bytes(text).decode("utf-8", "surrogateescape")
+    return text if isinstance(text, str) else str(text)
+
+
+def safe(text: object, limit: int = LIMIT) -> str:
+    """`text` with every control character, stray byte and bidi override shown as an escape.
+
+    Bytes are decoded as UTF-8 with undecodable bytes kept (and then shown as \\xNN); None
+    becomes "". Longer results are cut to `limit` characters, the last one an ellipsis.
+    """
+    text = _text(text)
+    unsafe = _re(_UNSAFE)
+    if unsafe.search(text):
+        text = unsafe.sub(_escape, text)
+    if len(text) > limit:
+        text = text[: max(0, limit - 1)] + "…"
+    return text
+
+
+def safe_lines(text: object, limit: int = LIMIT) -> str:
+    """Like `safe`, but newlines stay newlines (a block of lines; each line capped)."""
+    text = _text(text)
+    if not _re(_UNSAFE_BUT_NEWLINE).search(text) and len(text) <= limit:
+        return text
+    return "\n".join(safe(line, limit) for line in text.split("\n"))
+
+
+def emit(stream: IO[str], text: str) -> None:
+    """Write `text` plus a newline to a text stream, every line escaped: the sink for every
+    plain (non-rich) human line xpuctl prints. JSON and Prometheus text need none (they are
+    printable by construction) and are written directly."""
+    stream.write(safe_lines(text) + "\n")
+    stream.flush()
+
+
+def passthrough(stream: IO[bytes], data: bytes) -> None:
+    """Bytes copied unchanged for a script: `xpuctl logs` into a pipe or a file (the log is
+    the user's own file; `cat` would copy it as it is). Never to a terminal: there every
+    line goes through `emit`."""
+    if stream.isatty():
+        raise ValueError("passthrough refuses a terminal: use emit")
+    stream.write(data)
+    stream.flush()
+
+
+# -- rich ----------------------------------------------------------------------------------
+
+_CONSOLE_CLASS: Any = None
+
+
+def console(stderr: bool = False, **kwargs: Any) -> Any:
+    """A rich Console for human output that cannot print host text raw (see the module doc).
+
+    Markup and emoji codes are off (also in `status()`, whose spinner would read markup
+    anyway): style with `rich.text.Text` or `style=`. Every text
+    segment (not rich's own control segments: cursor moves of a status line) passes through
+    `safe_lines` after layout and before rich renders its styles, so only rich's own escape
+    sequences reach a terminal.
+    """
+    global _CONSOLE_CLASS
+    if _CONSOLE_CLASS is None:
+        from rich.console import Console
+        from rich.segment import Segment
+        from rich.text import Text
+
+        def plain(text: Any) -> Any:
+            return Text(text) if isinstance(text, str) else text
+
+        class SafeConsole(Console):
+            def status(self, status: Any, *args: Any, **kwargs: Any) -> Any:
+                # rich's Spinner reads a str status as markup whatever the console says
+                st = super().status(plain(status), *args, **kwargs)
+                update = st.update
+                st.update = (  # type: ignore[method-assign]
+                    lambda status=None, **kw: update(plain(status), **kw)
+                )
+                return st
+
+            def _render_buffer(self, buffer: Any) -> str:
+                buffer = list(buffer)
+                unsafe = _re(_UNSAFE_BUT_NEWLINE)
+                if unsafe.search("".join(s.text for s in buffer if not s.control)):
+                    buffer = [
+                        seg if seg.control or not unsafe.search(seg.text)
+                        else Segment(safe_lines(seg.text, sys.maxsize), seg.style, seg.control)
+                        for seg in buffer
+                    ]
+                return super()._render_buffer(buffer)
+
+        if not hasattr(Console, "_render_buffer"):  # pragma: no cover - guarded by a test too
+            raise RuntimeError("rich.Console._render_buffer is gone: update xpuctl.output.safetext")
+        _CONSOLE_CLASS = SafeConsole
+    kwargs.setdefault("markup", False)
+    kwargs.setdefault("emoji", False)
+    kwargs.setdefault("highlight", False)
+    return _CONSOLE_CLASS(stderr=stderr, **kwargs)
+
+
+# -- Prometheus ----------------------------------------------------------------------------
+
+def _prom_escape(m: re.Match[str]) -> str:
+    ch = m.group()
+    if ch == "\\":
+        return "\\\\"
+    if ch == '"':
+        return '\\"'
+    if ch == "\n":
+        return "\\n"
+    # no escape for it in the exposition format: the visible escape, its backslash escaped
+    return "\\" + _escape_char(ch)
+
+
+def prom_label(value: object) -> str:
+    """A Prometheus label value: backslash, double quote and newline escaped as the text
+    exposition format requires (so a parser reads the exact text back); other control
+    characters and stray bytes, which the format cannot carry, become visible escapes."""
+    return _re(_PROM).sub(_prom_escape, _text(value))

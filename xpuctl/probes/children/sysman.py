@@ -1,0 +1,198 @@
+"""Deep probe (child process only): Level Zero Sysman through pyzes.
+
+Run as `python -m xpuctl.probes.children.sysman`; prints one JSON line (`xpuctl.parse.probes`) and
+exits 0. Never imported by the CLI process. Per device: the PCI address, the name, the
+device-located memory modules (`zesMemoryGetState`: size and free) and the process list
+(`zesDeviceProcessesGetState`: pid, memSize, sharedSize). Equivalent: `xpu-smi ps`.
+
+pyzes 0.1.3 loads `/usr/lib/x86_64-linux-gnu/libze_loader.so.1` at import and raises OSError
+when it is missing; every call returns a `ze_result_t` int and fills structures through
+pointers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+from xpuctl.probes.children.common import emit
+
+DEVICE_LOST = 0x70000001
+DEVICE_REQUIRES_RESET = 0x70000006
+INSUFFICIENT_PERMISSIONS = 0x70010000
+UNSUPPORTED_FEATURE = 0x78000003
+INVALID_SIZE = 0x78000008
+MEM_LOC_DEVICE = 1
+
+_NAMES = {
+    DEVICE_LOST: "ZE_RESULT_ERROR_DEVICE_LOST",
+    DEVICE_REQUIRES_RESET: "ZE_RESULT_ERROR_DEVICE_REQUIRES_RESET",
+    INSUFFICIENT_PERMISSIONS: "ZE_RESULT_ERROR_INSUFFICIENT_PERMISSIONS",
+    UNSUPPORTED_FEATURE: "ZE_RESULT_ERROR_UNSUPPORTED_FEATURE",
+    INVALID_SIZE: "ZE_RESULT_ERROR_INVALID_SIZE",
+    0x78000001: "ZE_RESULT_ERROR_UNINITIALIZED",
+    0x70020000: "ZE_RESULT_ERROR_DEPENDENCY_UNAVAILABLE",
+}
+
+
+def result_name(rc: int) -> str:
+    return _NAMES.get(rc, f"0x{rc & 0xFFFFFFFF:08x}")
+
+
+class Lost(Exception):
+    def __init__(self, call: str, rc: int) -> None:
+        super().__init__(f"{call} returned {result_name(rc)}: the device is lost or needs a reset")
+
+
+def _text(raw: Any) -> str | None:
+    if isinstance(raw, bytes):
+        raw = raw.split(b"\0", 1)[0].decode("utf-8", "replace")
+    return raw.strip() or None if isinstance(raw, str) else None
+
+
+def _call(z: Any, name: str, *args: Any) -> int:
+    rc = int(getattr(z, name)(*args))
+    if rc in (DEVICE_LOST, DEVICE_REQUIRES_RESET):
+        raise Lost(name, rc)
+    return rc
+
+
+def _handles(z: Any, fn: str, handle_type: Any, *head: Any) -> tuple[int, list[Any]]:
+    """The two-call enumeration: count first, then the array."""
+    from ctypes import byref, c_uint32
+
+    count = c_uint32(0)
+    rc = _call(z, fn, *head, byref(count), None)
+    if rc != 0 or count.value == 0:
+        return rc, []
+    arr = (handle_type * count.value)()
+    rc = _call(z, fn, *head, byref(count), arr)
+    return rc, list(arr)[: count.value] if rc == 0 else []
+
+
+def _memory(z: Any, dev: Any) -> tuple[int | None, int | None]:
+    from ctypes import byref
+
+    _, mems = _handles(z, "zesDeviceEnumMemoryModules", z.zes_mem_handle_t, dev)
+    total = used = 0
+    found = False
+    for m in mems:
+        props = z.zes_mem_properties_t()
+        props.stype = getattr(z, "ZES_STRUCTURE_TYPE_MEM_PROPERTIES", 0xB)
+        if _call(z, "zesMemoryGetProperties", m, byref(props)) != 0:
+            continue
+        if props.location != getattr(z, "ZES_MEM_LOC_DEVICE", MEM_LOC_DEVICE):
+            continue
+        state = z.zes_mem_state_t()
+        state.stype = getattr(z, "ZES_STRUCTURE_TYPE_MEM_STATE", 0x1E)
+        if _call(z, "zesMemoryGetState", m, byref(state)) != 0:
+            continue
+        total += int(state.size)
+        used += max(0, int(state.size) - int(state.free))
+        found = True
+    return (total, used) if found else (None, None)
+
+
+def _processes(z: Any, dev: Any, me: int) -> tuple[list[dict[str, Any]] | None, str | None]:
+    from ctypes import byref, c_uint32
+
+    count = c_uint32(0)
+    for _ in range(3):  # the list can grow between the two calls (INVALID_SIZE)
+        rc = _call(z, "zesDeviceProcessesGetState", dev, byref(count), None)
+        if rc == 0:
+            arr = (z.zes_process_state_t * max(count.value, 1))()
+            for p in arr:
+                p.stype = getattr(z, "ZES_STRUCTURE_TYPE_PROCESS_STATE", 0x16)
+            rc = _call(z, "zesDeviceProcessesGetState", dev, byref(count), arr)
+            if rc == INVALID_SIZE:
+                continue
+        if rc == UNSUPPORTED_FEATURE:
+            return None, "the driver does not list processes (ZE_RESULT_ERROR_UNSUPPORTED_FEATURE): memory only"
+        if rc == INSUFFICIENT_PERMISSIONS:
+            return None, "listing the device's processes needs root (ZE_RESULT_ERROR_INSUFFICIENT_PERMISSIONS)"
+        if rc != 0:
+            return None, f"zesDeviceProcessesGetState returned {result_name(rc)}"
+        procs = [
+            {"pid": int(p.processId), "memory_bytes": int(p.memSize), "shared_bytes": int(p.sharedSize)}
+            for p in list(arr)[: count.value]
+            if int(p.processId) not in (0, me)
+        ]
+        return procs, None
+    return None, "the process list kept changing size"
+
+
+def _device(z: Any, dev: Any, me: int) -> dict[str, Any]:
+    from ctypes import byref
+
+    out: dict[str, Any] = {"bdf": None, "index": None, "name": None, "state": "ok", "reason": None,
+                           "memory_total_bytes": None, "memory_used_bytes": None, "processes": None}
+    try:
+        pci = z.zes_pci_properties_t()
+        pci.stype = getattr(z, "ZES_STRUCTURE_TYPE_PCI_PROPERTIES", 0x2)
+        if _call(z, "zesDevicePciGetProperties", dev, byref(pci)) == 0:
+            a = pci.address
+            out["bdf"] = f"{a.domain:04x}:{a.bus:02x}:{a.device:02x}.{a.function:x}"
+        props = z.zes_device_properties_t()
+        props.stype = getattr(z, "ZES_STRUCTURE_TYPE_DEVICE_PROPERTIES", 0x1)
+        if _call(z, "zesDeviceGetProperties", dev, byref(props)) == 0:
+            out["name"] = _text(props.modelName) or _text(props.core.name)
+        out["memory_total_bytes"], out["memory_used_bytes"] = _memory(z, dev)
+        out["processes"], out["reason"] = _processes(z, dev, me)
+    except Lost as exc:
+        out["state"] = "lost"
+        out["reason"] = str(exc)
+    return out
+
+
+def probe() -> dict[str, Any]:
+    result: dict[str, Any] = {"name": "sysman", "available": False, "reason": None, "version": None,
+                              "notes": [], "devices": []}
+    try:
+        import pyzes as z  # OSError when the loader is missing from pyzes's hard-coded path
+    except OSError as exc:
+        result["reason"] = f"Level Zero loader not found: {exc}"
+        return result
+    except ImportError:
+        result["reason"] = "pyzes is not installed (pip install 'xpuctl[sysman]')"
+        return result
+    try:
+        from importlib.metadata import version
+
+        result["version"] = version("pyzes")
+    except Exception:  # noqa: BLE001 - a stand-in or a vendored copy has no metadata
+        result["version"] = getattr(z, "__version__", None)
+    rc = int(z.zesInit(0))
+    if rc != 0:
+        result["reason"] = f"zesInit failed: {result_name(rc)}"
+        return result
+    me = os.getpid()
+    try:
+        rc, drivers = _handles(z, "zesDriverGet", z.zes_driver_handle_t)
+        if rc != 0:
+            result["reason"] = f"zesDriverGet failed: {result_name(rc)}"
+            return result
+        for drv in drivers:
+            _, devs = _handles(z, "zesDeviceGet", z.zes_device_handle_t, drv)
+            result["devices"].extend(_device(z, d, me) for d in devs)
+    except Lost as exc:
+        result["reason"] = str(exc)
+        return result
+    for d in result["devices"]:
+        if d["reason"]:
+            result["notes"].append(f"{d['bdf'] or 'a device'}: {d['reason']}")
+    result["available"] = True
+    return result
+
+
+def main() -> None:
+    try:
+        out = probe()
+    except Exception as exc:  # noqa: BLE001 - report, never a traceback on stdout
+        out = {"name": "sysman", "available": False, "reason": f"{type(exc).__name__}: {exc}"}
+    emit(out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""The audit log: one JSON line for every signal and every deletion xpuctl makes.
+
+File: `<state dir>/audit.jsonl` (0600, appended). Each line:
+
+  {"time": "2026-12-01T07:10:00.123Z", "uid": 0, "euid": 0, "xpuctl_pid": 4242,
+   "command": "reset", "action": "signal", "signal": "SIGTERM",
+   "target": {"pid": 1234, "start_ticks": 99887, "label": "VLLM::EngineCore"},
+   "result": "sent"}
+  {..., "action": "delete", "target": {"path": "/dev/shm/psm_1", "inode": 5501, "kind": "shm"},
+   "result": "removed"}
+
+`result` says what happened: "sent", "removed", or "not sent: ..." / "kept: ..." with why.
+
+The hooks sit where the actions happen, so no path misses them: `supervisor.Target.send`
+(the only code that signals) and `cleanup.remove` (the only code that deletes) call `signal`
+and `deletion`; reset's device reset calls `record`. A command turns the log on for its run
+with `recording(state_dir, command)`; outside it (serve, library use) nothing is written.
+A line that cannot be written never stops the action it describes: the error is kept and the
+command reports it (a shutdown must not fail because a disk is full).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal as _signal
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+FILENAME = "audit.jsonl"
+
+
+class Sink:
+    """Where the lines of one command go, and what went wrong writing them."""
+
+    def __init__(self, state_dir: str, command: str) -> None:
+        self.state_dir = state_dir
+        self.path = os.path.join(os.path.abspath(state_dir), FILENAME)
+        self.command = command
+        self.lines = 0
+        self.lost = 0
+        self.error: str | None = None
+        self._ready = False
+
+    def _prepare(self) -> None:
+        if not self._ready:
+            from xpuctl.state.runs import ensure_state_dir  # the state dir's safety rules
+
+            ensure_state_dir(self.state_dir)
+            self._ready = True
+
+    def write(self, entry: dict[str, Any]) -> None:
+        now = time.time()
+        line = {
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}Z",
+            "uid": os.getuid(),
+            "euid": os.geteuid(),
+            "xpuctl_pid": os.getpid(),
+            "command": self.command,
+            **entry,
+        }
+        data = (json.dumps(line, ensure_ascii=False, default=str) + "\n").encode("utf-8", "surrogateescape")
+        try:
+            self._prepare()
+            # one write(2) on an O_APPEND file: concurrent xpuctl runs never interleave a line
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            try:
+                os.write(fd, data)
+            finally:
+                os.close(fd)
+            self.lines += 1
+        except Exception as exc:  # noqa: BLE001 (never let the log stop the action)
+            self.lost += 1
+            if self.error is None:
+                self.error = getattr(exc, "strerror", None) or str(exc)
+
+    def summary(self) -> dict[str, Any]:
+        return {"path": self.path, "lines": self.lines, "lost": self.lost, "error": self.error}
+
+
+_sink: Sink | None = None
+
+
+@contextmanager
+def recording(state_dir: str, command: str) -> Iterator[Sink]:
+    """Audit every signal and deletion made inside the block into `state_dir`."""
+    global _sink
+    previous = _sink
+    _sink = sink = Sink(state_dir, command)
+    try:
+        yield sink
+    finally:
+        _sink = previous
+
+
+def record(action: str, target: dict[str, Any], result: str, **extra: Any) -> None:
+    if _sink is not None:
+        _sink.write({"action": action, **extra, "target": target, "result": result})
+
+
+def signal(pid: int, start_ticks: int, label: str, sig: int, result: str) -> None:
+    if _sink is not None:
+        try:
+            name = _signal.Signals(sig).name
+        except ValueError:
+            name = str(sig)
+        record("signal", {"pid": pid, "start_ticks": start_ticks, "label": label}, result, signal=name)
+
+
+def deletion(path: str, inode: int | None, kind: str, result: str) -> None:
+    record("delete", {"path": path, "inode": inode, "kind": kind}, result)

@@ -1,0 +1,193 @@
+"""Run records and device locks in the state directory.
+
+State directory: `--state-dir`, else `XPUCTL_STATE_DIR`, else `/run/xpuctl` for root, else
+`$XDG_RUNTIME_DIR/xpuctl`, else `/tmp/xpuctl-<uid>`. Created 0700; refused when owned by
+someone else or writable by group/others (a shared /tmp must not let another user forge a
+run record that makes root signal an arbitrary pid). Records are written atomically
+(temp file + rename). Locks are flock()s held by the supervising process for the whole run,
+so they vanish with it, even after SIGKILL.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import stat
+import tempfile
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from xpuctl.state import atomic
+from xpuctl.errors import LockedError, UsageError
+
+STATES = ("starting", "ready", "stopping", "stopped", "failed")
+
+
+def default_state_dir(environ: dict[str, str] | None = None) -> str:
+    env = os.environ if environ is None else environ
+    if env.get("XPUCTL_STATE_DIR"):
+        return env["XPUCTL_STATE_DIR"]
+    if os.geteuid() == 0:
+        return "/run/xpuctl"
+    if env.get("XDG_RUNTIME_DIR"):
+        return os.path.join(env["XDG_RUNTIME_DIR"], "xpuctl")
+    return f"/tmp/xpuctl-{os.geteuid()}"
+
+
+def ensure_state_dir(path: str, create: bool = True) -> str:
+    """Create (0700) or validate the state directory. UsageError when unsafe."""
+    path = os.path.abspath(path)
+    if create:
+        try:
+            os.makedirs(path, mode=0o700, exist_ok=True)
+        except OSError as exc:
+            raise UsageError(f"state directory {path}: {exc.strerror or exc}") from None
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return path
+    except OSError as exc:
+        raise UsageError(f"state directory {path}: {exc.strerror or exc}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise UsageError(f"state directory {path} is not a directory")
+    if st.st_uid != os.geteuid():
+        raise UsageError(
+            f"state directory {path} is owned by uid {st.st_uid}, not {os.geteuid()}; refusing it"
+        )
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise UsageError(
+            f"state directory {path} is writable by others (mode {stat.S_IMODE(st.st_mode):o}); "
+            "refusing it"
+        )
+    for sub in ("runs", "locks", "logs"):
+        os.makedirs(os.path.join(path, sub), mode=0o700, exist_ok=True)
+    return path
+
+
+@dataclass
+class RunRecord:
+    name: str
+    run_id: str
+    pid: int | None
+    start_ticks: int | None
+    session: int | None
+    command: list[str]
+    devices: list[str]
+    port: int
+    host: str
+    shutdown_timeout: int | None
+    drain_timeout: float
+    teardown_timeout: float
+    log_path: str
+    state: str = "starting"
+    exit_code: int | None = None
+    supervisor_pid: int | None = None
+    started_at: float | None = None
+    ready_at: float | None = None  # when /health and /v1/models first answered
+    stopped_at: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunRecord:
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def _record_path(state_dir: str, name: str) -> str:
+    return os.path.join(state_dir, "runs", f"{name}.json")
+
+
+def write_record(state_dir: str, rec: RunRecord) -> None:
+    atomic.replace(_record_path(state_dir, rec.name), json.dumps(rec.to_dict(), indent=2).encode())
+
+
+def update_record(state_dir: str, rec: RunRecord, **changes: Any) -> RunRecord:
+    """Apply `changes` to the record on disk (read-modify-write under a lock), so the
+    supervisor and a `shutdown` never overwrite each other's fields. Returns the result;
+    `rec` is updated too."""
+    for k, v in changes.items():
+        setattr(rec, k, v)
+    lock = os.path.join(state_dir, "runs", f".{rec.name}.lock")
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        disk = read_record(state_dir, rec.name)
+        if disk is None or disk.run_id != rec.run_id:
+            disk = rec
+        for k, v in changes.items():
+            setattr(disk, k, v)
+        write_record(state_dir, disk)
+        return disk
+    finally:
+        os.close(fd)
+
+
+def read_record(state_dir: str, name: str) -> RunRecord | None:
+    try:
+        with open(_record_path(state_dir, name)) as fh:
+            return RunRecord.from_dict(json.load(fh))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def list_records(state_dir: str) -> list[RunRecord]:
+    out = []
+    try:
+        names = sorted(os.listdir(os.path.join(state_dir, "runs")))
+    except OSError:
+        return []
+    for fn in names:
+        if fn.endswith(".json") and not fn.startswith("."):
+            rec = read_record(state_dir, fn[: -len(".json")])
+            if rec is not None:
+                out.append(rec)
+    return out
+
+
+class Locks:
+    """flock()s on state_dir/locks/<key>.lock, held until release() or process death."""
+
+    def __init__(self, state_dir: str) -> None:
+        self.dir = os.path.join(state_dir, "locks")
+        self.fds: list[int] = []
+
+    def acquire(self, keys: list[str], owner: str) -> None:
+        for key in keys:
+            safe = key.replace("/", "_").replace(":", "_")
+            path = os.path.join(self.dir, f"{safe}.lock")
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                try:
+                    holder = os.pread(fd, 200, 0).decode(errors="replace").strip()
+                finally:
+                    os.close(fd)
+                self.release()
+                raise LockedError(
+                    f"{key} is already claimed by another xpuctl run ({holder or 'unknown'})"
+                ) from None
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, owner.encode(), 0)
+            self.fds.append(fd)
+
+    def relabel(self, owner: str) -> None:
+        """Rewrite who holds the locks (after a fork handed them to another process)."""
+        for fd in self.fds:
+            try:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, owner.encode(), 0)
+            except OSError:
+                pass
+
+    def release(self) -> None:
+        for fd in self.fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.fds = []
