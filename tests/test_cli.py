@@ -121,7 +121,7 @@ def test_findings_wrap_with_a_hanging_indent():
     from rich.console import Console
 
     from xpuctl.core.model import Finding
-    from xpuctl.output.render import findings_table
+    from xpuctl.output.tables import findings_table
 
     long = "the quick brown fox jumps over the lazy dog " * 4
     findings = [Finding("stuck-processes", "fail", long.strip(), "run the thing " * 6),

@@ -73,7 +73,7 @@ def validator() -> str:
 def doctor_has(option: str) -> bool:
     import typer
 
-    cmd = typer.main.get_command(app).commands["doctor"]
+    cmd = typer.main.get_command(app).get_command(None, "doctor")
     return any(option in p.opts for p in cmd.params)
 
 

@@ -26,7 +26,7 @@ from proctools import start_fake_vllm, wait_for
 from test_fakehosts import MALFORMED
 from typer.testing import CliRunner
 
-from xpuctl.output import render
+from xpuctl.output import documents
 from xpuctl.archive import capture as S
 from xpuctl.archive import unpack as U
 from xpuctl.core.checks import Options, evaluate
@@ -490,9 +490,9 @@ def test_temporary_files_are_removed(tmp_path, pinned_now, monkeypatch):
 
 def _same_as_capture(taken: S.Taken, archive: str, opts: Options) -> None:
     """The capture's own scan (doctor's, at capture time) and the read-back agree."""
-    live = render.doctor_dict(evaluate(taken.report.snapshot, opts))
+    live = documents.doctor_dict(evaluate(taken.report.snapshot, opts))
     with open_snapshot(archive) as opened:
-        back = render.doctor_dict(diagnose(opened.host, list(opts.devices), opts.port,
+        back = documents.doctor_dict(diagnose(opened.host, list(opts.devices), opts.port,
                                            opts.expect_idle, dict(opened.manifest.caller_env)))
     assert without(back, "taken_at", "root") == without(live, "taken_at", "root")
     assert back["taken_at"] == live["taken_at"]
@@ -631,7 +631,7 @@ def test_deep_snapshot_replays_the_probes(tmp_path):
     archive = str(tmp_path / "deep.tar.gz")
     opts = DeepOptions(timeout=60, state_dir=env["XPUCTL_STATE_DIR"])
     taken = S.take(Host(str(tmp_path / "root")), archive, env, str(tmp_path / "no-state"), opts)
-    live = render.doctor_dict(taken.report)
+    live = documents.doctor_dict(taken.report)
     assert any(f["check"] == "unattributed-memory" for f in live["findings"])  # probes ran
     files = members(Path(archive))
     doc = json.loads(files["probes.json"])

@@ -139,7 +139,7 @@ def test_orphan_metrics(hosts):
 
 
 def test_value_formatting_is_exact():
-    from xpuctl.output.render import _value
+    from xpuctl.output.prometheus import sample_value as _value
 
     assert _value(12889096192) == "12889096192"
     assert _value(1796107093.486507) == "1796107093.486507"

@@ -133,14 +133,14 @@ def test_console_status_line_keeps_riches_controls_and_escapes_its_text():
 
 def test_ps_table_styles_only_its_own_words(host):
     """Header bold, ORPHAN bold red; a hostile row carries no styling at all."""
-    from xpuctl.output import render
+    from xpuctl.output import tables
     from xpuctl.host.seam import Host
     from xpuctl.host.scan import take_snapshot
 
     snap = take_snapshot(Host(str(host.root)), port=None, artifacts=False)
     buf = io.StringIO()
     console(file=buf, force_terminal=True, width=300).print(
-        render.processes_table(snap, width=300), no_wrap=True, crop=True)
+        tables.processes_table(snap, width=300), no_wrap=True, crop=True)
     lines = H.assert_terminal_safe(buf.getvalue().encode(), "ps table", tty=True).splitlines()
     orphans = [line for line in lines if "ORPHAN" in line]
     assert orphans and all("\x1b[1;31mORPHAN\x1b[0m" in line for line in orphans)

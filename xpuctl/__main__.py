@@ -1,3 +1,3 @@
-from xpuctl.cli import main
+from xpuctl.cli.group import main
 
 main()

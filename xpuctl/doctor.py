@@ -149,3 +149,12 @@ def wait_clean(
         report = again()
     return report, True
 
+
+
+def relaunch_advice(host: Host, state_dir: str | None, environ: dict[str, str]) -> list:
+    """doctor's `last-run` finding for the state directory's newest run (what to try before
+    relaunching after a oneCCL hang, each mitigation with its cost)."""
+    from xpuctl.core.checks import last_run_findings
+    from xpuctl.state.lastrun import last_run
+
+    return last_run_findings(last_run(state_dir_for(host, state_dir, environ)))

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from xpuctl.host.seam import FileInfo, Host
+from xpuctl.core.model import FileInfo
+from xpuctl.host.seam import Host
 
 #: An OSError as recorded: (errno, strerror, filename) or (None, message, None).
 ErrorRec = tuple[Any, str, Any]

@@ -27,7 +27,8 @@ from typing import NamedTuple
 
 from xpuctl.doctor import RecordedProbes
 from xpuctl.errors import UsageError
-from xpuctl.host.seam import FileInfo, Host
+from xpuctl.core.model import FileInfo
+from xpuctl.host.seam import Host
 from xpuctl.core.model import Issue
 from xpuctl.parse.archive import Index, Manifest, parse_index, parse_manifest
 from xpuctl.archive.recording import raise_rec

@@ -11,6 +11,7 @@ from typing import Callable, NamedTuple
 
 from xpuctl.core import advice
 from xpuctl.core.model import Finding, LastRun, Process, Report, Snapshot
+from xpuctl.output.units import human_bytes, shorten
 from xpuctl.parse import envvars
 from xpuctl.parse import roles as R
 
@@ -50,22 +51,6 @@ def check(check_id: str) -> Callable[[Check], Check]:
         return fn
 
     return register
-
-
-def human_bytes(n: int | None) -> str:
-    if n is None:
-        return "?"
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{n} B"
-
-
-def short_cmd(p: Process, width: int = 60) -> str:
-    text = p.command
-    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 def _pids(procs: list[Process]) -> tuple[int, ...]:
@@ -156,7 +141,7 @@ def device_holders(c: Ctx) -> list[Finding]:
                 Finding(
                     "device-holders",
                     sev,
-                    f"{dev.bdf} is held by pid {p.pid} ({short_cmd(p)}), not part of a vLLM "
+                    f"{dev.bdf} is held by pid {p.pid} ({shorten(p.command)}), not part of a vLLM "
                     f"server{mem}",
                     f"check what pid {p.pid} is doing; stop it before serving on {dev.bdf}"
                     if sev != "info"
@@ -228,7 +213,7 @@ def stuck_processes(c: Ctx) -> list[Finding]:
                 Finding(
                     "stuck-processes",
                     "fail" if p.orphan or c.opts.expect_idle else "warn",
-                    f"pid {p.pid} ({short_cmd(p, 40)}) is in uninterruptible sleep (D) in "
+                    f"pid {p.pid} ({shorten(p.command, 40)}) is in uninterruptible sleep (D) in "
                     f"{p.wchan or 'an unknown kernel function'}; it cannot die until the driver "
                     "returns",
                     "wait for the driver; if it never returns, the device needs a reset "
@@ -242,7 +227,7 @@ def stuck_processes(c: Ctx) -> list[Finding]:
                 Finding(
                     "stuck-processes",
                     "warn",
-                    f"vLLM process {p.pid} ({short_cmd(p, 40)}) is stopped (T)",
+                    f"vLLM process {p.pid} ({shorten(p.command, 40)}) is stopped (T)",
                     f"kill -CONT {p.pid}",
                     None,
                     (p.pid,),

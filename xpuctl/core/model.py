@@ -10,9 +10,11 @@ command pays at start-up. Change one with `_replace`. A record holding a dict (`
 
 from __future__ import annotations
 
+import stat as _stat
 from typing import NamedTuple
 
 from xpuctl.parse.probes import ProbeProcess, ProbeResult
+from xpuctl.parse.vllmlog import LogSignature
 
 SEVERITIES = ("info", "warn", "fail")
 
@@ -160,14 +162,6 @@ class Deep(NamedTuple):
 
     def device(self, bdf: str) -> RuntimeView | None:
         return next((d for d in self.devices if d.bdf == bdf), None)
-class LogSignature(NamedTuple):
-    """A known oneCCL hang signature found in a run's log (parse.vllmlog)."""
-
-    key: str  # xccl-stuck | ipc-handle | kvs | device-lost
-    what: str
-    line: str  # the log line carrying it ("" when it is the absence of progress)
-
-
 class LastRun(NamedTuple):
     """The most recent run in the state directory, as far as the relaunch advice needs it:
     its newest record and the tail of its log (probes.lastrun)."""
@@ -236,3 +230,26 @@ class Report(NamedTuple):
     @property
     def warned(self) -> bool:
         return any(f.severity == "warn" for f in self.findings)
+
+
+class FileInfo(NamedTuple):
+    """What `lstat` says about a file, in host terms."""
+
+    mode: int
+    uid: int
+    size: int
+    mtime: float
+    inode: int
+    dev: int
+
+    @property
+    def is_regular(self) -> bool:
+        return _stat.S_ISREG(self.mode)
+
+    @property
+    def is_socket(self) -> bool:
+        return _stat.S_ISSOCK(self.mode)
+
+    @property
+    def is_symlink(self) -> bool:
+        return _stat.S_ISLNK(self.mode)

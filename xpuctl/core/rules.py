@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
-from xpuctl.host.seam import FileInfo
+from xpuctl.core.model import FileInfo
 
 _UUID = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
 

@@ -13,33 +13,10 @@ from __future__ import annotations
 import os
 import stat as _stat
 import time
-from typing import NamedTuple
+from xpuctl.core.model import FileInfo
 
 #: Clock ticks per second of /proc/<pid>/stat start times.
 CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-class FileInfo(NamedTuple):
-    """What `lstat` says about a file, in host terms."""
-
-    mode: int
-    uid: int
-    size: int
-    mtime: float
-    inode: int
-    dev: int
-
-    @property
-    def is_regular(self) -> bool:
-        return _stat.S_ISREG(self.mode)
-
-    @property
-    def is_socket(self) -> bool:
-        return _stat.S_ISSOCK(self.mode)
-
-    @property
-    def is_symlink(self) -> bool:
-        return _stat.S_ISLNK(self.mode)
 
 
 def _readall(path: str, limit: int) -> bytes:

@@ -22,7 +22,13 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
-from xpuctl.core.model import LogSignature
+
+class LogSignature(NamedTuple):
+    """A known oneCCL hang signature found in a run's log."""
+
+    key: str  # xccl-stuck | ipc-handle | kvs | device-lost
+    what: str
+    line: str  # the log line carrying it ("" when it is the absence of progress)
 
 
 class Phase(NamedTuple):

@@ -191,3 +191,17 @@ class Locks:
             except OSError:
                 pass
         self.fds = []
+
+
+def find_record(state_dir: str, name: str) -> tuple[str, RunRecord]:
+    """(state dir, the run record named `name`); NotFoundError (exit 3) when there is none."""
+    from xpuctl.errors import NotFoundError
+
+    sdir = ensure_state_dir(state_dir, create=False)
+    rec = read_record(sdir, name) if os.path.isdir(os.path.join(sdir, "runs")) else None
+    if rec is None or rec.name != name:
+        known = [r.name for r in list_records(sdir)]
+        # the names are the user's or a record's text: escaped where the line is printed
+        raise NotFoundError(f"no run named {name!r} in {sdir}"
+                            + (f"; known runs: {', '.join(known)}" if known else ""))
+    return sdir, rec

@@ -1,0 +1,78 @@
+"""Help and plain output: defaults shown, whole sentences, one way to complete, no padding."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+import subprocess
+import sys
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+import fakehost
+from xpuctl.cli import app
+from xpuctl.cli.group import COMMANDS
+
+runner = CliRunner()
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "xpuctl", *args], capture_output=True, text=True,
+                          env={"COLUMNS": "100", "PATH": "/usr/bin:/bin"}, timeout=60)
+
+
+def test_the_command_list_line_is_the_commands_own_first_line():
+    """cli/group.py's table shows each command without loading it: it must say what the
+    command's own docstring says."""
+    for name, (module, line) in COMMANDS.items():
+        mod = importlib.import_module(module)
+        fn = next(c.callback for c in mod.app.registered_commands)
+        first = inspect.getdoc(fn).split("\n\n")[0]
+        assert " ".join(first.split()) == line, name
+
+
+def test_command_list_sentences_are_whole():
+    out = run("--help").stdout
+    listed = " ".join(out.split("Commands:")[1].split())
+    for name, (_, line) in COMMANDS.items():
+        assert f"{name} {line}" in listed, name
+    assert "..." not in out.split("Commands:")[1]
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_defaults_are_visible_and_no_markup_is_left_over(name):
+    out = run(name, "--help")
+    assert out.returncode == 0, out.stderr
+    text = " ".join(out.stdout.split())
+    cmd = typer.main.get_command(app).get_command(None, name)
+    for p in cmd.params:
+        if p.param_type_name != "option" or p.is_flag or p.hidden:
+            continue
+        if p.default is not None and p.show_default is not False:
+            assert "default:" in text, (name, p.name)
+    # what vanished markup used to leave: "locks ." and "check ." (a space before the end)
+    assert not re.search(r" \.(\s|$)| \]|\[\]", text), text
+
+
+def test_state_dir_default_is_shown():
+    text = " ".join(run("doctor", "--help").stdout.split())
+    assert "/run/xpuctl as root" in text and "XPUCTL_STATE_DIR" in text
+
+
+def test_one_way_to_install_completions():
+    out = run("--help").stdout
+    assert "--install-completion" not in out and "--show-completion" not in out
+    assert "completion" in out
+
+
+def test_plain_doctor_output_has_no_trailing_spaces(tmp_path):
+    h = fakehost.orphan_host(tmp_path / "root")
+    res = runner.invoke(app, ["--root", str(h.root), "doctor"], env={"COLUMNS": "120"})
+    assert res.exit_code == 1, res.stderr
+    lines = res.stdout.splitlines()
+    assert any("FAIL" in line for line in lines)
+    padded = [line for line in lines if line != line.rstrip()]
+    assert not padded, padded

@@ -1,0 +1,58 @@
+"""`xpuctl devices`: Intel GPUs and other DRM devices, with holders and memory."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated
+
+import typer
+
+from xpuctl.cli.group import command_app
+from xpuctl.cli.context import app_context, open_source
+from xpuctl.cli.guard import guard
+from xpuctl.cli.options import DeepOpt, FromOpt, JsonOpt, ProbeTimeoutOpt, StateDirOpt, deep_options
+from xpuctl.errors import UsageError
+
+app = command_app()
+
+
+@app.command()
+@guard
+def devices(
+    ctx: typer.Context,
+    as_json: JsonOpt = False,
+    deep: DeepOpt = False,
+    probe_timeout: ProbeTimeoutOpt = 10.0,
+    record_baseline: Annotated[
+        bool,
+        typer.Option("--record-baseline", help="With --deep: record the used memory of each device "
+                     "nothing holds as its idle baseline (doctor --deep subtracts it)."),
+    ] = False,
+    state_dir: StateDirOpt = None,
+    from_: FromOpt = None,
+) -> None:
+    """Intel GPUs (Level Zero order) and other DRM devices, with holders and memory."""
+    from xpuctl.listing import list_devices
+
+    a = app_context(ctx)
+    if from_ is not None and (deep or record_baseline):
+        raise UsageError("--deep and --record-baseline ask this host's devices, not a snapshot")
+    host, _, replayed = open_source(ctx, from_)
+    if record_baseline and not deep:
+        raise UsageError("--record-baseline needs --deep (the baseline is what the devices report)")
+    opts = deep_options(a.environ, probe_timeout, "1GiB", state_dir) if deep else None
+    snap, recorded = list_devices(host, a.environ, opts, record_baseline, replayed)
+    if as_json:
+        from xpuctl.output.documents import devices_document, to_json
+
+        sys.stdout.write(to_json(devices_document(snap, recorded)) + "\n")
+        return
+    from xpuctl.output.tables import print_devices, probes_line
+    from xpuctl.output.units import human_bytes
+
+    print_devices(a.out, snap)
+    line = probes_line(snap)
+    if line:
+        a.out.print(line, highlight=False)
+    for bdf, n, note in recorded or []:
+        a.out.print(f"baseline {bdf}: {human_bytes(n) if n is not None else '-'} ({note})", highlight=False)

@@ -1,0 +1,137 @@
+"""`xpuctl doctor`: read-only health check of this host (or a snapshot of one)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated, Any, Optional
+
+import typer
+
+from xpuctl.cli.group import command_app
+from xpuctl.cli.context import AppContext, app_context, open_source
+from xpuctl.cli.guard import guard
+from xpuctl.cli.options import (DeepOpt, DeviceOpt, Format, FromOpt, JsonOpt, ProbeTimeoutOpt,
+                                StateDirOpt, deep_options, output_format, parse_size, port_option)
+from xpuctl.errors import ExitCode, UsageError
+
+app = command_app()
+
+
+@app.command()
+@guard
+def doctor(
+    ctx: typer.Context,
+    device: DeviceOpt = None,
+    port: Annotated[Optional[int], port_option("Serving port to check.", "8000")] = None,
+    expect_idle: Annotated[
+        bool, typer.Option("--expect-idle", help="Any holder, memory or served port is a failure.")
+    ] = False,
+    strict: Annotated[bool, typer.Option("--strict", help="Warnings fail too (exit 1).")] = False,
+    wait_clean: Annotated[
+        Optional[float],
+        typer.Option("--wait-clean", min=0, metavar="SECONDS", show_default=False,
+                     help="Re-check until nothing fails, for up to SECONDS (right after a shutdown)."),
+    ] = None,
+    fmt: Annotated[Optional[Format], typer.Option("--format", "-f", help="table, json or prometheus.",
+                                                  show_default="table")] = None,
+    as_json: JsonOpt = False,
+    textfile: Annotated[
+        Optional[str],
+        typer.Option("--textfile", metavar="PATH", show_default=False,
+                     help="Write the Prometheus text atomically to PATH (*.prom, for node_exporter's "
+                     "textfile collector) instead of stdout; implies --format prometheus."),
+    ] = None,
+    deep: DeepOpt = False,
+    probe_timeout: ProbeTimeoutOpt = 10.0,
+    unattributed_threshold: Annotated[
+        str,
+        typer.Option("--unattributed-threshold", metavar="SIZE",
+                     help="With --deep: device memory no visible process explains above this fails."),
+    ] = "1GiB",
+    state_dir: StateDirOpt = None,
+    from_: FromOpt = None,
+) -> None:
+    """Read-only health check: who holds the GPU, orphans, memory, stale IPC/shm, ports.
+
+    With --deep the devices are asked too (unattributed memory, lost devices, hung runtimes);
+    the probes briefly open the devices. The state directory gives the last run's advice and,
+    with --deep, the idle baseline of `devices --deep --record-baseline`.
+
+    Exit 0: nothing fails. 1: failing findings (warnings too with --strict; also when
+    --wait-clean runs out; also when --textfile cannot be written). 2: usage error (also an
+    unsafe or unreadable --from archive).
+    """
+    from xpuctl import doctor as doctor_core
+    from xpuctl.doctor import DeepOptions
+
+    a = app_context(ctx)
+    out_fmt = _format(fmt, as_json, textfile)
+    if from_ is not None and wait_clean is not None:
+        raise UsageError("--wait-clean needs a live host; a snapshot does not change")
+    if from_ is not None and deep:
+        raise UsageError("--deep asks this host's devices; a snapshot taken with --deep replays "
+                         "its probes by itself")
+    host, environ, replayed = open_source(ctx, from_)
+    deep_opts = deep_options(a.environ, probe_timeout, unattributed_threshold, state_dir) if deep else None
+    if replayed is not None:  # a --deep snapshot: its probes, judged as doctor --deep would
+        deep_opts = DeepOptions(unattributed_threshold=parse_size(unattributed_threshold), recorded=replayed)
+    sdir = doctor_core.state_dir_for(host, state_dir, environ)
+
+    def run() -> Any:
+        return doctor_core.diagnose(host, list(device or []), port, expect_idle, environ,
+                                    deep=deep_opts, state_dir=sdir)
+
+    report = run()
+    clean = not doctor_core.blocking(report, strict)
+    if wait_clean is not None and not clean:
+        report, clean = _wait(a, report, run, wait_clean, strict, out_fmt is Format.table)
+    _render(a, report, out_fmt, textfile)
+    if out_fmt is Format.table and wait_clean is not None and not clean:
+        a.err.print(f"still not clean after {wait_clean:g}s", style="red")
+    raise typer.Exit(ExitCode.OK if clean else ExitCode.PROBLEMS)
+
+
+def _format(fmt: Format | None, as_json: bool, textfile: str | None) -> Format:
+    out_fmt = output_format(fmt, as_json, Format.prometheus if textfile is not None else Format.table)
+    if textfile is not None:
+        from xpuctl.state.textfile import check_target
+
+        if out_fmt is not Format.prometheus:
+            raise UsageError("--textfile writes Prometheus text: drop --json/--format or use --format prometheus")
+        check_target(textfile)  # a bad PATH is a usage error before any work
+    return out_fmt
+
+
+def _wait(a: AppContext, report: Any, run: Any, seconds: float, strict: bool, table: bool) -> tuple[Any, bool]:
+    """--wait-clean: re-check until clean; on a terminal a status line counts down."""
+    from xpuctl.doctor import wait_clean
+
+    if not (a.stderr_tty and table):
+        return wait_clean(report, run, seconds, strict)
+    with a.err.status("waiting for the host to be clean…") as status:
+
+        def tick(r: Any, left: float) -> None:
+            n = sum(1 for f in r.findings if f.severity == "fail")
+            status.update(f"waiting for the host to be clean: {n} failing, {left:.0f}s left")
+
+        return wait_clean(report, run, seconds, strict, tick=tick)
+
+
+def _render(a: AppContext, report: Any, out_fmt: Format, textfile: str | None) -> None:
+    if out_fmt is Format.json:
+        from xpuctl.output.documents import doctor_dict, to_json
+
+        sys.stdout.write(to_json(doctor_dict(report)) + "\n")
+    elif out_fmt is Format.prometheus:
+        from xpuctl.output.prometheus import prometheus
+
+        if textfile is None:
+            sys.stdout.write(prometheus(report))
+        else:
+            from xpuctl.state.textfile import write_atomic
+
+            write_atomic(textfile, prometheus(report))
+    else:
+        from xpuctl.output.tables import print_doctor
+
+        print_doctor(a.out, report)

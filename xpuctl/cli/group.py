@@ -1,0 +1,149 @@
+"""The `xpuctl` group: global options, and the commands, each loaded only when it is run.
+
+`COMMANDS` names each command's module and the one-line help the command list shows, so
+`xpuctl --version`, `xpuctl --help`, completing a command name, or running one command
+imports nothing of the others (click's lazy-group pattern). A test keeps each line equal
+to its command's own docstring.
+
+To add a command: write `xpuctl/cli/NAME.py` with `app = command_app()` and one
+`@app.command()` function that parses, calls one function of the core, renders through
+`xpuctl.output`, and maps the result to an exit code; then add it to `COMMANDS`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from typing import Annotated, Any, Optional
+
+import typer
+from typer.core import TyperGroup
+
+from xpuctl import __version__
+from xpuctl.cli.guard import fail, group_exit_code
+from xpuctl.errors import ExitCode
+from xpuctl.output.safetext import emit
+
+COMPLETE_VAR = "_XPUCTL_COMPLETE"
+
+# name -> (module, the line in the command list); the order is the list's
+COMMANDS: dict[str, tuple[str, str]] = {
+    "doctor": ("xpuctl.cli.doctor", "Read-only health check: who holds the GPU, orphans, memory, stale IPC/shm, ports."),
+    "ps": ("xpuctl.cli.ps", "xpuctl's runs and the vLLM process trees on this host."),
+    "devices": ("xpuctl.cli.devices", "Intel GPUs (Level Zero order) and other DRM devices, with holders and memory."),
+    "serve": ("xpuctl.cli.serve", "Launch vLLM with a forced drain timeout and supervise it."),
+    "shutdown": ("xpuctl.cli.shutdown", "Drain and stop a vLLM server, escalate step by step, verify the GPU is released."),
+    "reset": ("xpuctl.cli.reset", "Clean stuck oneCCL/vLLM state before a relaunch: stop orphans, remove stale files."),
+    "logs": ("xpuctl.cli.logs", "Print a run's log (vLLM's output and, for --detach, the supervisor's lines)."),
+    "snapshot": ("xpuctl.cli.snapshot", "Capture what doctor reads into a .tar.gz for support."),
+    "completion": ("xpuctl.cli.completion", "Print the completion script for bash, zsh or fish."),
+}
+
+
+def command_app() -> typer.Typer:
+    """The Typer app of one command: plain help (click's), whose defaults and brackets are
+    text, never rich markup; errors are the group's (`guard.group_exit_code`)."""
+    return typer.Typer(add_completion=False, rich_markup_mode=None, pretty_exceptions_enable=False)
+
+
+class Group(TyperGroup):
+    """Loads a command's module when the command is run (or its help is asked for)."""
+
+    def list_commands(self, ctx: Any) -> list[str]:
+        return list(COMMANDS)
+
+    def get_command(self, ctx: Any, cmd_name: str) -> Any:
+        if cmd_name not in COMMANDS:
+            return None
+        module = importlib.import_module(COMMANDS[cmd_name][0])
+        return typer.main.get_command(module.app)
+
+    def format_commands(self, ctx: Any, formatter: Any) -> None:
+        """The command list from `COMMANDS`, each line whole (click would import every
+        command to ask, and cut its help at 45 characters)."""
+        with formatter.section("Commands"):
+            formatter.write_dl([(name, short) for name, (_, short) in COMMANDS.items()])
+
+    def shell_complete(self, ctx: Any, incomplete: str) -> list[Any]:
+        """Command names (and the group's options) without loading any command."""
+        from typer._click.shell_completion import CompletionItem
+
+        names = [CompletionItem(name, help=short) for name, (_, short) in COMMANDS.items()
+                 if name.startswith(incomplete) and not incomplete.startswith("-")]
+        return names + [i for i in super().shell_complete(ctx, incomplete)
+                        if i.value.startswith("-")]
+
+    def main(self, args: Any = None, prog_name: str | None = None, complete_var: str | None = None,
+             standalone_mode: bool = True, **extra: Any) -> Any:
+        if os.environ.get(complete_var or COMPLETE_VAR):
+            # typer's word order for the shims in completions/ (`complete_bash`, not click's
+            # `bash_complete`): scripts in click's order would silently complete nothing
+            from typer.completion import completion_init
+
+            completion_init()
+        rv = group_exit_code(lambda: super(Group, self).main(
+            args=args, prog_name=prog_name, complete_var=complete_var, standalone_mode=False, **extra))
+        if not standalone_mode:
+            return rv
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+app = typer.Typer(
+    name="xpuctl",
+    cls=Group,
+    help="Intel XPU serving hygiene around vLLM: serve, shutdown, doctor, reset.",
+    no_args_is_help=True,
+    add_completion=False,
+    rich_markup_mode=None,
+    pretty_exceptions_enable=False,
+    pretty_exceptions_show_locals=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        emit(sys.stdout, f"xpuctl {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    ctx: typer.Context,
+    root: Annotated[
+        Optional[str],
+        typer.Option(
+            "--root", metavar="DIR",
+            envvar="XPUCTL_ROOT",
+            help="Read /proc, /sys, /dev, /tmp under this directory (a fake host or a snapshot).",
+            show_default=False,
+        ),
+    ] = None,
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False,
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="Print the version."),
+    ] = False,
+) -> None:
+    from xpuctl.cli.context import AppContext
+    from xpuctl.host.seam import Host
+
+    if isinstance(ctx.obj, AppContext):
+        return
+    if root is not None and not os.path.isdir(root):
+        raise fail(f"--root {root}: not a directory", ExitCode.USAGE)
+    ctx.obj = AppContext(host=Host(root or "/"), debug=debug)
+
+
+def main() -> None:
+    # Last net under the sinks (safetext): a character the stream cannot encode (a stray
+    # surrogate, or non-ASCII on an ASCII locale) is written as a backslash escape, never as
+    # a raw byte (what surrogateescape, the default in a C/UTF-8-mode locale, would do) and
+    # never as an exit-70 UnicodeEncodeError.
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
+        except (AttributeError, ValueError):
+            pass
+    app(prog_name="xpuctl")

@@ -1,0 +1,107 @@
+"""Errors become exit codes here, and only here.
+
+Inside a command (`guard`): an `XpuctlError` prints one line on stderr and exits with its
+code; Ctrl-C exits 130; a closed stdout (`xpuctl ps | head`) exits 1 quietly; anything
+unexpected prints one line and exits 70, unless `--debug` (or XPUCTL_DEBUG=1) asks for the
+traceback. Around the whole command line (`group_exit_code`): every usage error (an unknown
+option or command, a bad value, a missing argument) is one line on stderr and exit 2, never
+typer's boxed panel.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from typing import Any, Callable, TypeVar
+
+import typer
+
+from xpuctl.errors import ExitCode, XpuctlError
+from xpuctl.output.safetext import emit, safe
+
+F = TypeVar("F", bound=Callable[..., Any])
+INTERNAL_ERROR = 70
+
+
+def debug_requested(ctx: Any = None) -> bool:
+    obj = getattr(ctx, "obj", None)
+    return bool(getattr(obj, "debug", False)) or "--debug" in sys.argv or os.environ.get("XPUCTL_DEBUG") == "1"
+
+
+def fail(message: str, code: int) -> typer.Exit:
+    # one line: a path or device spec in the message is the user's or the host's text
+    emit(sys.stderr, f"xpuctl: error: {safe(message)}")
+    return typer.Exit(int(code))
+
+
+def guard(fn: F) -> F:
+    """Map a command's errors to exit codes."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        debug = debug_requested(kwargs.get("ctx") or (args[0] if args else None))
+        try:
+            return fn(*args, **kwargs)
+        except (typer.Exit, typer.Abort, SystemExit):
+            raise
+        except XpuctlError as exc:
+            if debug:
+                raise
+            raise fail(str(exc), exc.exit_code) from None
+        except KeyboardInterrupt:
+            if debug:
+                raise
+            sys.stderr.write("xpuctl: interrupted\n")
+            raise typer.Exit(ExitCode.INTERRUPTED) from None
+        except BrokenPipeError:
+            # `xpuctl ps | head`: the reader went away; not an error worth a message
+            try:
+                sys.stdout = open(os.devnull, "w")  # noqa: SIM115
+            except OSError:
+                pass
+            raise typer.Exit(ExitCode.PROBLEMS) from None
+        except Exception as exc:  # noqa: BLE001
+            if debug:
+                raise
+            raise fail(
+                f"internal error: {type(exc).__name__}: {exc} (run with --debug for a traceback)",
+                INTERNAL_ERROR,
+            ) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def one_line(text: str) -> str:
+    return safe(" ".join(text.split()))
+
+
+def usage_line(exc: Any) -> str:
+    """`xpuctl: error: no such option: --bogus (see 'xpuctl doctor -h')`."""
+    msg = one_line(exc.format_message()).rstrip(".")
+    if msg[:1].isupper() and msg[1:2].islower():
+        msg = msg[0].lower() + msg[1:]
+    ctx = getattr(exc, "ctx", None)
+    hint = f" (see '{one_line(ctx.command_path)} -h')" if ctx is not None else ""
+    return f"xpuctl: error: {msg}{hint}"
+
+
+def group_exit_code(run: Callable[[], Any]) -> Any:
+    """Run the command line (click in standalone_mode=False, so its errors come back here)
+    and turn what escapes it into one line and an exit code."""
+    from typer._click import exceptions as click_errors
+
+    try:
+        return run()
+    except click_errors.NoArgsIsHelpError as exc:
+        exc.show()  # bare `xpuctl`: the help (our own constant text), and exit 2
+        return int(ExitCode.USAGE)
+    except click_errors.UsageError as exc:
+        emit(sys.stderr, usage_line(exc))
+        return int(ExitCode.USAGE)
+    except typer.Abort:
+        sys.stderr.write("xpuctl: aborted\n")
+        return int(ExitCode.PROBLEMS)
+    except click_errors.ClickException as exc:
+        emit(sys.stderr, f"xpuctl: error: {one_line(exc.format_message())}")
+        return exc.exit_code

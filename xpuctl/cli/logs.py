@@ -1,0 +1,65 @@
+"""`xpuctl logs NAME`: print a run's log, optionally following it."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated, Any, Optional
+
+import typer
+
+from xpuctl.cli.group import command_app
+from xpuctl.cli.context import app_context
+from xpuctl.cli.guard import guard
+from xpuctl.cli.options import StateDirOpt, complete_run
+from xpuctl.errors import XpuctlError
+from xpuctl.output.safetext import emit, passthrough, safe
+
+app = command_app()
+
+
+@app.command()
+@guard
+def logs(
+    ctx: typer.Context,
+    name: Annotated[str, typer.Argument(metavar="NAME", help="Run name (see `xpuctl ps`).", autocompletion=complete_run)],
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new lines until the run is over (Ctrl-C stops).")] = False,
+    lines: Annotated[
+        Optional[int],
+        typer.Option("--lines", "-n", min=0, metavar="N", help="Only the last N lines.", show_default="all"),
+    ] = None,
+    state_dir: StateDirOpt = None,
+) -> None:
+    """Print a run's log (vLLM's output and, for --detach, the supervisor's lines).
+
+    On a terminal every line is escaped (control characters shown as \\x1b...). Into a pipe
+    or a file the log's bytes are copied unchanged.
+
+    Exit 0; 3: no run of that name.
+    """
+    from xpuctl import logs as run_logs
+    from xpuctl.state import runs
+
+    a = app_context(ctx)
+    sdir, rec = runs.find_record(state_dir or runs.default_state_dir(a.environ), name)
+
+    def alive() -> bool:
+        fresh = runs.read_record(sdir, name)
+        return run_logs.run_alive(a.host, fresh if fresh is not None and fresh.run_id == rec.run_id else rec)
+
+    def note(msg: str) -> None:
+        emit(sys.stderr, f"xpuctl: {msg}")
+
+    tty = a.stdout_tty
+    if tty:
+        out: Any = run_logs.LineWriter(lambda text: emit(sys.stdout, text), safe)
+    else:
+        def out(data: bytes) -> None:
+            passthrough(sys.stdout.buffer, data)
+
+    try:
+        run_logs.copy(rec.log_path, lines, follow, alive, out, note)
+    except FileNotFoundError:
+        raise XpuctlError(f"run {safe(name)!r} has no log at {safe(rec.log_path)}") from None
+    finally:
+        if tty:
+            out.close()

@@ -1,0 +1,139 @@
+"""The options several commands share, declared once, and what turns their values into the
+core's options. A command module imports what it needs from here; its own options stay in
+its module.
+
+Defaults that are not plain values are shown through `show_default="..."` (click prints
+`[default: ...]` itself): text in brackets inside a help string would be markup to rich.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from enum import Enum
+from typing import Annotated, Any, Optional
+
+import typer
+
+from xpuctl.errors import UsageError
+from xpuctl.host.seam import Host
+from xpuctl.output.safetext import safe
+
+
+class Format(str, Enum):
+    table = "table"
+    json = "json"
+    prometheus = "prometheus"
+
+
+def output_format(fmt: Format | None, as_json: bool, default: Format = Format.table) -> Format:
+    if as_json and fmt not in (None, Format.json):
+        raise UsageError("--json and --format disagree; use one of them")
+    return Format.json if as_json else (fmt or default)
+
+
+def complete_device(ctx: typer.Context, incomplete: str) -> list[tuple[str, str]]:
+    """Device indices, BDFs and node names, read from sysfs only (this runs on every TAB)."""
+    from xpuctl.host.devices import scan_devices
+
+    root = ctx.parent.params.get("root") if ctx.parent else None
+    try:
+        devices, _ = scan_devices(Host(root or os.environ.get("XPUCTL_ROOT") or "/"))
+    except Exception:  # noqa: BLE001
+        return []
+    out = []
+    for d in devices:
+        help_ = safe(f"{d.bdf} {d.driver or '?'} {d.device_id or ''}".strip(), 200)  # shown by the shell
+        for value in (str(d.index) if d.index is not None else None, d.bdf, d.render_node):
+            if value and value.startswith(incomplete) and safe(value) == value:
+                out.append((value, help_))
+    return out
+
+
+def complete_run(ctx: typer.Context, incomplete: str) -> list[tuple[str, str]]:
+    """Run names from the state directory (this runs on every TAB)."""
+    from xpuctl.state import runs
+
+    try:
+        sdir = ctx.params.get("state_dir") or runs.default_state_dir()
+        sdir = runs.ensure_state_dir(sdir, create=False)
+        return [(r.name, f"{r.state}, port {r.port}") for r in runs.list_records(sdir)
+                if r.name.startswith(incomplete)]
+    except Exception:  # noqa: BLE001
+        return []
+
+
+def port_option(help: str, default: str | None = None, short: bool = True) -> Any:
+    """`--port`: what it means differs by command (the port to check, the server to stop,
+    vLLM's own), its parsing and range do not. serve has no -p (vLLM's options follow MODEL)."""
+    names = ("--port", "-p") if short else ("--port",)
+    return typer.Option(*names, min=1, max=65535, metavar="PORT", help=help, show_default=default or False)
+
+
+DeviceOpt = Annotated[
+    Optional[list[str]],
+    typer.Option(
+        "--device",
+        "-d",
+        metavar="DEVICE",
+        help="Device: Level Zero index, PCI BDF or node name (repeatable).",
+        autocompletion=complete_device,
+        show_default=False,
+    ),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="JSON for scripts (same as --format json).")]
+DeepOpt = Annotated[
+    bool,
+    typer.Option("--deep", help="Also ask the devices themselves (Sysman, torch.xpu, xpu-smi, the "
+                 "kernel's memory query), each probe in a child process."),
+]
+ProbeTimeoutOpt = Annotated[
+    float,
+    typer.Option("--probe-timeout", min=0.1, metavar="SECONDS",
+                 help="With --deep: kill a probe (and its process group) that has not answered."),
+]
+StateDirOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--state-dir",
+        metavar="DIR",
+        envvar="XPUCTL_STATE_DIR",
+        help="Run records, logs, locks, the audit log and the idle baseline.",
+        show_default="/run/xpuctl as root, else $XDG_RUNTIME_DIR/xpuctl, else /tmp/xpuctl-UID",
+    ),
+]
+KillAfterOpt = Annotated[
+    float, typer.Option("--kill-after", min=0, help="Seconds between SIGTERM and SIGKILL for survivors.")
+]
+FromOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--from",
+        metavar="FILE",
+        help="Read a snapshot archive (xpuctl snapshot) instead of this host.",
+        show_default=False,
+    ),
+]
+
+
+def parse_size(value: str, option: str = "--unattributed-threshold") -> int:
+    from xpuctl.parse.fdinfo import parse_size as parse
+
+    n = parse(value)
+    if n is None:
+        raise UsageError(f"{option} {value!r} is not a size (e.g. 1GiB, 512MiB, 1073741824)")
+    return n
+
+
+def deep_options(environ: dict[str, str], timeout: float, threshold: str, state_dir: str | None) -> Any:
+    """doctor --deep's options: the probes get what is left of `timeout` since this process
+    started (a command that took T to get here gives its probes timeout - T)."""
+    from xpuctl.cli.context import own_age_seconds
+    from xpuctl.doctor import DeepOptions
+    from xpuctl.state import runs
+
+    sdir = state_dir or runs.default_state_dir(environ)
+    age = own_age_seconds()
+    since = time.monotonic() - age if age is not None else None
+    return DeepOptions(timeout=timeout, unattributed_threshold=parse_size(threshold), state_dir=sdir,
+                       since=since)

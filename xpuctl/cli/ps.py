@@ -1,0 +1,55 @@
+"""`xpuctl ps`: xpuctl's runs and the vLLM process trees on this host."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated
+
+import typer
+
+from xpuctl.cli.group import command_app
+from xpuctl.cli.context import app_context, open_source
+from xpuctl.cli.guard import guard
+from xpuctl.cli.options import DeviceOpt, FromOpt, JsonOpt, StateDirOpt
+
+app = command_app()
+
+
+@app.command()
+@guard
+def ps(
+    ctx: typer.Context,
+    device: DeviceOpt = None,
+    show_all: Annotated[bool, typer.Option("--all", "-a", help="Also list non-vLLM processes holding a device.")] = False,
+    as_json: JsonOpt = False,
+    from_: FromOpt = None,
+    state_dir: StateDirOpt = None,
+) -> None:
+    """xpuctl's runs and the vLLM process trees on this host.
+
+    Runs: name, state (starting, ready, stopping), age, pid, port, devices. Processes: role,
+    state, devices, memory, orphan, run.
+    """
+    from xpuctl.doctor import state_dir_for
+    from xpuctl.listing import list_processes
+
+    a = app_context(ctx)
+    host, _, _ = open_source(ctx, from_)
+    listing = list_processes(host, list(device or []), show_all, state_dir_for(host, state_dir, a.environ))
+    if as_json:
+        from xpuctl.output.documents import ps_document, to_json
+
+        sys.stdout.write(to_json(ps_document(listing.runs, listing.processes)) + "\n")
+        return
+    from xpuctl.output.safetext import emit
+
+    if listing.runs:
+        from xpuctl.output.tables import runs_table
+
+        a.out.print(runs_table(listing.runs), no_wrap=True, crop=True)
+    if not listing.processes:
+        emit(sys.stdout, "no vLLM processes")
+        return
+    from xpuctl.output.tables import processes_table
+
+    a.out.print(processes_table(listing.snap, "vLLM processes", a.out.width), no_wrap=True, crop=True)

@@ -1,0 +1,84 @@
+"""`xpuctl reset`: plan, confirm, clean leftovers (orphans, stale files), verify."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from xpuctl.cli.group import command_app
+from xpuctl.cli.context import app_context
+from xpuctl.cli.guard import guard
+from xpuctl.cli.options import DeviceOpt, JsonOpt, KillAfterOpt, StateDirOpt, port_option
+from xpuctl.errors import ExitCode, UsageError
+from xpuctl.output.safetext import emit
+
+app = command_app()
+
+
+@app.command()
+@guard
+def reset(
+    ctx: typer.Context,
+    device: DeviceOpt = None,
+    port: Annotated[Optional[int], port_option("Serving port to check.", "8000")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Show the plan only.")] = False,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask (for scripts).")] = False,
+    timeout: Annotated[Optional[float], typer.Option("--timeout", min=0, help="Seconds to wait for orphans after SIGTERM.", show_default=False)] = None,
+    kill_after: KillAfterOpt = 10.0,
+    device_reset: Annotated[bool, typer.Option("--device-reset", help="Last resort, root only: PCI reset of the one --device once nothing holds it.")] = False,
+    kill_holders: Annotated[
+        bool,
+        typer.Option("--kill-holders", help="Also stop processes that hold the devices and are not vLLM (never a live server's)."),
+    ] = False,
+    state_dir: StateDirOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Clean stuck oneCCL/vLLM state before a relaunch: stop orphans, remove stale files.
+
+    Shows the plan first; asks unless --yes. Live servers are left alone (use shutdown).
+    Non-vLLM processes holding the devices are listed; --kill-holders stops them too.
+    Every signal and deletion is a line in STATE_DIR/audit.jsonl.
+
+    Exit 0: clean afterwards. 1: problems remain. 2: usage (or no --yes without a terminal).
+    """
+    from xpuctl import reset as reset_flow
+    from xpuctl.doctor import relaunch_advice, resolve_device_specs
+    from xpuctl.output import documents, lines
+    from xpuctl.state import audit, runs
+
+    a = app_context(ctx)
+    bdfs = resolve_device_specs(a.host, list(device or []))
+    plan = reset_flow.make_plan(a.host, bdfs, port, device_reset, kill_holders)
+    advice = relaunch_advice(a.host, state_dir, a.environ)
+    stream = sys.stderr if as_json else sys.stdout
+
+    def say(line: str) -> None:
+        emit(stream, line)
+
+    if not as_json:
+        for line in lines.reset_plan_lines(plan, kill_holders, advice):
+            say(line)
+    plan_doc = documents.reset_plan_dict(plan, kill_holders, advice)
+    if dry_run or plan.empty:
+        if as_json:
+            sys.stdout.write(documents.to_json(documents.reset_plan_document(plan_doc, dry_run)) + "\n")
+        raise typer.Exit(ExitCode.OK)
+    if not yes:
+        if not sys.stdin.isatty():
+            raise UsageError("refusing to clean without confirmation: pass --yes (no terminal to ask)")
+        if not typer.confirm("Proceed?", default=False):
+            raise typer.Exit(ExitCode.PROBLEMS)
+    with audit.recording(state_dir or runs.default_state_dir(a.environ), "reset") as log:
+        outcome = reset_flow.execute(a.host, plan, bdfs, port, kill_after, timeout, say)
+    warning = lines.audit_warning(log)
+    if warning:
+        emit(sys.stderr, warning)
+    remaining = [f for f in outcome.after.findings if f.severity == "fail"]
+    if as_json:
+        sys.stdout.write(documents.to_json(documents.reset_document(plan_doc, outcome, log.summary())) + "\n")
+    else:
+        for line in lines.reset_result_lines(remaining, outcome.after.status):
+            say(line)
+    raise typer.Exit(ExitCode.PROBLEMS if remaining else ExitCode.OK)

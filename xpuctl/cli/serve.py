@@ -1,0 +1,131 @@
+"""`xpuctl serve MODEL [VLLM ARGS]`: launch vLLM with a forced drain timeout and supervise it."""
+
+from __future__ import annotations
+
+import sys
+from enum import Enum
+from typing import Annotated, Any, Optional
+
+import typer
+
+from xpuctl.cli.group import command_app
+from xpuctl.cli.context import app_context
+from xpuctl.cli.guard import guard
+from xpuctl.cli.options import (KillAfterOpt, ProbeTimeoutOpt, StateDirOpt, complete_device,
+                                deep_options, port_option)
+from xpuctl.errors import UsageError
+from xpuctl.output.safetext import emit, safe
+
+app = command_app()
+
+# Options both xpuctl and vLLM have: accepted on either side of MODEL (xpuctl reads them).
+SHARED_SERVE_OPTIONS = frozenset({"--port", "--host"})
+
+
+class Preflight(str, Enum):
+    fast = "fast"
+    deep = "deep"
+
+
+@app.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "allow_interspersed_args": False}
+)
+@guard
+def serve(
+    ctx: typer.Context,
+    model: Annotated[str, typer.Argument(metavar="MODEL", help="Model to serve (passed to vLLM).")],
+    vllm_args: Annotated[Optional[list[str]], typer.Argument(help="Arguments passed to vLLM.", show_default=False)] = None,
+    vllm: Annotated[
+        str, typer.Option("--vllm", envvar="XPUCTL_VLLM", help="Command that starts vLLM (shell-split).")
+    ] = "vllm serve",
+    drain_timeout: Annotated[float, typer.Option("--drain-timeout", min=0, help="Seconds to let in-flight requests finish.")] = 30.0,
+    teardown_timeout: Annotated[float, typer.Option("--teardown-timeout", min=0, help="Seconds for Level Zero/oneCCL teardown after the drain.")] = 20.0,
+    allow_abort: Annotated[bool, typer.Option("--allow-abort", help="Keep an explicit --shutdown-timeout 0.")] = False,
+    devices: Annotated[
+        Optional[list[str]],
+        typer.Option("--devices", help="Devices for vLLM (index, BDF or node; comma list): sets ZE_AFFINITY_MASK.",
+                     autocompletion=complete_device, show_default=False),
+    ] = None,
+    env: Annotated[Optional[list[str]], typer.Option("--env", "-e", help="KEY=VALUE for vLLM (repeatable).", show_default=False)] = None,
+    force: Annotated[bool, typer.Option("--force", help="Start even when the preflight doctor fails.")] = False,
+    name: Annotated[Optional[str], typer.Option("--name", help="Run name.", show_default="vllm-PORT")] = None,
+    state_dir: StateDirOpt = None,
+    ready_timeout: Annotated[float, typer.Option("--ready-timeout", min=1, help="Seconds to wait for /health and /v1/models.")] = 900.0,
+    kill_after: KillAfterOpt = 10.0,
+    detach: Annotated[bool, typer.Option("--detach", help="Return once ready (exit 0) or failed; keep supervising in the background.")] = False,
+    preflight: Annotated[
+        Preflight,
+        typer.Option("--preflight", help="fast: doctor from /proc and sysfs; deep: doctor --deep "
+                     "(also asks the devices: unattributed memory, lost devices, hung runtimes)."),
+    ] = Preflight.fast,
+    probe_timeout: ProbeTimeoutOpt = 10.0,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No live status line or phase lines while vLLM starts.")] = False,
+    port: Annotated[Optional[int], port_option("vLLM's port, passed on to vLLM (before or after MODEL).",
+                                               "8000", short=False)] = None,
+    bind: Annotated[
+        Optional[str],
+        typer.Option("--host", show_default=False, help="vLLM's bind address, passed on to vLLM (before or after MODEL)."),
+    ] = None,
+) -> None:
+    """Launch vLLM with a forced drain timeout and supervise it.
+
+    Exit: vLLM's code when it exits by itself; 0 after a clean requested stop; 1 when
+    leftovers remain or the preflight fails; 4 when not ready in time; 5 when a device or
+    the port is claimed by another run.
+    """
+    from xpuctl.serve import supervise as serve_flow
+    from xpuctl.state import runs
+
+    a = app_context(ctx)
+    passed = list(vllm_args or []) + list(ctx.args)
+    _check_serve_args(ctx, model, passed)
+    opts = serve_flow.ServeOptions(
+        model=model, vllm_args=passed, vllm_cmd=vllm, drain_timeout=drain_timeout,
+        teardown_timeout=teardown_timeout, allow_abort=allow_abort, devices=list(devices or []),
+        env=list(env or []), force=force, name=name,
+        state_dir=state_dir or runs.default_state_dir(a.environ), ready_timeout=ready_timeout,
+        detach=detach, kill_after=kill_after,
+        deep_preflight=(deep_options(a.environ, probe_timeout, "1GiB", state_dir)
+                        if preflight is Preflight.deep else None),
+        quiet=quiet, port=port, host=bind,
+    )
+    code = serve_flow.serve(a.host, opts, a.environ, _say, _print_preflight)
+    raise typer.Exit(int(code))
+
+
+def _say(msg: str) -> None:
+    emit(sys.stderr, msg)
+
+
+def _print_preflight(report: Any) -> None:
+    from xpuctl.output.lines import finding_lines
+
+    for line in finding_lines(report.findings, lead="xpuctl: preflight ", fix="xpuctl:   fix: ",
+                              skip_info=True):
+        emit(sys.stderr, line)
+
+
+def _check_serve_args(ctx: typer.Context, model: str, passed: list[str]) -> None:
+    """MODEL must not be an option, and no xpuctl-only option may follow MODEL.
+
+    click stops parsing at MODEL (everything after it is vLLM's) and keeps unknown options
+    before it as arguments, so a vLLM option before MODEL shows up here as the "model"."""
+    if model.startswith("-") and model != "-":
+        raise UsageError(
+            f"{safe(model)} is not an xpuctl serve option: vLLM's options go after MODEL "
+            "(xpuctl serve [OPTIONS] MODEL [VLLM ARGS])"
+        )
+    mine = {
+        name
+        for p in ctx.command.params
+        if p.param_type_name == "option"
+        for name in (*p.opts, *p.secondary_opts)
+        if name.startswith("--")  # short ones clash with vLLM's own (-q is --quantization)
+    } - SHARED_SERVE_OPTIONS - set(ctx.help_option_names)
+    for arg in passed:
+        key = arg.split("=", 1)[0]
+        if key in mine:
+            raise UsageError(
+                f"{safe(key)} comes after MODEL, where everything goes to vLLM; it is an xpuctl "
+                "option: put it before MODEL (xpuctl serve [OPTIONS] MODEL [VLLM ARGS])"
+            )

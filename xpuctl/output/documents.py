@@ -1,0 +1,240 @@
+"""The JSON documents of every command (`xpuctl.doctor/1`, `xpuctl.ps/1`, ...), built from
+typed records, and the one JSON writer.
+
+Host text is carried exactly: `to_json` writes ASCII only, a byte that was not UTF-8 as its
+`\\udcXX` escape (README, "JSON output"). Tables and plain lines are drawn from the same
+records (`tables`, `lines`), so the three forms always agree.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from xpuctl import __version__
+from xpuctl.core.model import Artifact, Device, Finding, Port, Process, Report, RuntimeView, Snapshot
+from xpuctl.parse.probes import ProbeResult, result_to_dict
+
+
+def probe_dict(r: ProbeResult) -> dict[str, Any]:
+    """A probe's summary: its stored form without the per-device answers (those are shown
+    per device, under `runtime`)."""
+    data = result_to_dict(r)
+    del data["devices"]
+    return data
+
+
+def runtime_dict(v: RuntimeView | None) -> dict[str, Any] | None:
+    if v is None:
+        return None
+    return {
+        "source": v.source,
+        "memory_used_bytes": v.memory_used_bytes,
+        "processes": [{"pid": p.pid, "memory_bytes": p.memory_bytes} for p in v.processes],
+        "process_source": v.process_source,
+        "state": v.state,
+        "lost_reasons": list(v.lost_reasons),
+        "visible_bytes": v.visible_bytes,
+        "baseline_bytes": v.baseline_bytes,
+        "invisible_pids": list(v.invisible_pids),
+    }
+
+
+def device_dict(d: Device, snap: Snapshot) -> dict[str, Any]:
+    view = snap.deep.device(d.bdf) if snap.deep else None
+    return {
+        "index": d.index,
+        "bdf": d.bdf,
+        "render_node": d.render_node,
+        "card_node": d.card_node,
+        "driver": d.driver,
+        "vendor_id": d.vendor_id,
+        "device_id": d.device_id,
+        "intel": d.is_intel,
+        "memory_used_bytes": snap.memory_used(d.bdf),
+        "memory_total_bytes": d.memory_total_bytes,
+        "holders": list(snap.holders(d.bdf)),
+        "runtime": runtime_dict(view),  # --deep only
+        "unattributed_bytes": view.unattributed_bytes if view else None,
+    }
+
+
+def process_dict(p: Process) -> dict[str, Any]:
+    return {
+        "pid": p.pid,
+        "ppid": p.ppid,
+        "state": p.state,
+        "cmdline": p.command,
+        "argv": list(p.cmdline),
+        "comm": p.comm,
+        "role": p.role,
+        "rank": p.rank,
+        "orphan": p.orphan,
+        "top": p.top,
+        "devices": list(p.devices),
+        "memory_bytes": p.memory_bytes,
+        "run_id": p.run_id,
+        "uid": p.uid,
+        "threads": p.threads,
+        "session": p.session,
+        "start_time": p.start_time,
+        "wchan": p.wchan,
+    }
+
+
+def artifact_dict(a: Artifact) -> dict[str, Any]:
+    return {
+        "path": a.path,
+        "kind": a.kind,
+        "stale": a.stale,
+        "reason": a.reason,
+        "open_by": list(a.open_by),
+        "owner_uid": a.owner_uid,
+        "size_bytes": a.size_bytes,
+        "age_seconds": round(a.age_seconds, 1) if a.age_seconds is not None else None,
+    }
+
+
+def port_dict(p: Port) -> dict[str, Any]:
+    return {
+        "port": p.port,
+        "address": p.address,
+        "pid": p.pid,
+        "state": p.state,
+        "role": p.role,
+        "orphan": p.orphan,
+    }
+
+
+def finding_dict(f: Finding) -> dict[str, Any]:
+    return {
+        "check": f.check,
+        "severity": f.severity,
+        "device": f.device,
+        "pids": list(f.pids),
+        "paths": list(f.paths),
+        "message": f.message,
+        "remedy": f.remedy,
+    }
+
+
+def doctor_dict(report: Report) -> dict[str, Any]:
+    snap = report.snapshot
+    return {
+        "schema": "xpuctl.doctor/1",
+        "version": __version__,
+        "root": snap.root,
+        "taken_at": snap.taken_at,
+        "status": report.status,
+        "devices": [device_dict(d, snap) for d in snap.devices],
+        "processes": [process_dict(p) for p in snap.processes],
+        "artifacts": [artifact_dict(a) for a in snap.artifacts],
+        "ports": [port_dict(p) for p in snap.ports],
+        "findings": [finding_dict(f) for f in report.findings],
+        "unreadable_processes": snap.unreadable,
+        "probes": [probe_dict(r) for r in snap.deep.probes] if snap.deep else [],
+    }
+
+
+def to_json(data: dict[str, Any]) -> str:
+    """Exact text, printable ASCII only: non-ASCII as \\uXXXX, and a byte that was not UTF-8
+    (read as a lone surrogate U+DC80-U+DCFF, "surrogateescape") as \\udcXX, which a reader
+    turns back into the byte (README, "JSON output"). Never raw bytes, never a crash."""
+    return json.dumps(data, indent=2, sort_keys=False, ensure_ascii=True)
+
+
+
+def run_dict(r: Any) -> dict[str, Any]:
+    return {"name": r.name, "state": r.state, "age_seconds": r.age_seconds, "pid": r.pid,
+            "port": r.port, "devices": list(r.devices), "run_id": r.run_id}
+
+
+def ps_document(runs: list[Any], processes: list[Process]) -> dict[str, Any]:
+    return {"schema": "xpuctl.ps/1", "runs": [run_dict(r) for r in runs],
+            "processes": [process_dict(p) for p in processes]}
+
+
+def devices_document(snap: Snapshot, baseline: list[tuple[str, int | None, str]] | None) -> dict[str, Any]:
+    """`devices --json`; `baseline` is what --record-baseline recorded (None: not asked)."""
+    data: dict[str, Any] = {"schema": "xpuctl.devices/1",
+                            "devices": [device_dict(d, snap) for d in snap.devices]}
+    if snap.deep is not None:
+        data["probes"] = [probe_dict(r) for r in snap.deep.probes]
+    if baseline is not None:
+        data["baseline"] = [{"bdf": b, "memory_used_bytes": n, "note": note} for b, n, note in baseline]
+    return data
+
+
+def shutdown_target_dicts(trees: list[Any], members: dict[int, list[int]]) -> list[dict[str, Any]]:
+    """The servers a shutdown stops (or would stop), with the processes it waits for."""
+    return [
+        {
+            "name": t.name,
+            "top": t.top.pid,
+            "role": t.role,
+            "orphan": t.orphan,
+            "run_id": t.run_id,
+            "devices": list(t.devices),
+            "port": t.port,
+            "shutdown_timeout": t.shutdown_timeout,
+            "processes": members[t.top.pid],
+        }
+        for t in trees
+    ]
+
+
+def shutdown_plan_document(targets: list[dict[str, Any]], dry_run: bool) -> dict[str, Any]:
+    return {"schema": "xpuctl.shutdown/1", "dry_run": dry_run, "targets": targets, "events": [],
+            "verdict": "planned" if targets else "nothing"}
+
+
+def shutdown_document(targets: list[dict[str, Any]], result: Any, resolve_seconds: float | None,
+                      audit: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "schema": "xpuctl.shutdown/1",
+        "dry_run": False,
+        "targets": targets,  # the processes the ladder waited for
+        "events": [{"t": e.t, "phase": e.phase, "detail": e.detail} for e in result.events],
+        "resolve_seconds": round(resolve_seconds, 3) if resolve_seconds is not None else None,
+        "verdict": result.verdict,
+        "survivors": result.survivors,
+        "holders": result.holders,
+        "stuck": [{"pid": p, "wchan": w} for p, w in result.stuck],
+        "ports_busy": result.port_busy,
+        "audit": audit,
+    }
+
+
+def reset_plan_dict(plan: Any, kill_holders: bool, advice: list[Finding]) -> dict[str, Any]:
+    return {
+        "orphans": [{"top": t.top.pid, "devices": list(t.devices)} for t in plan.orphan_trees],
+        "orphan_pids": plan.orphan_pids,
+        "files": [artifact_dict(f) for f in plan.files],
+        "files_after_orphans": [artifact_dict(f) for f in plan.pending_files],
+        "skipped": [{"path": f.path, "why": why} for f, why in plan.skipped_files],
+        "device_reset": plan.device_reset,
+        "holders": [{"pid": h.pid, "command": h.command, "devices": list(h.devices),
+                     "stop": kill_holders and h.why_not is None, "why_not": h.why_not}
+                    for h in plan.holders],
+        "notes": plan.notes,
+        "advice": [finding_dict(f) for f in advice],
+    }
+
+
+def reset_plan_document(plan: dict[str, Any], dry_run: bool) -> dict[str, Any]:
+    return {"schema": "xpuctl.reset/1", "dry_run": dry_run, "plan": plan}
+
+
+def reset_document(plan: dict[str, Any], outcome: Any, audit: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "schema": "xpuctl.reset/1",
+        "dry_run": False,
+        "plan": plan,
+        "stopped": outcome.stopped.verdict if outcome.stopped else None,
+        "removed": [r.path for r in outcome.removed if r.removed],
+        "kept": [{"path": r.path, "why": r.reason} for r in outcome.removed if not r.removed],
+        "device_reset": [{"bdf": b, "done": ok, "detail": why} for b, ok, why in outcome.device_reset],
+        "status": outcome.after.status,
+        "findings": [finding_dict(f) for f in outcome.after.findings],
+        "audit": audit,
+    }

@@ -1,0 +1,82 @@
+"""Plain lines for people: findings, events, plans. No rich: these go through `safetext.emit`.
+
+Each kind of line has one writer here, so the same thing reads the same wherever it is said
+(doctor's advice in reset, serve's preflight, a stop's timeline in shutdown, reset and serve).
+Host text in them is escaped with `safe`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from xpuctl.core.model import Finding
+from xpuctl.output.safetext import safe
+
+
+def finding_lines(findings: Iterable[Finding], lead: str = "", fix: str | None = "  fix: ",
+                  skip_info: bool = False) -> list[str]:
+    """`{lead}{severity} {check}: {message}`, then `{fix}{remedy}` when there is one
+    (`fix=None`: no remedy lines)."""
+    out = []
+    for f in findings:
+        if skip_info and f.severity == "info":
+            continue
+        out.append(f"{lead}{f.severity} {f.check}: {safe(f.message)}")
+        if f.remedy and fix is not None:
+            out.append(f"{fix}{safe(f.remedy)}")
+    return out
+
+
+def event_line(ev: Any) -> str:
+    """One step of a stop's timeline: seconds since it began, the phase, what happened."""
+    return f"{ev.t:7.2f}s  {ev.phase:<18} {safe(ev.detail)}"
+
+
+def audit_warning(log: Any) -> str | None:
+    """The audit log could not be written: say so (the action itself went ahead)."""
+    if not log.lost:
+        return None
+    return f"xpuctl: warning: audit log {safe(log.path)}: {log.lost} line(s) not written ({safe(log.error)})"
+
+
+def shutdown_plan_lines(targets: list[dict[str, Any]]) -> list[str]:
+    """`shutdown --dry-run` (and a shutdown that finds nothing)."""
+    if not targets:
+        return ["nothing to stop"]
+    return [
+        f"would stop {safe(t['name'])}: SIGTERM {t['role']} {t['top']}"
+        f"{' (orphaned)' if t['orphan'] else ''}, then wait for {len(t['processes'])} process(es) "
+        f"{t['processes']}, devices {safe(', '.join(t['devices'])) or '-'}, port {t['port'] or '-'}"
+        for t in targets
+    ]
+
+
+def reset_plan_lines(plan: Any, kill_holders: bool, advice: list[Finding]) -> list[str]:
+    """What reset will do (or would, with --dry-run), then the relaunch advice."""
+    out = ["nothing to clean"] if plan.empty else []
+    for t in plan.orphan_trees:
+        out.append(f"stop orphaned vLLM tree {t.top.pid} ({t.role}) holding {safe(', '.join(t.devices)) or 'no device'}")
+    for h in plan.holders:
+        head = f"pid {h.pid} ({safe(h.command, 200)}) holds {safe(', '.join(h.devices))}, not part of a live server"
+        if h.why_not is not None:
+            out.append(f"holder {head}: not stopped: {safe(h.why_not)}")
+        elif kill_holders:
+            out.append(f"stop holder {head}")
+        else:
+            out.append(f"holder {head}: --kill-holders stops it")
+    for f in plan.files:
+        out.append(f"remove {safe(f.path)} ({f.kind}, uid {f.owner_uid}, {f.size_bytes} bytes): {safe(f.reason)}")
+    for f in plan.pending_files:
+        out.append(f"remove {safe(f.path)} ({f.kind}) once the orphans holding it are gone")
+    for f, why in plan.skipped_files:
+        out.append(f"skip {safe(f.path)}: {safe(why)}")
+    for b in plan.device_reset:
+        out.append(f"reset device {safe(b)} (PCI function reset) once nothing holds it")
+    for n in plan.notes:
+        out.append(f"note: {safe(n)}")
+    return out + finding_lines(advice, fix="  ")
+
+
+def reset_result_lines(findings: list[Finding], status: str) -> list[str]:
+    return [f"still failing: {f.check}: {safe(f.message)}" for f in findings] + [f"status: {status}"]

@@ -1,0 +1,239 @@
+"""Tables and blocks for people, drawn with rich: devices, processes, runs, findings, doctor.
+
+rich is imported only inside these functions (it costs ~60 ms, and scripts asking for JSON
+never need it). Every cell of host text goes through `safetext.safe` (`_cell`), and the
+console that prints them (`safetext.console`) escapes whatever reaches it again. No line
+ends in padding: the findings are laid out here, not in a rich grid that pads every row to
+the widest one.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from typing import TYPE_CHECKING, Any
+
+from xpuctl.core.model import Finding, Report, Snapshot
+from xpuctl.output.safetext import safe
+from xpuctl.output.units import human_age, human_bytes
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+_SEV_STYLE = {"fail": "bold red", "warn": "yellow", "info": "cyan"}
+_STATUS_STYLE = {"clean": "bold green", "busy": "bold cyan", "dirty": "bold red"}
+
+
+def _cell(value: object) -> Any:
+    """A table cell holding host text: escaped (safetext.safe), never read as markup."""
+    from rich.text import Text
+
+    return Text(safe(value))
+
+
+def _dev_label(snap: Snapshot, bdf: str) -> str:
+    """The Level Zero index when there is one (short), else the BDF."""
+    d = snap.device(bdf)
+    if d is None or d.index is None:
+        return bdf
+    return str(d.index)
+
+
+def devices_table(snap: Snapshot) -> Any:
+    from rich.table import Table
+    from rich.text import Text
+
+    t = Table(expand=False)
+    deep_cols = ("device used", "unattributed", "state") if snap.deep else ()
+    right = ("#", "memory used", "total", "device used", "unattributed")
+    for col in ("#", "BDF", "node", "driver", "id", "memory used", "total", "holders", *deep_cols):
+        t.add_column(col, justify="right" if col in right else "left", no_wrap=True)
+    for d in snap.devices:
+        holders = snap.holders(d.bdf)
+        view = snap.deep.device(d.bdf) if snap.deep else None
+        extra = () if not snap.deep else (
+            "-" if view is None or view.memory_used_bytes is None
+            else f"{human_bytes(view.memory_used_bytes)} ({view.source})",
+            "-" if view is None or view.unattributed_bytes is None else human_bytes(view.unattributed_bytes),
+            "-" if view is None else (Text("lost", style="bold red") if view.state == "lost" else "ok"),
+        )
+        t.add_row(
+            "-" if d.index is None else str(d.index),
+            _cell(d.bdf),
+            _cell((d.render_node or d.card_node or "-").rsplit("/", 1)[-1]),
+            _cell(d.driver or "?"),
+            _cell(f"{d.vendor_id}:{d.device_id}"),
+            human_bytes(snap.memory_used(d.bdf)) if snap.memory_used(d.bdf) is not None else "-",
+            human_bytes(d.memory_total_bytes) if d.memory_total_bytes else "-",
+            ", ".join(map(str, holders)) or "-",
+            *extra,
+        )
+    return t
+
+
+def probes_line(snap: Snapshot) -> Any:
+    """One line naming each deep probe and whether it answered (a rich Text, no markup)."""
+    if snap.deep is None:
+        return None
+    from rich.text import Text
+
+    line = Text("deep probes: ")
+    for n, r in enumerate(snap.deep.probes):
+        if n:
+            line.append(", ")
+        line.append(f"{r.name} ")
+        if r.available:
+            line.append("ok", style="green")
+            line.append(f" {r.seconds or 0:.2f}s")
+        elif r.timed_out:
+            line.append("timed out", style="yellow")
+        else:
+            line.append("unavailable", style="dim")
+    why = [f"{r.name}: {safe(r.reason or '?')}" for r in snap.deep.probes if not r.available]
+    if why:
+        line.append("  (" + "; ".join(why) + ")")
+    return line
+
+
+def processes_table(snap: Snapshot, title: str = "Processes", width: int = 120) -> Any:
+    """A ps-style listing (rich's Table squeezes short columns when a command is long)."""
+    from rich.text import Text
+
+    heads = ["PID", "PPID", "S", "ROLE", "DEV", "MEMORY", "RUN", "COMMAND"]
+    rows = []
+    for p in snap.processes:
+        rows.append(
+            [
+                str(p.pid),
+                str(p.ppid),
+                safe(p.state + (f"({p.wchan})" if p.wchan else ""), 64),
+                safe((p.role or "-") + (f" {p.rank}" if p.rank else "") + (" ORPHAN" if p.orphan else ""), 64),
+                safe(",".join(_dev_label(snap, b) for b in p.devices) or "-", 64),
+                human_bytes(p.memory_bytes) if p.memory_bytes is not None else "-",
+                safe((p.run_id or "-")[:8]),
+                safe(p.command),
+            ]
+        )
+    orphan = [False] + [p.orphan for p in snap.processes]
+    widths = [max([len(heads[i])] + [len(r[i]) for r in rows]) for i in range(7)]
+    role_at = sum(w + 2 for w in widths[:3])
+    out = Text()
+    out.append(title, style="bold")
+    for i, r in enumerate([heads, *rows]):
+        cells = [c.rjust(w) if j < 2 else c.ljust(w) for j, (c, w) in enumerate(zip(r, widths))]
+        head = "  ".join(cells) + "  "
+        room = max(12, width - len(head))
+        cmd = r[7] if len(r[7]) <= room else r[7][: room - 1] + "…"
+        line = Text((head + cmd).rstrip())
+        if i == 0:
+            line.stylize("bold")
+        elif orphan[i]:
+            at = role_at + r[3].rfind(" ORPHAN") + 1
+            line.stylize("bold red", at, at + len("ORPHAN"))
+        out.append("\n")
+        out.append_text(line)
+    return out
+
+
+def runs_table(rows: list[Any]) -> Any:
+    """xpuctl's runs (from their records): name, state, age, pid, port, devices."""
+    from rich.text import Text
+
+    heads = ["NAME", "STATE", "AGE", "PID", "PORT", "DEVICES"]
+    cells = [[safe(r.name), r.state, human_age(r.age_seconds), str(r.pid or "-"), str(r.port),
+              ",".join(r.devices) or "-"] for r in rows]
+    widths = [max([len(heads[i])] + [len(c[i]) for c in cells]) for i in range(len(heads))]
+    out = Text("Runs", style="bold")
+    for i, row in enumerate([heads, *cells]):
+        out.append("\n")
+        line = "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
+        out.append(line, style="bold" if i == 0 else None)
+    return out
+
+
+def print_devices(console: Console, snap: Snapshot) -> None:
+    """The devices table, or a plain sentence where it would be empty."""
+    if not any(d.is_intel for d in snap.devices):
+        console.print("no Intel GPU found", highlight=False)
+    if snap.devices:
+        _heading(console, "Devices")
+        console.print(devices_table(snap))
+
+
+def _heading(console: Console, title: str) -> None:
+    """A table's title on its own line (rich pads a table title to the table's width)."""
+    from rich.text import Text
+
+    console.print(Text(title, style="bold"))
+
+
+def findings_table(findings: tuple[Finding, ...] | list[Finding]) -> Any:
+    """Severity, check id, then the message; a long message wraps under itself (a hanging
+    indent), and the remedy follows on its own line in the same column. Host text is
+    escaped (safe) and printed as plain text, never as rich markup. Laid out at the width
+    of the console that prints it, with no padding at the ends of lines."""
+    return _Findings(tuple(findings))
+
+
+class _Findings:
+    def __init__(self, findings: tuple[Finding, ...]) -> None:
+        self.findings = findings
+
+    def __rich_console__(self, console: Any, options: Any) -> Any:
+        from rich.text import Text
+
+        check_w = max((len(f.check) for f in self.findings), default=0)
+        indent = 2 + 4 + 1 + check_w + 1  # "  FAIL " + check + " "
+        room = max(20, options.max_width - indent)
+        for f in self.findings:
+            line = Text("  " + f.severity.upper().ljust(4), style=_SEV_STYLE[f.severity], end="\n")
+            line.append(" ")
+            line.append(f.check.ljust(check_w), style="dim")
+            line.append(" ")
+            _hanging(line, safe(f.message), room, indent)
+            if f.remedy:
+                line.append("\n" + " " * indent)
+                line.append("fix: ", style="dim")
+                _hanging(line, safe(f.remedy), room - 5, indent + 5, style="bold")
+            line.no_wrap = True
+            yield line
+
+
+def _hanging(out: Any, text: str, room: int, indent: int, style: str | None = None) -> None:
+    """`text` wrapped to `room` columns, every line after the first indented by `indent`."""
+    lines = textwrap.wrap(text, room, break_long_words=True, break_on_hyphens=False) or [""]
+    out.append(("\n" + " " * indent).join(lines), style=style)
+
+
+def print_doctor(console: Console, report: Report) -> None:
+    from rich.text import Text
+
+    snap = report.snapshot
+    print_devices(console, snap)
+    line = probes_line(snap)
+    if line:
+        console.print(line, highlight=False)
+    if snap.processes:
+        console.print(processes_table(snap, width=console.width), no_wrap=True, crop=True)
+    stale = [a for a in snap.artifacts if a.stale]
+    if stale:
+        from rich.table import Table
+
+        t = Table()
+        for col in ("path", "kind", "owner", "size", "age"):
+            t.add_column(col)
+        for a in stale:
+            t.add_row(
+                _cell(a.path),
+                _cell(a.kind),
+                str(a.owner_uid),
+                human_bytes(a.size_bytes),
+                human_age(a.age_seconds),
+            )
+        _heading(console, "Stale files")
+        console.print(t)
+    if report.findings:
+        console.print(Text("Findings", style="bold"))
+        console.print(findings_table(report.findings))
+    status = report.status
+    bare = " (no Intel GPU found)" if any(f.check == "no-device" for f in report.findings) else ""
+    console.print(Text.assemble("status: ", (status, _STATUS_STYLE[status]), bare))

@@ -1,0 +1,46 @@
+"""What a shutdown will stop: the server trees that NAME, --pid, --port, --device or --all
+name (with their run records), and the processes it will wait for."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from xpuctl.host.seam import Host
+
+
+def find_targets(host: Host, state_dir: str, name: str | None, pid: int | None, port: int | None,
+                 specs: list[str], all_: bool) -> list[Any]:
+    """The trees to stop (NotFoundError, exit 3, when NAME, --pid or --port match nothing)."""
+    from xpuctl.doctor import resolve_device_specs
+    from xpuctl.host.scan import take_snapshot
+    from xpuctl.shutdown import ladder
+    from xpuctl.state import runs
+
+    records = runs.list_records(runs.ensure_state_dir(state_dir, create=False)) if os.path.isdir(state_dir) else []
+    bdfs = resolve_device_specs(host, specs)
+    snap = take_snapshot(host, port=port, artifacts=False)  # finding trees needs no files
+    return ladder.find_trees(host, snap, records, name, pid, port, bdfs, all_)
+
+
+def planned_members(host: Host, trees: list[Any]) -> dict[int, list[int]]:
+    """Each tree's processes, by its top pid, as they are now."""
+    from xpuctl.shutdown import ladder
+
+    return {t.top.pid: [m.pid for m in ladder.members(host, t)] for t in trees}
+
+
+def mark_records(state_dir: str, trees: list[Any], **changes: Any) -> None:
+    """Note a stop in the records of the runs being stopped ("stopping", then "stopped" or
+    "failed"); a record that cannot be written does not stop the shutdown."""
+    from xpuctl.state import runs
+
+    if "state" in changes and changes["state"] != "stopping":
+        changes.setdefault("stopped_at", time.time())
+    for t in trees:
+        if t.record is not None:
+            try:
+                runs.update_record(state_dir, t.record, **changes)
+            except OSError:
+                pass
