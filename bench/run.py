@@ -818,7 +818,7 @@ def evaluate_targets(c: Ctx) -> list[dict]:
     add(f"growth of doctor above idle, N={g[1]} vs N={g[0]}" if g else "growth of doctor above idle",
         g and g[2], g[3] if g else 18.0, "{:.2f} x", "{:.1f} x")  # growth: 2 decimals
     sm = {k: med(v) for k, v in st["samples"].items()} if st else None
-    add("xpuctl --version / python -c 'import typer'", sm and sm["version"] / sm["import_typer"], 1.3,
+    add("xpuctl --version / python -c 'import typer'", sm and sm["version"] / sm["import_typer"], 1.15,
         "{:.3f} x", "{:.2f} x")
     add("completion request / python -c 'import typer'", sm and sm["complete"] / sm["import_typer"], 1.3,
         "{:.3f} x", "{:.2f} x")
