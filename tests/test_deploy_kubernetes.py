@@ -32,7 +32,7 @@ from typer.testing import CliRunner
 
 from xpuctl.core.checks import CHECKS
 from xpuctl.cli import app
-from xpuctl.serve.supervise import worst_stop_seconds
+from xpuctl.serve.budget import worst_stop_seconds
 
 K8S = DEPLOY / "kubernetes"
 MANIFESTS = sorted(K8S.glob("*.yaml"))

@@ -16,7 +16,7 @@ import pytest
 from deploytools import DEPLOY, expand, parse_xpuctl, read_env, read_unit, seconds
 
 from xpuctl.errors import ExitCode
-from xpuctl.serve.supervise import worst_stop_seconds
+from xpuctl.serve.budget import worst_stop_seconds
 
 UNIT = DEPLOY / "systemd" / "xpuctl-vllm@.service"
 ENV = DEPLOY / "systemd" / "vllm.env.example"

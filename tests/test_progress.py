@@ -296,15 +296,16 @@ def test_doctor_and_reset_show_last_run_for_each_signature(tmp_path, key):
 
 def test_a_tree_that_never_became_ready_gets_the_teardown_budget_only():
     from xpuctl.state.runs import RunRecord
-    from xpuctl.shutdown.ladder import DRAIN_MARGIN, Tree, exit_budget
+    from xpuctl.shutdown.ladder import DRAIN_MARGIN, exit_budget
+    from xpuctl.shutdown.targets import ServerTree
     from xpuctl.actions.signals import Target
 
     rec = RunRecord(name="r", run_id="1" * 16, pid=10, start_ticks=1, session=10, command=[],
                     devices=[], port=8000, host="127.0.0.1", shutdown_timeout=50,
                     drain_timeout=40, teardown_timeout=7, log_path="/x", state="starting")
     top = Target(10, 1, "api-server")
-    ready = Tree(top=top, role="api-server", orphan=False, shutdown_timeout=50, record=rec)
+    ready = ServerTree(top=top, role="api-server", orphan=False, shutdown_timeout=50, record=rec)
     assert exit_budget(ready) == 50 + DRAIN_MARGIN
-    assert exit_budget(Tree(
+    assert exit_budget(ServerTree(
         top=top, role="api-server", orphan=False, shutdown_timeout=50, record=rec,
         never_ready=True)) == 7

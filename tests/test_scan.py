@@ -336,7 +336,8 @@ def test_shutdown_members_read_environ_only_since_the_run_and_cmdline_only_of_me
     the target's mmap lock, which a process stuck in the kernel can hold for good."""
     import time
 
-    from xpuctl.shutdown import ladder as S
+    from xpuctl.host.processes import stat_of
+    from xpuctl.shutdown import targets
     from xpuctl.actions.signals import target_of
 
     run_id = "scan-test-" + proc_token[-8:]
@@ -358,14 +359,14 @@ def test_shutdown_members_read_environ_only_since_the_run_and_cmdline_only_of_me
 
         host = Recording("/")
         t = target_of(host, top.pid, "sleep")
-        tree = S.Tree(top=t, role="api-server", orphan=False, run_id=run_id,
-                      session=top.pid)
-        got = {m.pid for m in S.members(host, tree)}
+        tree = targets.ServerTree(top=t, role="api-server", orphan=False, run_id=run_id,
+                                 session=top.pid)
+        got = {m.pid for m in targets.members(host, tree)}
         assert top.pid in got and tagged.pid in got and old.pid not in got
         environ_read = {int(p.split("/")[2]) for p in host.reads if p.endswith("/environ")}
         assert old.pid not in environ_read and tagged.pid in environ_read
         for pid in environ_read:
-            st = S.stat_of(host, pid)
+            st = stat_of(host, pid)
             assert st is None or st.start_ticks >= t.start_ticks, pid
         cmdline_read = {int(p.split("/")[2]) for p in host.reads if p.endswith("/cmdline")}
         assert cmdline_read == got

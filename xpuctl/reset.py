@@ -27,7 +27,8 @@ from xpuctl.parse.roles import API_SERVER
 from xpuctl.host.processes import list_pids, stat_of
 from xpuctl.output.safetext import safe
 from xpuctl.host.scan import DEFAULT_PORT, take_snapshot
-from xpuctl.shutdown.ladder import StopResult, Tree, stop, tree_from_snapshot
+from xpuctl.shutdown.ladder import StopResult, stop
+from xpuctl.shutdown.targets import ServerTree, tree_from_snapshot
 from xpuctl.actions.signals import can_signal, target_of
 
 
@@ -38,12 +39,12 @@ class Holder(NamedTuple):
     command: str
     devices: tuple[str, ...]
     why_not: str | None  # why it may not be stopped; None: --kill-holders stops it
-    tree: Tree | None  # what the ladder stops (the holder and its descendants)
+    tree: ServerTree | None  # what the ladder stops (the holder and its descendants)
 
 
 @dataclass
 class Plan:
-    orphan_trees: list[Tree]
+    orphan_trees: list[ServerTree]
     orphan_pids: list[int]
     files: list[Artifact]
     pending_files: list[Artifact]  # held only by orphans: removed if stale once they stop
@@ -54,7 +55,7 @@ class Plan:
     kill_holders: bool = False
 
     @property
-    def holder_trees(self) -> list[Tree]:
+    def holder_trees(self) -> list[ServerTree]:
         """The holders this reset stops: only with --kill-holders, only the allowed ones."""
         if not self.kill_holders:
             return []
@@ -109,7 +110,7 @@ def find_holders(host: Host, snap: Snapshot, wanted: set[str]) -> list[Holder]:
             if t is None or t.start_ticks != p.start_ticks:
                 why = "already gone"
             else:
-                tree = Tree(top=t, role=None, orphan=True,
+                tree = ServerTree(top=t, role=None, orphan=True,
                             devices=tuple(sorted(set(p.devices) & targets)), known=[t])
         out.append(Holder(p.pid, p.command, tuple(sorted(set(p.devices) & targets)), why, tree))
     return out
@@ -148,7 +149,7 @@ def make_plan(host: Host, bdfs: tuple[str, ...], port: int | None, device_reset:
         if p.orphan and not p.is_zombie and (not wanted or not p.devices or wanted & set(p.devices))
     ]
     tops = sorted({p.top or p.pid for p in orphans})
-    trees: list[Tree] = []
+    trees: list[ServerTree] = []
     if tops and not can_signal(host):
         notes.append("orphans found, but this root's /proc is not the live one: they cannot be stopped from here")
     elif tops:

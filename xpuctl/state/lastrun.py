@@ -12,11 +12,10 @@ import os
 
 from xpuctl.core.model import LastRun
 from xpuctl.parse.vllmlog import furthest_phase, hang_signatures
-from xpuctl.state.runs import RunRecord, ensure_state_dir, read_record
+from xpuctl.state.runs import ACTIVE_STATES, RunRecord, ensure_state_dir, read_record
 
 TAIL_BYTES = 64 * 1024
 NOT_READY_NOTE = "not ready after "  # serve's note on a readiness timeout (serve._not_ready)
-LIVE = ("starting", "ready", "stopping")
 
 
 def newest_record(state_dir: str) -> RunRecord | None:
@@ -69,7 +68,7 @@ def last_run(state_dir: str | None) -> LastRun | None:
     # A start in progress is not stuck (yet): only errors in its log count. A record written
     # before `ready_at` existed has none; its log then decides (a start that became ready
     # logged past `backend=xccl`).
-    ever_ready = rec.state in LIVE or rec.ready_at is not None
+    ever_ready = rec.state in ACTIVE_STATES or rec.ready_at is not None
     return LastRun(
         name=rec.name,
         state=rec.state,

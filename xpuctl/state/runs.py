@@ -21,7 +21,8 @@ from typing import Any
 from xpuctl.state import atomic
 from xpuctl.errors import LockedError, UsageError
 
-STATES = ("starting", "ready", "stopping", "stopped", "failed")
+ACTIVE_STATES = ("starting", "ready", "stopping")  # a run that may still have processes
+STATES = (*ACTIVE_STATES, "stopped", "failed")
 
 
 def default_state_dir(environ: dict[str, str] | None = None) -> str:

@@ -1,0 +1,189 @@
+"""Launch planning: the vLLM command line, environment and devices of a run (no process
+is started here).
+
+vLLM gets a forced `--shutdown-timeout` (drain plus teardown), unless it predates the flag;
+`--port`/`--host` given before MODEL are passed on once; `--devices` become
+ZE_AFFINITY_MASK; the run id goes into the environment for finding the run's processes.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shlex
+import shutil
+from dataclasses import dataclass, field
+
+from xpuctl.errors import UsageError
+from xpuctl.host.devices import scan_devices, select_devices
+from xpuctl.host.seam import Host
+from xpuctl.parse.vllmargs import merge_shared, port_from_argv, strip_flag
+from xpuctl.serve.budget import MIN_SHUTDOWN_TIMEOUT, vllm_shutdown_timeout
+
+FLAG_VERSION = (0, 18)  # first vLLM with --shutdown-timeout
+DEFAULT_VLLM = "vllm serve"
+_VERSION_RE = re.compile(r"^(vllm(?:[_-][a-z]+)?)-(\d+(?:\.\d+)*)[^/]*\.dist-info$", re.IGNORECASE)
+
+
+@dataclass
+class ServeOptions:
+    model: str
+    vllm_args: list[str]
+    vllm_cmd: str = DEFAULT_VLLM
+    drain_timeout: float = 30.0
+    teardown_timeout: float = 20.0
+    allow_abort: bool = False
+    devices: list[str] = field(default_factory=list)
+    env: list[str] = field(default_factory=list)
+    force: bool = False
+    name: str | None = None
+    state_dir: str = ""
+    ready_timeout: float = 900.0
+    detach: bool = False
+    kill_after: float = 10.0
+    deep_preflight: object | None = None  # doctor.DeepOptions: `--preflight deep`
+    quiet: bool = False
+    port: int | None = None  # --port/--host given before MODEL (passed on to vLLM once)
+    host: str | None = None
+
+
+@dataclass
+class LaunchPlan:
+    argv: list[str]
+    env: dict[str, str]
+    notes: list[str]
+    port: int
+    bind: str | None
+    bdfs: list[str]
+    shutdown_timeout: int | None
+    version: str | None
+
+
+def _version_tuple(v: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", v)[:3])
+
+
+def _interpreter(cmd: list[str]) -> str | None:
+    exe = shutil.which(cmd[0]) if cmd else None
+    if exe is None:
+        return None
+    if re.match(r"^python[\d.]*$", os.path.basename(exe)):
+        return exe
+    try:
+        with open(exe, "rb") as fh:
+            first = fh.readline(512)
+    except OSError:
+        return None
+    if not first.startswith(b"#!"):
+        return None
+    parts = first[2:].decode(errors="replace").split()
+    if not parts:
+        return None
+    if os.path.basename(parts[0]) == "env" and len(parts) > 1:
+        return shutil.which(parts[1])
+    return parts[0]
+
+
+def vllm_version(cmd: list[str]) -> str | None:
+    """vLLM's version from the package metadata beside the interpreter that runs `cmd`.
+
+    No import of vllm (seconds, and it may initialise the GPU): just the dist-info name.
+    """
+    interp = _interpreter(cmd)
+    if interp is None:
+        return None
+    prefix = os.path.dirname(os.path.dirname(interp))
+    for pattern in ("lib/python3*/site-packages/vllm*.dist-info", "lib/python3*/dist-packages/vllm*.dist-info"):
+        for path in sorted(glob.glob(os.path.join(prefix, pattern))):
+            m = _VERSION_RE.match(os.path.basename(path))
+            if m:
+                return m.group(2)
+    return None
+
+
+def _parse_env(pairs: list[str]) -> dict[str, str]:
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key or not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", key):
+            raise UsageError(f"--env {pair!r}: expected KEY=VALUE")
+        out[key] = value
+    return out
+
+
+def _shutdown_timeout(opts: ServeOptions, vllm_args: list[str], version: str | None,
+                      notes: list[str]) -> tuple[list[str], int | None]:
+    """vLLM's args without --shutdown-timeout, and the timeout to pass (None: none)."""
+    supports_flag = version is None or _version_tuple(version) >= FLAG_VERSION
+    args, given, had_flag = strip_flag(vllm_args, "--shutdown-timeout")
+    wanted = vllm_shutdown_timeout(opts.drain_timeout, opts.teardown_timeout)
+    shutdown_timeout: int | None = wanted
+    if had_flag:
+        if given is None or not given.isdigit():
+            raise UsageError(f"--shutdown-timeout {given!r}: expected whole seconds")
+        n = int(given)
+        if n == 0 and opts.allow_abort:
+            shutdown_timeout = 0
+            notes.append("--shutdown-timeout 0 kept (--allow-abort): in-flight requests are aborted")
+        elif n == 0:
+            notes.append(
+                f"replaced --shutdown-timeout 0 (abort) with {wanted}s: on XPU an abort skips Level "
+                "Zero/oneCCL teardown and the next server hangs (use --allow-abort to keep it)"
+            )
+        elif n < MIN_SHUTDOWN_TIMEOUT:
+            notes.append(f"raised --shutdown-timeout {n} to the {MIN_SHUTDOWN_TIMEOUT}s minimum")
+            shutdown_timeout = MIN_SHUTDOWN_TIMEOUT
+        else:
+            shutdown_timeout = n
+    if not supports_flag:
+        notes.append(
+            f"vLLM {version} predates --shutdown-timeout (0.18): not passing it; shutdown waits "
+            "for idle before signalling"
+        )
+        shutdown_timeout = None
+    return args, shutdown_timeout
+
+
+def _environment(opts: ServeOptions, host: Host, environ: dict[str, str],
+                 run_id: str) -> tuple[dict[str, str], list[str]]:
+    """vLLM's environment and the BDFs of the run's devices."""
+    devices, _ = scan_devices(host)
+    env = dict(environ)
+    bdfs: list[str] = []
+    if opts.devices:
+        specs = [s for item in opts.devices for s in item.split(",") if s.strip()]
+        chosen = select_devices(devices, specs)
+        for d in chosen:
+            if not d.is_intel or d.index is None:
+                raise UsageError(f"device {d.bdf} is not an Intel GPU (vendor {d.vendor_id})")
+        bdfs = [d.bdf for d in chosen]
+        env["ZE_AFFINITY_MASK"] = ",".join(str(d.index) for d in chosen)
+    else:
+        bdfs = [d.bdf for d in devices if d.is_intel]
+    env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    env.update(_parse_env(opts.env))
+    env["XPUCTL_RUN_ID"] = run_id
+    env["SPT_NOENV"] = "1"  # keep environ readable after setproctitle (the run tag!)
+    if host.root:
+        env["XPUCTL_ROOT"] = host.root
+    return env, bdfs
+
+
+def plan_launch(opts: ServeOptions, host: Host, environ: dict[str, str], run_id: str) -> LaunchPlan:
+    vllm_args = merge_shared(list(opts.vllm_args), "--port", None if opts.port is None else str(opts.port))
+    vllm_args = merge_shared(vllm_args, "--host", opts.host)
+    cmd = shlex.split(opts.vllm_cmd)
+    if not cmd:
+        raise UsageError("--vllm is empty")
+    if shutil.which(cmd[0]) is None:
+        raise UsageError(f"--vllm: {cmd[0]!r} not found on PATH")
+    notes: list[str] = []
+    version = vllm_version(cmd)
+    args, shutdown_timeout = _shutdown_timeout(opts, vllm_args, version, notes)
+    argv = [*cmd, opts.model, *args]
+    if shutdown_timeout is not None:
+        argv += ["--shutdown-timeout", str(shutdown_timeout)]
+    port, bind = port_from_argv(args)
+    env, bdfs = _environment(opts, host, environ, run_id)
+    return LaunchPlan(argv, env, notes, port or 8000, bind, bdfs, shutdown_timeout, version)

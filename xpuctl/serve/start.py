@@ -1,0 +1,89 @@
+"""`xpuctl serve`: plan the launch, run the preflight doctor, claim the name, port and devices,
+then supervise the run here (foreground) or in a detached child (serve/detach)."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import uuid
+from collections.abc import Callable
+from typing import NamedTuple
+
+from xpuctl.actions.signals import can_signal
+from xpuctl.errors import UsageError, XpuctlError
+from xpuctl.host.seam import Host
+from xpuctl.output import progress
+from xpuctl.serve.launch import LaunchPlan, ServeOptions, plan_launch
+from xpuctl.serve.supervise import RunSupervisor
+from xpuctl.state.runs import Locks, RunRecord, ensure_state_dir
+
+
+class _Prepared(NamedTuple):
+    state_dir: str
+    plan: LaunchPlan
+    rec: RunRecord
+    keys: list[str]
+
+
+def _preflight(host: Host, opts: ServeOptions, plan: LaunchPlan,
+               show_findings: Callable[[object], None]) -> None:
+    """doctor on the run's devices and port; XpuctlError when they are not clean."""
+    from xpuctl.doctor import diagnose
+
+    report = diagnose(host, plan.bdfs or None, plan.port, caller_env=plan.env,
+                      deep=opts.deep_preflight)  # type: ignore[arg-type]
+    if report.failed:
+        show_findings(report)
+        raise XpuctlError(
+            "preflight failed: the devices or port are not clean (fix the findings above, "
+            "e.g. `xpuctl reset`, or start anyway with --force)"
+        )
+
+
+def _prepare(host: Host, opts: ServeOptions, environ: dict[str, str], out: Callable[[str], None],
+             show_findings: Callable[[object], None]) -> _Prepared:
+    """Plan the launch, check the name, run the preflight doctor; the record to write."""
+    if not can_signal(host):
+        raise UsageError("serve needs the live /proc (a root whose proc is the real /proc)")
+    state_dir = ensure_state_dir(opts.state_dir)
+    run_id = uuid.uuid4().hex[:16]
+    plan = plan_launch(opts, host, environ, run_id)
+    for note in plan.notes:
+        out(f"xpuctl: note: {note}")
+    name = opts.name or f"vllm-{plan.port}"
+    if not re.match(r"^[A-Za-z0-9_.-]{1,64}$", name):
+        raise UsageError(f"--name {name!r}: use letters, digits, '.', '_' or '-'")
+    if not opts.force:
+        _preflight(host, opts, plan, show_findings)
+    log_path = os.path.join(state_dir, "logs", f"{name}.log")
+    rec = RunRecord(name=name, run_id=run_id, pid=None, start_ticks=None, session=None,
+                    command=plan.argv, devices=plan.bdfs, port=plan.port, host=plan.bind or "127.0.0.1",
+                    shutdown_timeout=plan.shutdown_timeout, drain_timeout=opts.drain_timeout,
+                    teardown_timeout=opts.teardown_timeout, log_path=log_path,
+                    notes=list(plan.notes))
+    keys = [f"run-{name}", f"port-{plan.port}"] + [f"device-{b}" for b in plan.bdfs]
+    return _Prepared(state_dir, plan, rec, keys)
+
+
+def _run_foreground(host: Host, opts: ServeOptions, p: _Prepared, view: progress.View) -> int:
+    locks = Locks(p.state_dir)
+    locks.acquire(p.keys, f"{p.rec.name} pid {os.getpid()}")
+    p.rec.supervisor_pid = os.getpid()
+    try:
+        return RunSupervisor(host, opts, p.plan, p.rec, p.state_dir, view, foreground=True).run()
+    finally:
+        locks.release()
+
+
+def serve(host: Host, opts: ServeOptions, environ: dict[str, str], out: Callable[[str], None],
+          show_findings: Callable[[object], None], view: progress.View | None = None) -> int:
+    prepared = _prepare(host, opts, environ, out, show_findings)
+    if view is None:
+        view = progress.choose(sys.stderr, prepared.rec.name, quiet=opts.quiet)
+    if opts.detach:
+        from xpuctl.serve.detach import run_detached
+
+        p = prepared
+        return run_detached(host, opts, p.plan, p.rec, p.state_dir, p.keys, view)
+    return _run_foreground(host, opts, prepared, view)

@@ -1,0 +1,43 @@
+"""New lines of a run's log during a shutdown: vLLM's own shutdown phases for the timeline."""
+
+from __future__ import annotations
+
+import os
+
+_LOG_MARKERS = ("[shutdown]", "XPUWorker shutdown", "force killing", "sending SIGKILL", "sending SIGTERM")
+
+
+class LogTail:
+    """Reads a log from its size at creation on; `new_phases` returns the complete new lines
+    that carry a shutdown marker."""
+
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self.offset = 0
+        if path:
+            try:
+                self.offset = os.path.getsize(path)
+            except OSError:
+                self.path = None
+
+    def new_phases(self) -> list[str]:
+        if not self.path:
+            return []
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(self.offset)
+                data = fh.read(1 << 20)
+        except OSError:
+            return []
+        cut = data.rfind(b"\n") + 1
+        self.offset += cut
+        out = []
+        for raw in data[:cut].splitlines():
+            line = raw.decode("utf-8", "surrogateescape")  # exact in JSON; escaped when shown
+            if line.startswith("xpuctl:"):
+                continue  # the supervisor's own lines (a detached run logs here too)
+            if any(m in line for m in _LOG_MARKERS):
+                idx = line.find("[shutdown]")
+                out.append((line[idx:] if idx >= 0 else line.split("] ", 1)[-1]).strip())
+        return out

@@ -1,0 +1,44 @@
+"""The runs still running: records that say starting, ready or stopping, checked against /proc."""
+
+from __future__ import annotations
+
+import time
+from typing import NamedTuple
+
+from xpuctl.host.processes import stat_of
+from xpuctl.host.seam import Host
+from xpuctl.state.runs import ACTIVE_STATES, RunRecord, list_records
+
+
+def active_records(state_dir: str) -> list[RunRecord]:
+    return [r for r in list_records(state_dir) if r.state in ACTIVE_STATES]
+
+
+class RunRow(NamedTuple):
+    """One run for `xpuctl ps`: its record's state and its age."""
+
+    name: str
+    state: str  # starting | ready | stopping
+    age_seconds: float | None  # since launch
+    pid: int | None
+    port: int
+    devices: tuple[str, ...]
+    run_id: str
+
+
+def live_runs(host: Host, state_dir: str) -> list[RunRow]:
+    """The records that say starting, ready or stopping and whose API server or supervisor
+    still runs (a record left by a killed supervisor is not a run)."""
+
+    def alive(pid: int | None, ticks: int | None = None) -> bool:
+        st = stat_of(host, pid) if pid else None
+        return st is not None and st.state != "Z" and (ticks is None or st.start_ticks == ticks)
+
+    now = time.time()
+    out = []
+    for r in active_records(state_dir):
+        if not (alive(r.pid, r.start_ticks) or alive(r.supervisor_pid)):
+            continue
+        age = now - r.started_at if r.started_at else None
+        out.append(RunRow(r.name, r.state, age, r.pid, r.port, tuple(r.devices), r.run_id))
+    return out
