@@ -18,7 +18,8 @@ import pytest
 from fakehost import GiB, MiB
 from typer.testing import CliRunner
 
-from xpuctl.probes import deep as X
+from xpuctl.parse import probes
+from xpuctl.probes import baseline, reconcile, runner
 from xpuctl.cli import app
 from xpuctl.host.seam import Host
 from xpuctl.parse.probes import ProbeDevice, ProbeProcess, ProbeResult
@@ -27,7 +28,7 @@ from xpuctl.host.scan import take_snapshot
 STANDINS = Path(__file__).resolve().parent / "standins"
 BDF0, BDF1 = "0000:03:00.0", "0000:04:00.0"
 HOLDER, HIDDEN = 4242, 77777
-runner = CliRunner()
+cli_runner = CliRunner()
 
 
 def deep_host(root: Path) -> fh.FakeHost:
@@ -104,7 +105,7 @@ def deep_json(tmp: Path, env: dict[str, str], *args: str, command: str = "doctor
     root = tmp / "root"
     if not root.exists():
         deep_host(root)
-    result = runner.invoke(app, ["--root", str(root), command, "--deep", "--json", *args], env=env)
+    result = cli_runner.invoke(app, ["--root", str(root), command, "--deep", "--json", *args], env=env)
     assert "Traceback" not in result.stdout + (result.stderr or "")
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         raise AssertionError(f"uncaught {result.exception!r}") from result.exception
@@ -156,13 +157,13 @@ def test_threshold_option_and_prometheus(tmp_path):
     code, data = deep_json(tmp_path, env, "--probe-timeout", "60", "--unattributed-threshold", "7GiB")
     assert code == 0 and not findings(data, "unattributed-memory")
     deep_host(tmp_path / "root2")
-    result = runner.invoke(app, ["--root", str(tmp_path / "root2"), "doctor", "--deep", "--probe-timeout",
+    result = cli_runner.invoke(app, ["--root", str(tmp_path / "root2"), "doctor", "--deep", "--probe-timeout",
                                  "60", "--format", "prometheus"], env=env)
     text = result.stdout
     assert f'xpuctl_device_unattributed_bytes{{device="{BDF0}"}} {6 * GiB}' in text
     assert 'xpuctl_probe_available{probe="sysman"} 1' in text
     assert 'xpuctl_probe_available{probe="kmd"} 0' in text
-    bad = runner.invoke(app, ["--root", str(tmp_path / "root2"), "doctor", "--deep",
+    bad = cli_runner.invoke(app, ["--root", str(tmp_path / "root2"), "doctor", "--deep",
                               "--unattributed-threshold", "lots"], env=env)
     assert bad.exit_code == 2 and "not a size" in (bad.stderr or bad.stdout)
 
@@ -170,7 +171,7 @@ def test_threshold_option_and_prometheus(tmp_path):
 def test_plain_doctor_runs_no_probe_and_keeps_its_shape(tmp_path):
     env = standin_env(tmp_path, {**base_scenario(), "record_env": str(tmp_path / "seen")})
     deep_host(tmp_path / "root")
-    result = runner.invoke(app, ["--root", str(tmp_path / "root"), "doctor", "--json"], env=env)
+    result = cli_runner.invoke(app, ["--root", str(tmp_path / "root"), "doctor", "--json"], env=env)
     data = json.loads(result.stdout)
     assert data["probes"] == [] and device(data, BDF0)["runtime"] is None
     assert not list(tmp_path.glob("seen.*"))  # no stand-in was even imported
@@ -190,7 +191,7 @@ def test_baseline_recorded_then_subtracted(tmp_path):
     by_bdf = {b["bdf"]: b for b in rec["baseline"]}
     assert by_bdf[BDF1]["memory_used_bytes"] == 1536 * MiB
     assert by_bdf[BDF0]["memory_used_bytes"] is None and "held by" in by_bdf[BDF0]["note"]
-    stored = json.loads((tmp_path / "state" / X.BASELINE_FILE).read_text())
+    stored = json.loads((tmp_path / "state" / baseline.BASELINE_FILE).read_text())
     assert stored["devices"][BDF1]["memory_used_bytes"] == 1536 * MiB and BDF0 not in stored["devices"]
 
     code, after = deep_json(tmp_path, env, "--probe-timeout", "60")
@@ -201,7 +202,7 @@ def test_baseline_recorded_then_subtracted(tmp_path):
 
 def test_record_baseline_needs_deep(tmp_path):
     deep_host(tmp_path / "root")
-    result = runner.invoke(app, ["--root", str(tmp_path / "root"), "devices", "--record-baseline"])
+    result = cli_runner.invoke(app, ["--root", str(tmp_path / "root"), "devices", "--record-baseline"])
     assert result.exit_code == 2 and "needs --deep" in (result.stderr or result.stdout)
 
 
@@ -375,7 +376,7 @@ def test_real_torch_cpu_build_is_installed_without_xpu(tmp_path):
 def test_devices_deep_table_shows_runtime_columns(tmp_path):
     env = standin_env(tmp_path, base_scenario())
     deep_host(tmp_path / "root")
-    result = runner.invoke(app, ["--root", str(tmp_path / "root"), "devices", "--deep",
+    result = cli_runner.invoke(app, ["--root", str(tmp_path / "root"), "devices", "--deep",
                                  "--probe-timeout", "60"], env={**env, "COLUMNS": "200"})
     assert result.exit_code == 0, result.stdout
     assert "unattributed" in result.stdout and "6.0 GiB" in result.stdout
@@ -406,23 +407,23 @@ def test_reconcile_prefers_kmd_then_sysman_then_torch(snap):
         _result("torch", _dev(index=0, used=9 * GiB), _dev(index=1, used=3 * GiB, total=24 * GiB)),
         _result("kmd", _dev(BDF0, used=10 * GiB, total=24 * GiB)),
     )
-    d = X.reconcile(host, s, results)
+    d = reconcile.reconcile(host, s, results)
     v0, v1 = d.device(BDF0), d.device(BDF1)
     assert (v0.source, v0.memory_used_bytes, v0.unattributed_bytes) == ("kmd", 10 * GiB, 8 * GiB)
     assert (v1.source, v1.memory_used_bytes, v1.unattributed_bytes) == ("torch", 3 * GiB, 3 * GiB)
     # kmd without CAP_PERFMON reports no used: sysman's figure counts
     results = (results[0], results[1], _result("kmd", _dev(BDF0, used=None, total=24 * GiB)))
-    v0 = X.reconcile(host, s, results).device(BDF0)
+    v0 = reconcile.reconcile(host, s, results).device(BDF0)
     assert (v0.source, v0.unattributed_bytes, v0.memory_total_bytes) == ("sysman", 6 * GiB, 24 * GiB)
 
 
 def test_reconcile_with_and_without_baseline(snap):
     host, s = snap
     results = (_result("sysman", _dev(BDF0, used=8 * GiB), _dev(BDF1, used=1 * GiB)),)
-    plain = X.reconcile(host, s, results)
+    plain = reconcile.reconcile(host, s, results)
     assert plain.device(BDF0).unattributed_bytes == 6 * GiB  # 8 − 2 visible − 0
     assert plain.device(BDF1).unattributed_bytes == 1 * GiB
-    based = X.reconcile(host, s, results, {BDF0: 512 * MiB, BDF1: 3 * GiB})
+    based = reconcile.reconcile(host, s, results, {BDF0: 512 * MiB, BDF1: 3 * GiB})
     assert based.device(BDF0).unattributed_bytes == 6 * GiB - 512 * MiB
     assert based.device(BDF0).baseline_bytes == 512 * MiB
     assert based.device(BDF1).unattributed_bytes == 0  # never below zero
@@ -433,7 +434,7 @@ def test_reconcile_leaves_the_probes_own_clients_out(snap):
     me = 31337
     procs = (ProbeProcess(HOLDER, 2 * GiB), ProbeProcess(me, 256 * MiB), ProbeProcess(HIDDEN, 1 * GiB))
     results = (_result("sysman", _dev(BDF0, used=3 * GiB + 256 * MiB, procs=procs)),)
-    v0 = X.reconcile(host, s, results, probe_pids=(me,)).device(BDF0)
+    v0 = reconcile.reconcile(host, s, results, probe_pids=(me,)).device(BDF0)
     assert [p.pid for p in v0.processes] == [HOLDER, HIDDEN]
     assert v0.memory_used_bytes == 3 * GiB and v0.unattributed_bytes == 1 * GiB
     assert v0.invisible_pids == (HIDDEN,)
@@ -443,7 +444,7 @@ def test_unavailable_probe_results_are_ignored(snap):
     host, s = snap
     results = (ProbeResult("sysman", False, "no loader", None, 0.1, True,
                            (_dev(BDF0, used=20 * GiB, state="lost"),)),)
-    v0 = X.reconcile(host, s, results).device(BDF0)
+    v0 = reconcile.reconcile(host, s, results).device(BDF0)
     assert v0.source is None and v0.state == "ok" and v0.unattributed_bytes is None
 
 
@@ -454,19 +455,19 @@ def test_results_document_round_trips(tmp_path):
         ProbeResult("torch", False, "torch is not installed", None, 0.2, True, notes=("x",)),
         ProbeResult("xpu-smi", False, "no answer", None, 10.0, True, timed_out=True),
     )
-    doc = X.results_to_json(results, frozenset({99}))
+    doc = probes.results_to_json(results, frozenset({99}))
     text = json.dumps(doc)
-    assert X.results_from_json(text) == results == X.results_from_json(json.loads(text))
-    assert X.probe_pids_from_json(doc) == (99,)
+    assert probes.results_from_json(text) == results == probes.results_from_json(json.loads(text))
+    assert probes.probe_pids_from_json(doc) == (99,)
     with pytest.raises(ValueError):
-        X.results_from_json({"schema": "other", "probes": []})
+        probes.results_from_json({"schema": "other", "probes": []})
 
 
 # --- the probe environment and process handling -------------------------------------------
 
 
 def test_probe_env():
-    env = X.probe_env({"ZE_AFFINITY_MASK": "0", "ONEAPI_DEVICE_SELECTOR": "level_zero:0",
+    env = runner.probe_env({"ZE_AFFINITY_MASK": "0", "ONEAPI_DEVICE_SELECTOR": "level_zero:0",
                        "ZE_FLAT_DEVICE_HIERARCHY": "FLAT", "HOME": "/root", "PYTHONPATH": "/a"})
     assert "ZE_AFFINITY_MASK" not in env and "ONEAPI_DEVICE_SELECTOR" not in env
     assert env["ZE_FLAT_DEVICE_HIERARCHY"] == "COMPOSITE" and env["ZES_ENABLE_SYSMAN"] == "1"
@@ -483,7 +484,7 @@ def test_all_probes_start_at_once(tmp_path):
     scen["xpusmi"].update(one)
     env = {**os.environ, **standin_env(tmp_path, scen)}
     t0 = time.monotonic()
-    results = X.run_probes(env, 60)
+    results = runner.run_probes(env, 60)
     took = time.monotonic() - t0
     secs = {r.name: r.seconds for r in results if r.available}
     assert set(secs) == {"sysman", "torch", "xpu-smi"}
@@ -495,7 +496,7 @@ def test_pid_namespace_inspection_finding(tmp_path):
     h = deep_host(tmp_path / "root")
     (h.root / "proc" / "self").mkdir(parents=True, exist_ok=True)
     (h.root / "proc" / "self" / "status").write_text("Name:\tpython3\nNSpid:\t4100\t7\n")
-    result = runner.invoke(app, ["--root", str(h.root), "doctor", "--json"])
+    result = cli_runner.invoke(app, ["--root", str(h.root), "doctor", "--json"])
     data = json.loads(result.stdout)
     (f,) = [f for f in findings(data, "inspection") if "PID namespace" in f["message"]]
     assert f["severity"] == "info" and "--deep" in f["message"] and "hostPID" in f["remedy"]
@@ -514,7 +515,7 @@ def test_process_list_is_the_last_source_of_used_memory(snap):
     host, s = snap
     procs = (ProbeProcess(HOLDER, 2 * GiB), ProbeProcess(HIDDEN, 5 * GiB))
     results = (_result("xpu-smi", _dev(BDF0, procs=procs)),)
-    v0 = X.reconcile(host, s, results).device(BDF0)
+    v0 = reconcile.reconcile(host, s, results).device(BDF0)
     assert (v0.source, v0.memory_used_bytes, v0.unattributed_bytes) == ("xpu-smi", 7 * GiB, 5 * GiB)
 
 
@@ -523,12 +524,12 @@ def test_deadline_counts_from_the_command_start(tmp_path):
     scen = base_scenario()
     scen["pyzes"].update({"hang": True})
     env = {**os.environ, **standin_env(tmp_path, scen, torch="absent", xpusmi=False)}
-    running = X.start(env, 4.0, since=time.monotonic() - 1.0)
+    running = runner.start(env, 4.0, since=time.monotonic() - 1.0)
     t0 = min(j.t0 for j in running.jobs)
     assert running.deadline <= t0 + 3.0 + 0.01
     results = {r.name: r for r in running.finish()}
     assert results["sysman"].timed_out and not results["torch"].timed_out
-    again = X.start(env, 4.0, since=time.monotonic() - 100)
+    again = runner.start(env, 4.0, since=time.monotonic() - 100)
     try:
         assert again.deadline >= min(j.t0 for j in again.jobs) + 2.0  # half, at least
     finally:

@@ -158,9 +158,9 @@ def test_probe_output_raises_only_probe_output_error(text):
 @FUZZ
 @given(json_values)
 def test_probe_document_raises_only_probe_output_error(value):
-    from xpuctl.probes import deep
+    from xpuctl.parse import probes
 
     try:
-        deep.results_from_json({"schema": deep.SCHEMA, "probes": value if isinstance(value, list) else [value]})
+        probes.results_from_json({"schema": probes.SCHEMA, "probes": value if isinstance(value, list) else [value]})
     except P.ProbeOutputError:
         pass

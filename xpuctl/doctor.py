@@ -35,7 +35,7 @@ class RecordedProbes(NamedTuple):
 
 
 class DeepOptions(NamedTuple):
-    """`--deep`: run the device-level probes (xpuctl.probes.deep) alongside the scan."""
+    """`--deep`: run the device-level probes (xpuctl.probes.runner) alongside the scan."""
 
     timeout: float = 10.0
     unattributed_threshold: int = 1 << 30
@@ -63,22 +63,22 @@ def pid_namespace_issue(host: Host) -> Issue | None:
 
 def deep_snapshot(host: Host, environ: dict[str, str], deep: DeepOptions, **scan: object) -> Snapshot:
     """The probes run while /proc is scanned; the probe children are left out of the scan."""
-    from xpuctl.probes import deep as X
+    from xpuctl.probes import baseline, reconcile, runner
 
     if deep.recorded is not None:
         snap = take_snapshot(host, **scan)  # type: ignore[arg-type]
-        results, pids, baseline, problem = deep.recorded
+        results, pids, idle, problem = deep.recorded
     else:
-        running = X.start(environ, deep.timeout, since=deep.since)
+        running = runner.start(environ, deep.timeout, since=deep.since)
         try:
             snap = take_snapshot(host, exclude_pids=running.pids, **scan)  # type: ignore[arg-type]
         finally:
             results = running.finish()
         pids = running.pids
-        baseline, problem = X.load_baseline(deep.state_dir)
+        idle, problem = baseline.load_baseline(deep.state_dir)
     if problem:
         snap = snap._replace(issues=snap.issues + (problem,))
-    return X.attach(host, snap, results, baseline, pids)
+    return reconcile.attach(host, snap, results, idle, pids)
 
 
 def diagnose(

@@ -205,13 +205,14 @@ def _add(tf: tarfile.TarFile, name: str, data: bytes, mtime: float) -> None:
 
 def _probes_doc(deep: DeepOptions, report: Report) -> dict[str, Any] | None:
     """The probes' JSON of a `--deep` capture, with the idle baseline it was judged against."""
-    from xpuctl.probes import deep as X
+    from xpuctl.parse.probes import results_to_json
+    from xpuctl.probes.baseline import load_baseline
 
     d = report.snapshot.deep
     if d is None:
         return None
-    doc = X.results_to_json(d.probes, d.probe_pids)
-    baseline, problem = X.load_baseline(deep.state_dir)
+    doc = results_to_json(d.probes, d.probe_pids)
+    baseline, problem = load_baseline(deep.state_dir)
     doc["baseline"] = baseline
     doc["baseline_problem"] = list(problem) if problem is not None else None
     return doc

@@ -142,7 +142,7 @@ class Opened(NamedTuple):
 
 def _probes(top: str, path: str) -> RecordedProbes | None:
     """probes.json of a --deep capture (None when there is none)."""
-    from xpuctl.probes import deep as X
+    from xpuctl.parse import probes
     from xpuctl.parse.probes import ProbeOutputError
 
     try:
@@ -154,7 +154,7 @@ def _probes(top: str, path: str) -> RecordedProbes | None:
         raise UsageError(f"snapshot {path}: probes.json: {exc.strerror or exc}") from None
     try:
         doc = json.loads(text)
-        results = X.results_from_json(doc)
+        results = probes.results_from_json(doc)
     except (ValueError, RecursionError, ProbeOutputError) as exc:
         raise UsageError(f"snapshot {path}: probes.json: {exc}") from None
     baseline = doc.get("baseline") or {}
@@ -164,7 +164,7 @@ def _probes(top: str, path: str) -> RecordedProbes | None:
             problem is None or isinstance(problem, list) and len(problem) == 2
             and all(isinstance(x, str) for x in problem)):
         raise UsageError(f"snapshot {path}: probes.json: malformed baseline")
-    return RecordedProbes(results, X.probe_pids_from_json(doc), baseline,
+    return RecordedProbes(results, probes.probe_pids_from_json(doc), baseline,
                           Issue(*problem) if problem else None)
 
 

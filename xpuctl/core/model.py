@@ -136,7 +136,7 @@ class Finding(NamedTuple):
 
 
 class RuntimeView(NamedTuple):
-    """One device as the deep probes see it, reconciled with what fdinfo shows (`xpuctl.probes.deep`)."""
+    """One device as the deep probes see it, reconciled with what fdinfo shows (`xpuctl.probes.reconcile`)."""
 
     bdf: str
     source: str | None  # the probe whose used memory counts: kmd, else sysman, else torch

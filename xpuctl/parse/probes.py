@@ -1,7 +1,7 @@
 """What a deep probe reports, as records: parsed from the JSON a probe child prints (text in).
 
 One probe's JSON (the sysman and torch children print exactly this; the CLI adds `seconds`
-and `live`; `xpuctl.probes.deep` builds the same shape for kmd and xpu-smi):
+and `live`; `xpuctl.parse.kmd` and `xpuctl.parse.xpusmi` build the same shape):
 
     {"name": "sysman", "available": true, "reason": null, "version": "0.1.3",
      "notes": ["..."],
@@ -21,6 +21,7 @@ import math
 import re
 from typing import Any, NamedTuple
 
+SCHEMA = "xpuctl.probes/1"  # every probe's result in one document (`results_to_json`)
 STATES = ("ok", "lost")
 _BDF_RE = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
 MAX_TEXT = 400
@@ -200,3 +201,29 @@ def result_to_dict(r: ProbeResult) -> dict[str, Any]:
             for d in r.devices
         ],
     }
+
+
+# -- all the probes' results in one document, for storing and replaying -------------------
+
+
+def results_to_json(results: tuple[ProbeResult, ...] | list[ProbeResult],
+                    probe_pids: frozenset[int] | tuple[int, ...] = ()) -> dict[str, Any]:
+    return {"schema": SCHEMA, "probe_pids": sorted(probe_pids),
+            "probes": [result_to_dict(r) for r in results]}
+
+
+def results_from_json(doc: Any) -> tuple[ProbeResult, ...]:
+    """The document `results_to_json` made (a dict, or its JSON text) → results."""
+    if isinstance(doc, (str, bytes)):
+        try:
+            doc = json.loads(doc)
+        except (ValueError, RecursionError) as exc:
+            raise ProbeOutputError(f"probe document is not JSON: {exc}") from None
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or not isinstance(doc.get("probes"), list):
+        raise ProbeOutputError(f"not a {SCHEMA} document")
+    return tuple(result_from_dict(p) for p in doc["probes"])
+
+
+def probe_pids_from_json(doc: dict[str, Any]) -> tuple[int, ...]:
+    pids = doc.get("probe_pids", [])
+    return tuple(p for p in pids if isinstance(p, int) and not isinstance(p, bool)) if isinstance(pids, list) else ()

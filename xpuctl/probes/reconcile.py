@@ -1,0 +1,104 @@
+"""Reconciliation: the probes' view of each device set against what fdinfo shows.
+
+`attach` fills `scan.deep` (model.Deep) and the devices' missing memory totals.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from xpuctl.core.model import Deep, RuntimeView, Snapshot
+from xpuctl.host.seam import Host
+from xpuctl.parse.probes import ProbeProcess, ProbeResult
+
+USED_ORDER = ("kmd", "sysman", "torch")  # best source of used memory first (then a process list)
+
+
+def _bdf_for(snap: Snapshot, bdf: str | None, index: int | None) -> str | None:
+    if bdf:
+        return bdf
+    if index is not None:
+        for d in snap.devices:
+            if d.is_intel and d.index == index:
+                return d.bdf
+    return None
+
+
+def reconcile(host: Host, snap: Snapshot, results: tuple[ProbeResult, ...],
+              baseline: dict[str, int] | None = None,
+              probe_pids: frozenset[int] | tuple[int, ...] = ()) -> Deep:
+    """Per device: used memory from the best source, minus what visible holders have in
+    fdinfo, minus the idle baseline. Pure arithmetic apart from the /proc existence checks."""
+    baseline = baseline or {}
+    own = frozenset(probe_pids)
+    seen: dict[str, dict[str, Any]] = {}
+    unplaced: list[str] = []
+    for r in results:
+        if not r.available:
+            continue
+        for n, pd in enumerate(r.devices):
+            bdf = _bdf_for(snap, pd.bdf, pd.index)
+            if bdf is not None:
+                seen.setdefault(bdf, {}).setdefault(r.name, pd)
+            elif pd.state == "lost":
+                unplaced.append(f"{r.name} device #{n}: {pd.reason or 'device lost'}")
+    order = [d.bdf for d in snap.devices if d.is_intel] + sorted(set(seen) - {d.bdf for d in snap.devices})
+    views = []
+    for bdf in order:
+        entries = seen.get(bdf, {})
+        source = next((n for n in USED_ORDER if n in entries and entries[n].memory_used_bytes is not None), None)
+        used = entries[source].memory_used_bytes if source else None
+        total = next((entries[n].memory_total_bytes for n in USED_ORDER
+                      if n in entries and entries[n].memory_total_bytes), None)
+        procs: dict[int, ProbeProcess] = {}
+        psources = []
+        own_bytes = 0
+        for n in ("sysman", "xpu-smi"):
+            listed = entries[n].processes if n in entries else None
+            if listed is None:
+                continue
+            psources.append(n)
+            for p in listed:
+                if p.pid in own:
+                    if n == psources[0]:
+                        own_bytes += p.memory_bytes or 0
+                    continue
+                procs.setdefault(p.pid, p)
+        if used is not None and source != "torch":
+            used = max(0, used - own_bytes)  # the probes' own contexts
+        if used is None and psources:
+            # no memory figure: the listed processes' memory is a lower bound of what is used
+            used = sum(p.memory_bytes or 0 for p in procs.values())
+            source = psources[0]
+        lost = tuple(f"{n}: {e.reason or 'device lost'}" for n, e in sorted(entries.items()) if e.state == "lost")
+        visible = snap.memory_used(bdf) or 0
+        base = baseline.get(bdf, 0)
+        views.append(RuntimeView(
+            bdf=bdf,
+            source=source,
+            memory_used_bytes=used,
+            memory_total_bytes=total,
+            processes=tuple(sorted(procs.values())),
+            process_source="+".join(psources) or None,
+            state="lost" if lost else "ok",
+            lost_reasons=lost,
+            visible_bytes=visible,
+            baseline_bytes=base,
+            unattributed_bytes=max(0, used - visible - base) if used is not None else None,
+            invisible_pids=tuple(sorted(pid for pid in procs if not host.exists(f"/proc/{pid}"))),
+        ))
+    return Deep(tuple(results), tuple(views), tuple(sorted(own)), tuple(unplaced))
+
+
+def attach(host: Host, snap: Snapshot, results: tuple[ProbeResult, ...],
+           baseline: dict[str, int] | None = None,
+           probe_pids: frozenset[int] | tuple[int, ...] = ()) -> Snapshot:
+    """The snapshot with `deep` set and memory totals from a probe where sysfs has none."""
+    deep = reconcile(host, snap, results, baseline, probe_pids)
+    devices = tuple(
+        d._replace(memory_total_bytes=v.memory_total_bytes)
+        if d.memory_total_bytes is None and (v := deep.device(d.bdf)) and v.memory_total_bytes
+        else d
+        for d in snap.devices
+    )
+    return snap._replace(devices=devices, deep=deep)
