@@ -11,18 +11,9 @@ from xpuctl.core.checks import Options, evaluate
 from xpuctl.host.seam import Host
 from xpuctl.core.model import Issue, Report, Snapshot
 from xpuctl.parse.procfs import parse_status_nspid
-from xpuctl.host.devices import scan_devices, select_devices
+from xpuctl.host.devices import resolve_device_specs
 from xpuctl.host.scan import DEFAULT_PORT, take_snapshot
-
-
-def resolve_device_specs(host: Host, specs: list[str]) -> tuple[str, ...]:
-    """BDFs for `--device` values (each may be a comma list, as for serve --devices);
-    UsageError (exit 2) for an unknown one."""
-    if not specs:
-        return ()
-    specs = [s for item in specs for s in item.split(",")]
-    devices, _ = scan_devices(host)
-    return tuple(d.bdf for d in select_devices(devices, specs))
+from xpuctl.state.statedir import resolve_state_dir as state_dir_for  # noqa: F401  (until cli/ lands)
 
 
 class RecordedProbes(NamedTuple):
@@ -112,16 +103,6 @@ def diagnose(
 
         snap = snap._replace(last_run=last_run(state_dir))
     return evaluate(snap, opts)
-
-
-def state_dir_for(host: Host, given: str | None, environ: dict[str, str]) -> str | None:
-    """The state directory doctor and reset read, found as serve finds it. A re-rooted host
-    (a fake tree, a snapshot) has no runs of this machine: only an explicit one is read."""
-    from xpuctl.state.runs import default_state_dir
-
-    if given:
-        return given
-    return default_state_dir(environ) if host.live else None
 
 
 def blocking(report: Report, strict: bool) -> bool:

@@ -162,3 +162,13 @@ def find_device(devices: list[Device] | tuple[Device, ...], spec: str) -> Device
             if node.lower() == low or node.rsplit("/", 1)[-1].lower() == name:
                 return d
     return None
+
+
+def resolve_device_specs(host: Host, specs: list[str]) -> tuple[str, ...]:
+    """BDFs for `--device` values (each may be a comma list, as for serve --devices);
+    UsageError (exit 2) for an unknown one."""
+    if not specs:
+        return ()
+    specs = [s for item in specs for s in item.split(",")]
+    devices, _ = scan_devices(host)
+    return tuple(d.bdf for d in select_devices(devices, specs))

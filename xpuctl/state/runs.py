@@ -1,7 +1,6 @@
 """Run records and device locks in the state directory.
 
-State directory: `--state-dir`, else `XPUCTL_STATE_DIR`, else `/run/xpuctl` for root, else
-`$XDG_RUNTIME_DIR/xpuctl`, else `/tmp/xpuctl-<uid>`. Created 0700; refused when owned by
+State directory (found by state/statedir): created 0700; refused when owned by
 someone else or writable by group/others (a shared /tmp must not let another user forge a
 run record that makes root signal an arbitrary pid). Records are written atomically
 (temp file + rename). Locks are flock()s held by the supervising process for the whole run,
@@ -20,20 +19,10 @@ from typing import Any
 
 from xpuctl.state import atomic
 from xpuctl.errors import LockedError, UsageError
+from xpuctl.state.statedir import default_state_dir  # noqa: F401  (until cli/ lands)
 
 ACTIVE_STATES = ("starting", "ready", "stopping")  # a run that may still have processes
 STATES = (*ACTIVE_STATES, "stopped", "failed")
-
-
-def default_state_dir(environ: dict[str, str] | None = None) -> str:
-    env = os.environ if environ is None else environ
-    if env.get("XPUCTL_STATE_DIR"):
-        return env["XPUCTL_STATE_DIR"]
-    if os.geteuid() == 0:
-        return "/run/xpuctl"
-    if env.get("XDG_RUNTIME_DIR"):
-        return os.path.join(env["XDG_RUNTIME_DIR"], "xpuctl")
-    return f"/tmp/xpuctl-{os.geteuid()}"
 
 
 def ensure_state_dir(path: str, create: bool = True) -> str:
