@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import BinaryIO
 
 from xpuctl.host.seam import Host
-from xpuctl.host.processes import stat_of
+from xpuctl.host.processes import same_process
 from xpuctl.state.runs import RunRecord
 
 CHUNK = 1 << 16
@@ -54,13 +54,12 @@ def run_alive(host: Host, rec: RunRecord) -> bool:
 
     The supervisor's start time is not recorded, but it started before vLLM did: a process
     under its pid that started later is another process."""
-    top = stat_of(host, rec.pid) if rec.pid else None
-    if top is not None and top.state != "Z" and rec.start_ticks is not None and top.start_ticks == rec.start_ticks:
+    if rec.pid and rec.start_ticks is not None and same_process(host, rec.pid, rec.start_ticks):
         return True
     if not rec.supervisor_pid:
         return False
-    sup = stat_of(host, rec.supervisor_pid)
-    if sup is None or sup.state == "Z":
+    sup = same_process(host, rec.supervisor_pid)
+    if sup is None:
         return False
     return rec.start_ticks is None or sup.start_ticks <= rec.start_ticks
 

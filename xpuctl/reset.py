@@ -24,7 +24,7 @@ from xpuctl.errors import UsageError
 from xpuctl.host.seam import Host
 from xpuctl.core.model import Artifact, Process, Report, Snapshot
 from xpuctl.parse.roles import API_SERVER
-from xpuctl.host.processes import list_pids, stat_of
+from xpuctl.host.processes import list_pids, same_process
 from xpuctl.output.safetext import safe
 from xpuctl.host.scan import DEFAULT_PORT, take_snapshot
 from xpuctl.shutdown.ladder import StopResult, stop
@@ -71,8 +71,8 @@ def _parents(host: Host) -> dict[int, int]:
     """pid → ppid of every live process (one pass over /proc/*/stat)."""
     out = {}
     for pid in list_pids(host):
-        st = stat_of(host, pid)
-        if st is not None and st.state != "Z":
+        st = same_process(host, pid)
+        if st is not None:
             out[pid] = st.ppid
     return out
 
@@ -106,8 +106,8 @@ def find_holders(host: Host, snap: Snapshot, wanted: set[str]) -> list[Holder]:
                else _why_not(p, parents, serving, live_runs, mine))
         tree = None
         if why is None:
-            t = target_of(host, p.pid, p.cmdline[0] if p.cmdline else p.comm)
-            if t is None or t.start_ticks != p.start_ticks:
+            t = target_of(host, p.pid, p.cmdline[0] if p.cmdline else p.comm, p.start_ticks)
+            if t is None:
                 why = "already gone"
             else:
                 tree = ServerTree(top=t, role=None, orphan=True,

@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 from xpuctl.state import audit
 from xpuctl.host.seam import Host
-from xpuctl.host.processes import stat_of
+from xpuctl.host.processes import same_process, stat_of
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -51,14 +51,7 @@ class Target(NamedTuple):
 
     def alive(self, host: Host) -> bool:
         """Same process, still running (a zombie counts as gone: it holds nothing)."""
-        st = stat_of(host, self.pid)
-        return st is not None and st.start_ticks == self.start_ticks and st.state != "Z"
-
-    def state(self, host: Host) -> str | None:
-        st = stat_of(host, self.pid)
-        if st is None or st.start_ticks != self.start_ticks:
-            return None
-        return st.state
+        return same_process(host, self.pid, self.start_ticks) is not None
 
     def send(self, host: Host, sig: int) -> bool:
         """Signal the process if it is still the one we identified. True when sent.
@@ -100,11 +93,10 @@ class Target(NamedTuple):
         audit.signal(self.pid, self.start_ticks, self.label, sig, result)
 
 
-def target_of(host: Host, pid: int, label: str = "") -> Target | None:
-    st = stat_of(host, pid)
-    if st is None or st.state == "Z":
-        return None
-    return Target(pid, st.start_ticks, label)
+def target_of(host: Host, pid: int, label: str = "", start_ticks: int | None = None) -> Target | None:
+    """`pid` as a Target while it runs (and, given `start_ticks`, is still that process)."""
+    st = same_process(host, pid, start_ticks)
+    return Target(pid, st.start_ticks, label) if st is not None else None
 
 
 def wait_gone(host: Host, targets: Iterable[Target], timeout: float, interval: float = 0.05) -> list[Target]:

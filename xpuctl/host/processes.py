@@ -102,6 +102,18 @@ def stat_of(host: Host, pid: int) -> ProcStat | None:
         return None
 
 
+def same_process(host: Host, pid: int, start_ticks: int | None = None) -> ProcStat | None:
+    """The stat of `pid` while it still runs and, when `start_ticks` is given, is still the
+    process that started then; None when it is gone, a zombie (it holds nothing, and PID 1
+    in a container may never reap it) or the pid names another process now.
+
+    The one identity check: every "is this still the same live process?" asks here."""
+    st = stat_of(host, pid)
+    if st is None or st.state == "Z" or (start_ticks is not None and st.start_ticks != start_ticks):
+        return None
+    return st
+
+
 def read_cmdline(host: Host, pid: int) -> list[str]:
     """argv of a process; [] when it is gone, unreadable or a kernel thread."""
     try:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from xpuctl.actions.signals import Target, target_of
 from xpuctl.core.model import Snapshot
-from xpuctl.host.processes import list_pids, read_cmdline, stat_of
+from xpuctl.host.processes import list_pids, read_cmdline, same_process
 from xpuctl.host.scan import RUN_ID_VAR
 from xpuctl.host.seam import Host
 from xpuctl.parse.procfs import parse_environ
@@ -77,8 +77,8 @@ def tree_from_record(rec: RunRecord, snap: Snapshot, host: Host) -> ServerTree |
             tree = tree_from_snapshot(snap, rec.pid, host)
         if tree is None:
             # the recorded top is what xpuctl launched: trust the record over argv shapes
-            t = target_of(host, rec.pid, "api-server")
-            if t is not None and t.start_ticks == rec.start_ticks:
+            t = target_of(host, rec.pid, "api-server", rec.start_ticks)
+            if t is not None:
                 tree = ServerTree(top=t, role=API_SERVER, orphan=False, known=[t])
     if tree is None:
         tagged = [p for p in snap.processes if p.run_id == rec.run_id and not p.is_zombie]
@@ -110,8 +110,8 @@ def members(host: Host, tree: ServerTree) -> list[Target]:
     can hold for good, and an unrelated stuck process must not hang a shutdown."""
     stats = {}
     for pid in list_pids(host):
-        st = stat_of(host, pid)
-        if st is not None and st.state != "Z":
+        st = same_process(host, pid)
+        if st is not None:
             stats[pid] = st
     chosen: set[int] = {t.pid for t in tree.known if t.pid in stats}
     if tree.top.pid in stats:
@@ -160,8 +160,8 @@ def topmost(host: Host, targets: list[Target]) -> list[Target]:
     pids = {t.pid for t in targets}
     out = []
     for t in targets:
-        st = stat_of(host, t.pid)
-        if st is not None and st.start_ticks == t.start_ticks and st.state != "Z" and st.ppid not in pids:
+        st = same_process(host, t.pid, t.start_ticks)
+        if st is not None and st.ppid not in pids:
             out.append(t)
     return out
 

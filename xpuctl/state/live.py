@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import NamedTuple
 
-from xpuctl.host.processes import stat_of
+from xpuctl.host.processes import same_process
 from xpuctl.host.seam import Host
 from xpuctl.state.runs import ACTIVE_STATES, RunRecord, list_records
 
@@ -31,8 +31,7 @@ def live_runs(host: Host, state_dir: str) -> list[RunRow]:
     still runs (a record left by a killed supervisor is not a run)."""
 
     def alive(pid: int | None, ticks: int | None = None) -> bool:
-        st = stat_of(host, pid) if pid else None
-        return st is not None and st.state != "Z" and (ticks is None or st.start_ticks == ticks)
+        return bool(pid) and same_process(host, pid, ticks) is not None  # type: ignore[arg-type]
 
     now = time.time()
     out = []
