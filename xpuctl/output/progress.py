@@ -27,6 +27,7 @@ from typing import IO, Protocol
 
 from xpuctl.parse.vllmlog import READY, STARTING, Phase, phase_of, short_line
 from xpuctl.output.safetext import emit, safe, safe_lines
+from xpuctl.output.timeline import phase_line
 
 
 class Tracker:
@@ -122,7 +123,7 @@ class QuietView(_Base):
 
 class PlainView(_Base):
     def phase(self, t: float, label: str) -> None:
-        self.say(f"xpuctl: {self.name}: {t:6.1f}s {label}")
+        self.say(f"xpuctl: {self.name}: {phase_line(t, label)}")
 
 
 class LiveView(_Base):
@@ -260,7 +261,7 @@ class PipeSink:
         self._send("say", msg)
 
     def phase(self, t: float, label: str) -> None:
-        self.log(f"xpuctl: {t:6.1f}s {label}")
+        self.log(f"xpuctl: {phase_line(t, label)}")
         self._send("phase", t, label)
         self.last_line = 0.0  # the line that started it goes out at once
 

@@ -21,6 +21,7 @@ from xpuctl.host import http
 from xpuctl.host.seam import Host
 from xpuctl.output import progress
 from xpuctl.output.safetext import safe
+from xpuctl.output.timeline import event_line
 from xpuctl.serve.launch import LaunchPlan, ServeOptions
 from xpuctl.state.runs import RunRecord, update_record
 
@@ -219,7 +220,7 @@ class RunSupervisor:
                     never_ready=not self.ready)
 
     def _show(self, ev) -> None:
-        self.say(f"xpuctl: {ev.t:7.2f}s {ev.phase:<17} {safe(ev.detail)}")
+        self.say(f"xpuctl: {event_line(ev.t, ev.phase, ev.detail)}")
 
     def stop_tree(self):
         """The ladder on our own tree. A server that never became ready has nothing to
