@@ -1,7 +1,7 @@
 """Every parser in xpuctl/parse/ on arbitrary input: it returns, or raises its own documented
 error, and nothing else (no IndexError, UnicodeDecodeError, struct.error, RecursionError…).
 
-Lenient parsers (fdinfo, procfs, net, envvars, roles) document that they never raise; the
+Lenient parsers (fdinfo, procfs, net, envvars, roles, vllmargs' readers) document that they never raise; the
 strict ones raise NetlinkError, KmdReplyError, XpuSmiError or ProbeOutputError.
 """
 
@@ -13,8 +13,8 @@ import struct
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from xpuctl.parse import envvars, fdinfo, kmd, net, procfs, roles, sockdiag, xpusmi
-from xpuctl.parse import probes as P
+from xpuctl.parse import envvars, fdinfo, kmd, net, probes, procfs, roles, sockdiag, vllmargs, xpusmi
+from xpuctl.errors import UsageError
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 texts = st.text(max_size=2000)
@@ -149,10 +149,10 @@ def test_xpusmi_raises_only_xpusmi_error(text):
                                                        "devices": [{"processes": v}]}))))
 def test_probe_output_raises_only_probe_output_error(text):
     try:
-        r = P.parse_probe_output(text, "sysman")
-    except P.ProbeOutputError:
+        r = probes.parse_probe_output(text, "sysman")
+    except probes.ProbeOutputError:
         return
-    assert P.result_from_dict(P.result_to_dict(r)) == r
+    assert probes.result_from_dict(probes.result_to_dict(r)) == r
 
 
 @FUZZ
@@ -162,5 +162,52 @@ def test_probe_document_raises_only_probe_output_error(value):
 
     try:
         probes.results_from_json({"schema": probes.SCHEMA, "probes": value if isinstance(value, list) else [value]})
-    except P.ProbeOutputError:
+    except probes.ProbeOutputError:
         pass
+
+
+# vLLM's arguments: the flags serve and shutdown look for, in every spelling, among noise
+vllm_argv = st.lists(
+    st.sampled_from(["--port", "--port=8001", "--host", "--host=0.0.0.0", "--shutdown-timeout",
+                     "--shutdown_timeout", "--shutdown-timeout=7", "--shutdown_timeout=x", "8000",
+                     "0", "-1", "", "=", "--port=", "--tensor-parallel-size", "2"])
+    | st.text(max_size=30), max_size=12,
+)
+
+
+@FUZZ
+@given(vllm_argv)
+def test_vllm_argv_readers_never_raise(argv):
+    port, bind = vllmargs.port_from_argv(argv)
+    assert port is None or port >= 0
+    assert bind is None or isinstance(bind, str)
+    timeout = vllmargs.shutdown_timeout_from_argv(argv)
+    assert timeout is None or timeout >= 0
+
+
+@FUZZ
+@given(vllm_argv, st.sampled_from(["--port", "--host", "--shutdown-timeout"]))
+def test_strip_flag_removes_every_spelling_and_keeps_the_rest(argv, flag):
+    rest, value, found = vllmargs.strip_flag(argv, flag)
+    spellings = {flag, flag.replace("-", "_").replace("__", "--")}
+    assert not any(a.partition("=")[0] in spellings for a in rest)
+    assert found == any(a.partition("=")[0] in spellings for a in argv)
+    assert value is None or found
+    # what is left keeps its order
+    it = iter(argv)
+    assert all(any(a == b for b in it) for a in rest)
+
+
+@FUZZ
+@given(vllm_argv, st.sampled_from(["--port", "--host"]), st.none() | st.sampled_from(["8000", "08000", "x"]))
+def test_merge_shared_passes_the_flag_once_or_refuses(argv, flag, before):
+    try:
+        merged = vllmargs.merge_shared(list(argv), flag, before)
+    except UsageError:
+        assert before is not None
+        return
+    if before is None:
+        assert merged == list(argv)
+    else:
+        assert vllmargs.strip_flag(merged, flag)[2]
+
