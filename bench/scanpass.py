@@ -28,35 +28,35 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import run as bench  # noqa: E402  (Population, StandInRoot via proctools)
 
-import xpuctl.host.seam as H  # noqa: E402
+from xpuctl.host import seam  # noqa: E402
 from xpuctl.host.seam import Host  # noqa: E402
-from xpuctl.host import processes as P  # noqa: E402
+from xpuctl.host import processes  # noqa: E402
 from xpuctl.host import split as Sp  # noqa: E402
 
 
-def plain(host: Host) -> P.FdScan:
+def plain(host: Host) -> processes.FdScan:
     saved, Sp.SPLIT_ABOVE = Sp.SPLIT_ABOVE, 1 << 30
     try:
-        return P.scan_processes(host)
+        return processes.scan_processes(host)
     finally:
         Sp.SPLIT_ABOVE = saved
 
 
-def two_threads(host: Host) -> P.FdScan:
-    pids = P.list_pids(host)
-    out, half = P.FdScan(), P.FdScan()
-    t = threading.Thread(target=P._scan_some, args=(host, pids[1::2], frozenset(), half))
+def two_threads(host: Host) -> processes.FdScan:
+    pids = processes.list_pids(host)
+    out, half = processes.FdScan(), processes.FdScan()
+    t = threading.Thread(target=processes._scan_some, args=(host, pids[1::2], frozenset(), half))
     t.start()
-    P._scan_some(host, pids[0::2], frozenset(), out)
+    processes._scan_some(host, pids[0::2], frozenset(), out)
     t.join()
     out.merge(half)
     return out
 
 
-def split(host: Host) -> P.FdScan:
+def split(host: Host) -> processes.FdScan:
     saved, Sp.SPLIT_ABOVE = Sp.SPLIT_ABOVE, 0
     try:
-        return P.scan_processes(host)
+        return processes.scan_processes(host)
     finally:
         Sp.SPLIT_ABOVE = saved
 
@@ -73,7 +73,7 @@ def main() -> int:
         pop = bench.Population(sys.executable, a.n, a.fds, root.node(0), min(10, a.n))
         pop.verify()
         host = Host(root.root)
-        dense = H._FD_NAMES
+        dense = seam._FD_NAMES
         ways = [(f"{name}{'' if d else ', listing every fd dir'}", fn, d)
                 for d in (True, False) for name, fn in
                 (("plain", plain), ("two threads", two_threads), ("split", split))]
@@ -81,7 +81,7 @@ def main() -> int:
         for r in range(a.rounds + 1):
             for i in range(len(ways)):
                 label, fn, d = ways[(i + r) % len(ways)]
-                H._FD_NAMES = dense if d else ()
+                seam._FD_NAMES = dense if d else ()
                 t0 = time.perf_counter()
                 found = fn(host)
                 dt = time.perf_counter() - t0
@@ -90,8 +90,8 @@ def main() -> int:
                     raise SystemExit(f"{label}: found holders {held}, expected {pop.pids[:10]}")
                 if r:  # round 0 is a warm-up
                     times[label].append(dt)
-        H._FD_NAMES = dense
-        procs = len(P.list_pids(host))
+        seam._FD_NAMES = dense
+        procs = len(processes.list_pids(host))
         print(f"scan_processes on {procs} processes ({a.n} with {a.fds} fds), "
               f"{a.rounds} rounds, {os.cpu_count()} CPUs")
         print(f"{'way':38s} {'median':>8s} {'min':>8s} {'max':>8s}")

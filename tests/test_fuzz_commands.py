@@ -17,7 +17,7 @@ import random
 from pathlib import Path
 
 import fakehost as fh
-import hostile as H
+import hostile
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -71,7 +71,7 @@ class Tree:
 @pytest.fixture(scope="module")
 def trees(tmp_path_factory):
     base = tmp_path_factory.mktemp("fuzz")
-    return [Tree(H.hostile_host(base / "hostile").root), Tree(fh.i915_host(base / "i915").root)]
+    return [Tree(hostile.hostile_host(base / "hostile").root), Tree(fh.i915_host(base / "i915").root)]
 
 
 def mutate(data: bytes, how: str, rnd: random.Random) -> bytes:
@@ -124,8 +124,8 @@ def test_mutated_host_never_breaks_a_command(trees, which, command, edits):
     what = f"{command} after {[(str(p.relative_to(tree.root)), e[1]) for p, e in zip(touched, edits)]}"
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         raise AssertionError(f"{what}: uncaught {result.exception!r}") from result.exception
-    out = H.assert_terminal_safe(result.stdout_bytes, f"{what} stdout")
-    err = H.assert_terminal_safe(result.stderr_bytes, f"{what} stderr")
+    out = hostile.assert_terminal_safe(result.stdout_bytes, f"{what} stdout")
+    err = hostile.assert_terminal_safe(result.stderr_bytes, f"{what} stderr")
     assert "Traceback" not in out + err, what
     assert result.exit_code in (0, 1, 2), f"{what}: exit {result.exit_code}\n{err}"
     if "--json" in command:

@@ -8,8 +8,8 @@ import struct
 
 import pytest
 
-from xpuctl.parse import kmd as K
-from xpuctl.parse import xpusmi as S
+from xpuctl.parse import kmd
+from xpuctl.parse import xpusmi
 from xpuctl.parse.probes import (
     ProbeOutputError,
     parse_probe_output,
@@ -41,38 +41,38 @@ I915_DG2 = (
 
 
 def test_ioctl_numbers_and_sizes_follow_the_uapi_headers():
-    assert K.DRM_IOCTL_XE_DEVICE_QUERY == 0xC0286440  # _IOWR('d', 0x40, 40 bytes)
-    assert K.DRM_IOCTL_I915_QUERY == 0xC0106479  # _IOWR('d', 0x79, 16 bytes)
-    assert (K.XE_QUERY.size, K.XE_REGION.size, K.I915_QUERY_ITEM.size, K.I915_REGION.size) == (40, 88, 24, 88)
-    q = K.xe_query(264, 0xDEAD0000)
+    assert kmd.DRM_IOCTL_XE_DEVICE_QUERY == 0xC0286440  # _IOWR('d', 0x40, 40 bytes)
+    assert kmd.DRM_IOCTL_I915_QUERY == 0xC0106479  # _IOWR('d', 0x79, 16 bytes)
+    assert (kmd.XE_QUERY.size, kmd.XE_REGION.size, kmd.I915_QUERY_ITEM.size, kmd.I915_REGION.size) == (40, 88, 24, 88)
+    q = kmd.xe_query(264, 0xDEAD0000)
     assert struct.unpack("<QIIQQQ", q) == (0, 1, 264, 0xDEAD0000, 0, 0)
-    assert K.xe_query_size(q) == 264
-    assert K.i915_item_length(K.i915_item(-22)) == -22
+    assert kmd.xe_query_size(q) == 264
+    assert kmd.i915_item_length(kmd.i915_item(-22)) == -22
 
 
 def test_xe_mem_regions_golden():
-    regions = K.parse_xe_mem_regions(XE_TWO_TILES)
+    regions = kmd.parse_xe_mem_regions(XE_TWO_TILES)
     assert [r.mem_class for r in regions] == [0, 1, 1]
-    assert regions[1] == K.MemRegion(1, 1, 24 * GiB, 9 * GiB)
-    assert K.device_memory(regions, privileged=True) == K.KmdMemory(48 * GiB, 10 * GiB, 2)
+    assert regions[1] == kmd.MemRegion(1, 1, 24 * GiB, 9 * GiB)
+    assert kmd.device_memory(regions, privileged=True) == kmd.KmdMemory(48 * GiB, 10 * GiB, 2)
     # without CAP_PERFMON the kernel writes 0 into `used`: not a figure to trust
-    assert K.device_memory(regions, privileged=False) == K.KmdMemory(48 * GiB, None, 2)
+    assert kmd.device_memory(regions, privileged=False) == kmd.KmdMemory(48 * GiB, None, 2)
 
 
 def test_i915_memory_regions_golden():
-    regions = K.parse_i915_memory_regions(I915_DG2)
-    assert regions[1] == K.MemRegion(1, 0, 16 * GiB, 6 * GiB)
-    assert K.device_memory(regions, True) == K.KmdMemory(16 * GiB, 6 * GiB, 1)
+    regions = kmd.parse_i915_memory_regions(I915_DG2)
+    assert regions[1] == kmd.MemRegion(1, 0, 16 * GiB, 6 * GiB)
+    assert kmd.device_memory(regions, True) == kmd.KmdMemory(16 * GiB, 6 * GiB, 1)
     igpu = struct.pack("<IIII", 1, 0, 0, 0) + struct.pack("<HHIQQ", 0, 0, 0, 8 * GiB, 8 * GiB) + bytes(64)
-    assert K.device_memory(K.parse_i915_memory_regions(igpu), True) == K.KmdMemory(None, None, 0)
+    assert kmd.device_memory(kmd.parse_i915_memory_regions(igpu), True) == kmd.KmdMemory(None, None, 0)
 
 
 @pytest.mark.parametrize("data", [b"", b"\x01\x00", XE_TWO_TILES[:100], struct.pack("<II", 10**6, 0)])
 def test_short_or_impossible_replies_raise_the_parser_error(data):
-    with pytest.raises(K.KmdReplyError):
-        K.parse_xe_mem_regions(data)
-    with pytest.raises(K.KmdReplyError):
-        K.parse_i915_memory_regions(data[:8] + bytes(8) if len(data) >= 8 else data)
+    with pytest.raises(kmd.KmdReplyError):
+        kmd.parse_xe_mem_regions(data)
+    with pytest.raises(kmd.KmdReplyError):
+        kmd.parse_i915_memory_regions(data[:8] + bytes(8) if len(data) >= 8 else data)
 
 
 def kmd_line(privileged_: bool, devices: list[dict]) -> str:
@@ -82,27 +82,27 @@ def kmd_line(privileged_: bool, devices: list[dict]) -> str:
 def test_kmd_probe_result_fills_total_and_used():
     dev = {"bdf": "0000:03:00.0", "driver": "xe", "node": "/dev/dri/renderD128",
            "reply": XE_TWO_TILES.hex(), "errno": None, "error": None}
-    r = K.probe_result(kmd_line(True, [dev]), 0.05)
+    r = kmd.probe_result(kmd_line(True, [dev]), 0.05)
     assert r.available and r.devices[0].memory_total_bytes == 48 * GiB
     assert r.devices[0].memory_used_bytes == 10 * GiB and not r.notes
-    r = K.probe_result(kmd_line(False, [dev]), 0.05)
+    r = kmd.probe_result(kmd_line(False, [dev]), 0.05)
     assert r.devices[0].memory_used_bytes is None and "CAP_PERFMON" in r.notes[0]
     i915 = dict(dev, driver="i915", reply=I915_DG2.hex())
-    assert K.probe_result(kmd_line(True, [i915])).devices[0].memory_used_bytes == 6 * GiB
+    assert kmd.probe_result(kmd_line(True, [i915])).devices[0].memory_used_bytes == 6 * GiB
 
 
 def test_kmd_probe_result_errors():
     wedged = {"bdf": "0000:03:00.0", "driver": "xe", "node": "/dev/dri/renderD128", "reply": None,
               "errno": 125, "error": "query on /dev/dri/renderD128: Operation canceled"}
     denied = dict(wedged, bdf="0000:04:00.0", errno=13, error="open /dev/dri/renderD129: Permission denied")
-    r = K.probe_result(kmd_line(False, [wedged, denied]))
+    r = kmd.probe_result(kmd_line(False, [wedged, denied]))
     assert [d.state for d in r.devices] == ["lost", "ok"]
     assert any("Permission denied" in n for n in r.notes)
-    assert not K.probe_result(kmd_line(False, [])).available
+    assert not kmd.probe_result(kmd_line(False, [])).available
     for bad in ("", "garbage", json.dumps({"devices": [{"bdf": "x"}]}),
                 kmd_line(True, [dict(wedged, reply="zz")])):
-        with pytest.raises(K.KmdReplyError):
-            K.probe_result(bad)
+        with pytest.raises(kmd.KmdReplyError):
+            kmd.probe_result(bad)
 
 
 def test_capabilities_from_status():
@@ -143,13 +143,13 @@ PS_V2 = json.dumps({"device_util_by_proc_list": [
 
 
 def test_xpusmi_v1_and_v2_golden():
-    (d,) = S.parse_discovery(DISCOVERY_V1)
-    assert d == S.SmiDevice(0, "0000:29:00.0", "Intel(R) Data Center GPU Max 1550", None)
-    v2 = S.parse_discovery(DISCOVERY_V2)
+    (d,) = xpusmi.parse_discovery(DISCOVERY_V1)
+    assert d == xpusmi.SmiDevice(0, "0000:29:00.0", "Intel(R) Data Center GPU Max 1550", None)
+    v2 = xpusmi.parse_discovery(DISCOVERY_V2)
     assert [x.bdf for x in v2] == ["0000:03:00.0", "0000:04:00.0"] and v2[0].state == "healthy"
-    (p,) = S.parse_ps(PS_V1)
-    assert p == S.SmiProcess(12345, 0, 61865984 * 1024, 0, "python3")  # kB → bytes
-    r = S.probe_result((0, DISCOVERY_V2), (0, PS_V2), 0.3)
+    (p,) = xpusmi.parse_ps(PS_V1)
+    assert p == xpusmi.SmiProcess(12345, 0, 61865984 * 1024, 0, "python3")  # kB → bytes
+    r = xpusmi.probe_result((0, DISCOVERY_V2), (0, PS_V2), 0.3)
     assert r.available and r.devices[1].processes[0].memory_bytes == GiB
     assert r.devices[0].processes == ()
 
@@ -157,9 +157,9 @@ def test_xpusmi_v1_and_v2_golden():
 @pytest.mark.parametrize("text", ["", "xpu-smi: command failed", "[]", '{"device_list": 3}',
                                   '{"device_list": [{"device_name": "x"}]}', '{"error": "device not found", "errno": 5}'])
 def test_xpusmi_bad_discovery(text):
-    with pytest.raises(S.XpuSmiError):
-        S.parse_discovery(text)
-    r = S.probe_result((0, text), (0, PS_V2))
+    with pytest.raises(xpusmi.XpuSmiError):
+        xpusmi.parse_discovery(text)
+    r = xpusmi.probe_result((0, text), (0, PS_V2))
     assert not r.available and r.reason.startswith("xpu-smi discovery -j")
 
 
@@ -205,24 +205,24 @@ def test_kmd_probe_two_call_protocol(monkeypatch):
 
     def kernel(fd, req, buf, mutate):
         assert mutate is True and isinstance(buf, bytearray)
-        if req == K.DRM_IOCTL_XE_DEVICE_QUERY:
-            ext, query, size, data, r0, r1 = K.XE_QUERY.unpack(bytes(buf))
-            assert query == K.DRM_XE_DEVICE_QUERY_MEM_REGIONS
+        if req == kmd.DRM_IOCTL_XE_DEVICE_QUERY:
+            ext, query, size, data, r0, r1 = kmd.XE_QUERY.unpack(bytes(buf))
+            assert query == kmd.DRM_XE_DEVICE_QUERY_MEM_REGIONS
             if size == 0:
-                buf[:] = K.XE_QUERY.pack(ext, query, len(XE_TWO_TILES), data, r0, r1)
+                buf[:] = kmd.XE_QUERY.pack(ext, query, len(XE_TWO_TILES), data, r0, r1)
             else:
                 ctypes.memmove(data, XE_TWO_TILES, len(XE_TWO_TILES))
             return 0
-        assert req == K.DRM_IOCTL_I915_QUERY
-        num, _flags, items = K.I915_QUERY.unpack(bytes(buf))
+        assert req == kmd.DRM_IOCTL_I915_QUERY
+        num, _flags, items = kmd.I915_QUERY.unpack(bytes(buf))
         assert num == 1
-        qid, length, flags, data = K.I915_QUERY_ITEM.unpack(ctypes.string_at(items, K.I915_QUERY_ITEM.size))
-        assert qid == K.DRM_I915_QUERY_MEMORY_REGIONS
+        qid, length, flags, data = kmd.I915_QUERY_ITEM.unpack(ctypes.string_at(items, kmd.I915_QUERY_ITEM.size))
+        assert qid == kmd.DRM_I915_QUERY_MEMORY_REGIONS
         if length == 0:
-            answer = K.I915_QUERY_ITEM.pack(qid, len(I915_DG2), flags, data)
+            answer = kmd.I915_QUERY_ITEM.pack(qid, len(I915_DG2), flags, data)
         else:
             ctypes.memmove(data, I915_DG2, len(I915_DG2))
-            answer = K.I915_QUERY_ITEM.pack(qid, len(I915_DG2), flags, data)
+            answer = kmd.I915_QUERY_ITEM.pack(qid, len(I915_DG2), flags, data)
         ctypes.memmove(items, answer, len(answer))
         return 0
 
@@ -231,9 +231,9 @@ def test_kmd_probe_two_call_protocol(monkeypatch):
     assert probe._i915(0) == I915_DG2
 
     def refuses(fd, req, buf, mutate):
-        num, _flags, items = K.I915_QUERY.unpack(bytes(buf))
-        qid, _, flags, data = K.I915_QUERY_ITEM.unpack(ctypes.string_at(items, K.I915_QUERY_ITEM.size))
-        ctypes.memmove(items, K.I915_QUERY_ITEM.pack(qid, -22, flags, data), K.I915_QUERY_ITEM.size)
+        num, _flags, items = kmd.I915_QUERY.unpack(bytes(buf))
+        qid, _, flags, data = kmd.I915_QUERY_ITEM.unpack(ctypes.string_at(items, kmd.I915_QUERY_ITEM.size))
+        ctypes.memmove(items, kmd.I915_QUERY_ITEM.pack(qid, -22, flags, data), kmd.I915_QUERY_ITEM.size)
         return 0
 
     monkeypatch.setattr(probe.fcntl, "ioctl", refuses)
@@ -249,5 +249,5 @@ def test_kmd_probe_child_on_this_machine():
 
     out = subprocess.run([sys.executable, "-m", "xpuctl.probes.children.kmd"], capture_output=True, text=True,
                          timeout=60, check=True)
-    r = K.probe_result(out.stdout)
+    r = kmd.probe_result(out.stdout)
     assert not r.available and "render node" in r.reason

@@ -16,7 +16,7 @@ import pytest
 from xpuctl.core import advice
 from xpuctl.output import progress
 from xpuctl.core.checks import REGISTRY, last_run_findings
-from xpuctl.parse import vllmlog as V
+from xpuctl.parse import vllmlog
 from xpuctl.state import lastrun
 
 # vLLM 0.32.0 (CPU build) on this machine, in order (issue 12); XPU logs backend=xccl
@@ -37,19 +37,19 @@ REAL_0_32 = [
 
 
 def test_the_0_32_lines_name_the_phases_in_order():
-    got = [p.key for p in map(V.phase_of, REAL_0_32) if p is not None]
+    got = [p.key for p in map(vllmlog.phase_of, REAL_0_32) if p is not None]
     assert got == ["engine", "distributed", "loading", "profiling", "profiling", "http", "http"]
-    assert V.phase_of(REAL_0_32[2].replace("backend=gloo", "backend=xccl")).key == "oneccl"
-    ranks = [V.BY_KEY[k].rank for k in got]
+    assert vllmlog.phase_of(REAL_0_32[2].replace("backend=gloo", "backend=xccl")).key == "oneccl"
+    ranks = [vllmlog.BY_KEY[k].rank for k in got]
     assert ranks == sorted(ranks)
-    assert V.furthest_phase(REAL_0_32[:4]).key == "loading"
-    assert V.furthest_phase(REAL_0_32[:1]) is V.STARTING
+    assert vllmlog.furthest_phase(REAL_0_32[:4]).key == "loading"
+    assert vllmlog.furthest_phase(REAL_0_32[:1]) is vllmlog.STARTING
 
 
 def test_short_line_drops_vllms_prefix():
-    assert V.short_line(REAL_0_32[3]) == "EngineCore: Starting to load model /m..."
-    assert V.short_line("WARNING 12-01 10:00:00 [x.py:1] careful") == "WARNING careful"
-    assert V.short_line("plain text [x]") == "plain text [x]"
+    assert vllmlog.short_line(REAL_0_32[3]) == "EngineCore: Starting to load model /m..."
+    assert vllmlog.short_line("WARNING 12-01 10:00:00 [x.py:1] careful") == "WARNING careful"
+    assert vllmlog.short_line("plain text [x]") == "plain text [x]"
 
 
 def test_tracker_moves_forward_only_and_times_each_phase():
@@ -62,7 +62,7 @@ def test_tracker_moves_forward_only_and_times_each_phase():
     assert t.feed(REAL_0_32[3], 110.0).key == "loading"
     assert t.feed("some unknown line", 111.0) is None and t.last_line == "some unknown line"
     t.ready(120.0)
-    assert t.phase is V.READY
+    assert t.phase is vllmlog.READY
     assert t.spent == [("starting", 1.0), ("engine start", 2.0), ("oneCCL init (xccl)", 7.0),
                        ("loading model", 10.0)]
     assert t.summary() == ("starting 1.0s, engine start 2.0s, oneCCL init (xccl) 7.0s, "
@@ -73,7 +73,7 @@ def test_an_unknown_version_stays_starting_with_its_last_line():
     t = progress.Tracker(0.0)
     for i, line in enumerate(["booting the thing", "still booting", ""]):
         assert t.feed(line, float(i)) is None
-    assert t.phase is V.STARTING and t.last_line == "still booting"
+    assert t.phase is vllmlog.STARTING and t.last_line == "still booting"
 
 
 def test_plain_view_one_line_per_phase_no_control_characters():
@@ -171,18 +171,18 @@ SIGNATURE_LINES = {
 @pytest.mark.parametrize("key", sorted(SIGNATURE_LINES))
 def test_each_signature_is_found(key):
     lines = [REAL_0_32[0], SIGNATURE_LINES[key], "later line"]
-    sigs = V.hang_signatures(lines, ever_ready=True)
+    sigs = vllmlog.hang_signatures(lines, ever_ready=True)
     assert [s.key for s in sigs] == [key] and sigs[0].line == SIGNATURE_LINES[key].strip()
 
 
 def test_stuck_after_xccl_only_when_never_ready():
     xccl = REAL_0_32[2].replace("backend=gloo", "backend=xccl")
     lines = REAL_0_32[:2] + [xccl]
-    assert [s.key for s in V.hang_signatures(lines, ever_ready=False)] == ["xccl-stuck"]
-    assert V.hang_signatures(lines, ever_ready=True) == []
+    assert [s.key for s in vllmlog.hang_signatures(lines, ever_ready=False)] == ["xccl-stuck"]
+    assert vllmlog.hang_signatures(lines, ever_ready=True) == []
     # a start that got past the warm-up is not stuck in it
-    assert V.hang_signatures(lines + REAL_0_32[3:5], ever_ready=False) == []
-    assert V.hang_signatures(["kv cache usage 0.1, KVS-less line"], ever_ready=True) == []
+    assert vllmlog.hang_signatures(lines + REAL_0_32[3:5], ever_ready=False) == []
+    assert vllmlog.hang_signatures(["kv cache usage 0.1, KVS-less line"], ever_ready=True) == []
 
 
 def test_every_signature_has_mitigations_each_with_a_cost():

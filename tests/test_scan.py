@@ -24,7 +24,7 @@ from proctools import (
     wait_for,
 )
 from xpuctl.host.seam import Host
-from xpuctl.host import processes as P
+from xpuctl.host import processes
 from xpuctl.host import split as Sp
 
 PY = sys.executable
@@ -104,7 +104,7 @@ def test_fd_links_on_a_fake_tree_lists_the_directory(tmp_path):
                                          ("7", "socket:[99]")]
 
 
-def summary(scan: P.FdScan, pids: list[int]) -> dict:
+def summary(scan: processes.FdScan, pids: list[int]) -> dict:
     mine = set(pids)
     return {
         "procs": sorted(p for p in scan.procs if p in mine),
@@ -136,12 +136,12 @@ def test_split_pass_finds_what_the_plain_pass_finds(population, monkeypatch):
     host = Host(root.root)
     before = set(children_left())
     monkeypatch.setattr(Sp, "SPLIT_ABOVE", 10**9)
-    plain = P.scan_processes(host)
+    plain = processes.scan_processes(host)
     forks = []
     real_fork = os.fork
     monkeypatch.setattr(Sp.os, "fork", lambda: forks.append(1) or real_fork())
     _split_env(monkeypatch)  # whatever this machine's cores and other tests' threads
-    split = P.scan_processes(host)
+    split = processes.scan_processes(host)
     assert forks == [1]
     assert summary(split, pids) == summary(plain, pids)
     assert {(pid, path) for pid, _, path in split.drm_fds if pid in pids} == {
@@ -157,14 +157,14 @@ def test_split_pass_falls_back_when_the_helper_fails(population, monkeypatch):
     host = Host(root.root)
     monkeypatch.setattr(Sp, "SPLIT_ABOVE", 0)
     monkeypatch.setattr(Sp, "can_split", lambda: True)
-    plain_pids = set(P.list_pids(host))
+    plain_pids = set(processes.list_pids(host))
 
     def broken(self):  # runs in the helper: it exits 1 without writing anything
         raise RuntimeError("helper broke")
 
-    monkeypatch.setattr(P.FdScan, "dumps", broken)
+    monkeypatch.setattr(processes.FdScan, "dumps", broken)
     before = set(children_left())
-    scan = P.scan_processes(host)
+    scan = processes.scan_processes(host)
     assert set(pids) <= set(scan.procs)
     assert len(scan.procs) >= len(plain_pids) - 5  # both halves (give or take exits)
     assert sorted(p for p, _, _ in scan.drm_fds if p in pids) == sorted(pids)
@@ -178,7 +178,7 @@ def test_no_split_while_other_threads_run(monkeypatch):
     t = threading.Thread(target=stop.wait)
     t.start()
     try:
-        scan = P.scan_processes(Host("/"))
+        scan = processes.scan_processes(Host("/"))
         assert os.getppid() in scan.procs or os.getpid() in scan.procs
     finally:
         stop.set()
@@ -186,22 +186,22 @@ def test_no_split_while_other_threads_run(monkeypatch):
 
 
 def test_fdscan_survives_the_pipe():
-    st = P.ProcStat("python3", "S", 1, 10, 10, 4, 123456)
-    scan = P.FdScan()
-    scan.procs[10] = P.RawProcess(10, st, ["vllm", "serve", "caf\udcc3"], "api-server", None)
-    scan.procs[11] = P.RawProcess(11, st._replace(state="D"), None, None, None, False)
+    st = processes.ProcStat("python3", "S", 1, 10, 10, 4, 123456)
+    scan = processes.FdScan()
+    scan.procs[10] = processes.RawProcess(10, st, ["vllm", "serve", "caf\udcc3"], "api-server", None)
+    scan.procs[11] = processes.RawProcess(11, st._replace(state="D"), None, None, None, False)
     scan.drm_fds.append((10, "5", "/dev/dri/renderD128"))
     scan.dmabuf_fds.append((10, "6"))
     scan.sockets[777] = [10, 11]
     scan.files["/tmp/odd \udcff name"] = [11]
     scan.unreadable.append(11)
     scan.malformed.append(12)
-    back = P.FdScan.loads(scan.dumps())
+    back = processes.FdScan.loads(scan.dumps())
     assert {p: (r.stat, r.cmdline, r.role, r.rank, r.fds_readable) for p, r in back.procs.items()} == {
         10: (st, ["vllm", "serve", "caf\udcc3"], "api-server", None, True),
         11: (st._replace(state="D"), None, None, None, False),
     }
-    assert isinstance(back.procs[10].stat, P.ProcStat)
+    assert isinstance(back.procs[10].stat, processes.ProcStat)
     assert back.drm_fds == [(10, "5", "/dev/dri/renderD128")]
     assert back.dmabuf_fds == [(10, "6")]
     assert back.sockets == {777: [10, 11]}

@@ -27,8 +27,8 @@ from test_fakehosts import MALFORMED
 from typer.testing import CliRunner
 
 from xpuctl.output import documents
-from xpuctl.archive import capture as S
-from xpuctl.archive import unpack as U
+from xpuctl.archive import capture
+from xpuctl.archive import unpack
 from xpuctl.core.checks import Options, evaluate
 from xpuctl.cli import app
 from xpuctl.doctor import diagnose
@@ -385,14 +385,14 @@ def test_symlink_chain_leaving_the_tree_is_refused(tmp_path):
 def test_member_over_64_mib_is_refused(tmp_path):
     path = tmp_path / "big.tar.gz"
     with tarfile.open(path, "w:gz", compresslevel=1) as tf:
-        tf.addfile(_info("snap/root/proc/stat", size=U.MAX_MEMBER_BYTES + 1), _Zeros(U.MAX_MEMBER_BYTES + 1))
+        tf.addfile(_info("snap/root/proc/stat", size=unpack.MAX_MEMBER_BYTES + 1), _Zeros(unpack.MAX_MEMBER_BYTES + 1))
     result = cli("doctor", "--from", str(path))
     assert result.exit_code == 2 and "over 64 MiB" in result.stderr, result.output
 
 
 def test_too_many_members_is_refused(tmp_path):
     path = tmp_path / "many.tar.gz"
-    header = b"".join(_info(f"snap/d{i}", tarfile.DIRTYPE).tobuf() for i in range(U.MAX_MEMBERS + 1))
+    header = b"".join(_info(f"snap/d{i}", tarfile.DIRTYPE).tobuf() for i in range(unpack.MAX_MEMBERS + 1))
     import gzip
 
     path.write_bytes(gzip.compress(header + bytes(1024), compresslevel=1))
@@ -402,20 +402,20 @@ def test_too_many_members_is_refused(tmp_path):
 
 def test_check_member_rules_one_by_one():
     ok = _info("snap/root/proc/1/stat", size=10)
-    assert U.check_member(ok) is None
-    assert U.check_member(_info("snap/root/sys/l", tarfile.SYMTYPE, link="../proc")) is None
-    assert U.check_member(_info("snap/root/h", tarfile.LNKTYPE, link="snap/root/x")) is None
-    assert U.check_member(_info("/abs")) == "absolute path"
-    assert U.check_member(_info("a/../b")) == "'..' in the path"
-    assert U.check_member(_info("a/c", tarfile.CHRTYPE)) == "device file"
-    assert U.check_member(_info("a/b", tarfile.BLKTYPE)) == "device file"
-    assert U.check_member(_info("a/f", tarfile.FIFOTYPE)) == "FIFO"
-    assert U.check_member(_info("a/f", b"Z")) == "special file"
-    assert "leaving" in U.check_member(_info("a/l", tarfile.SYMTYPE, link="../../x"))
-    assert "leaving" in U.check_member(_info("a/l", tarfile.SYMTYPE, link="/x"))
-    assert "leaving" in U.check_member(_info("a/h", tarfile.LNKTYPE, link="../x"))
-    assert "64 MiB" in U.check_member(_info("a/big", size=(64 << 20) + 1))
-    assert U.check_member(_info("a/fine", size=64 << 20)) is None
+    assert unpack.check_member(ok) is None
+    assert unpack.check_member(_info("snap/root/sys/l", tarfile.SYMTYPE, link="../proc")) is None
+    assert unpack.check_member(_info("snap/root/h", tarfile.LNKTYPE, link="snap/root/x")) is None
+    assert unpack.check_member(_info("/abs")) == "absolute path"
+    assert unpack.check_member(_info("a/../b")) == "'..' in the path"
+    assert unpack.check_member(_info("a/c", tarfile.CHRTYPE)) == "device file"
+    assert unpack.check_member(_info("a/b", tarfile.BLKTYPE)) == "device file"
+    assert unpack.check_member(_info("a/f", tarfile.FIFOTYPE)) == "FIFO"
+    assert unpack.check_member(_info("a/f", b"Z")) == "special file"
+    assert "leaving" in unpack.check_member(_info("a/l", tarfile.SYMTYPE, link="../../x"))
+    assert "leaving" in unpack.check_member(_info("a/l", tarfile.SYMTYPE, link="/x"))
+    assert "leaving" in unpack.check_member(_info("a/h", tarfile.LNKTYPE, link="../x"))
+    assert "64 MiB" in unpack.check_member(_info("a/big", size=(64 << 20) + 1))
+    assert unpack.check_member(_info("a/fine", size=64 << 20)) is None
 
 
 DAMAGES = ["not-gzip", "truncated", "no-manifest", "bad-schema", "bad-index", "bad-time",
@@ -488,7 +488,7 @@ def test_temporary_files_are_removed(tmp_path, pinned_now, monkeypatch):
 # --- live roots with real processes --------------------------------------------------------
 
 
-def _same_as_capture(taken: S.Taken, archive: str, opts: Options) -> None:
+def _same_as_capture(taken: capture.Taken, archive: str, opts: Options) -> None:
     """The capture's own scan (doctor's, at capture time) and the read-back agree."""
     live = documents.doctor_dict(evaluate(taken.report.snapshot, opts))
     with open_snapshot(archive) as opened:
@@ -511,7 +511,7 @@ def test_read_back_equals_capture_with_a_real_vllm_tree(standin_root, proc_token
         for step in ("serving", "orphaned"):
             archive = str(tmp_path / f"{step}.tar.gz")
             env = {"ZE_AFFINITY_MASK": "0,1", "PATH": os.environ.get("PATH", "")}
-            taken = S.take(Host(root.root), archive, env, str(tmp_path / "no-state"))
+            taken = capture.take(Host(root.root), archive, env, str(tmp_path / "no-state"))
             roles = {p.role for p in taken.report.snapshot.processes if not p.orphan}
             if step == "serving":
                 assert {"api-server", "engine-core", "worker"} <= roles, taken.report.snapshot.processes
@@ -537,7 +537,7 @@ def test_read_back_equals_capture_on_this_host(tmp_path):
     host = Host("/")
     assert host.live
     archive = str(tmp_path / "live.tar.gz")
-    taken = S.take(host, archive, {}, str(tmp_path / "no-state"))
+    taken = capture.take(host, archive, {}, str(tmp_path / "no-state"))
     with open_snapshot(archive) as opened:
         assert opened.manifest.comm_trusted and opened.manifest.rdev_checked
         assert opened.host.comm_trusted and not opened.host.proc_is_live
@@ -610,7 +610,7 @@ def test_read_back_replays_char_device_numbers(tmp_path):
                   fds={7: "/dev/dri/renderD128", 8: "/dev/dri/renderD128"},
                   fdinfo={7: fh.xe_fdinfo(77, None, [fh.GiB]), 8: fh.xe_fdinfo(78, None, [fh.GiB])})
     archive = str(tmp_path / "snap.tar.gz")
-    taken = S.take(_RdevHost(h.root), archive, {}, str(tmp_path / "no-state"))
+    taken = capture.take(_RdevHost(h.root), archive, {}, str(tmp_path / "no-state"))
     engine = taken.report.snapshot.process(7000)
     assert engine.devices == (fh.BDF1,) and engine.memory_bytes == fh.GiB  # by minor, fd 8 dropped
     with open_snapshot(archive) as opened:
@@ -630,7 +630,7 @@ def test_deep_snapshot_replays_the_probes(tmp_path):
     env = standin_env(tmp_path, base_scenario())
     archive = str(tmp_path / "deep.tar.gz")
     opts = DeepOptions(timeout=60, state_dir=env["XPUCTL_STATE_DIR"])
-    taken = S.take(Host(str(tmp_path / "root")), archive, env, str(tmp_path / "no-state"), opts)
+    taken = capture.take(Host(str(tmp_path / "root")), archive, env, str(tmp_path / "no-state"), opts)
     live = documents.doctor_dict(taken.report)
     assert any(f["check"] == "unattributed-memory" for f in live["findings"])  # probes ran
     files = members(Path(archive))

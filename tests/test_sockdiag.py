@@ -10,7 +10,18 @@ import struct
 import pytest
 
 from xpuctl.host.seam import Host
-from xpuctl.parse import sockdiag as S
+from xpuctl.parse.sockdiag import (
+    AF_INET,
+    AF_INET6,
+    NLM_F_DUMP,
+    NLM_F_REQUEST,
+    NLMSG_DONE,
+    NLMSG_ERROR,
+    SOCK_DIAG_BY_FAMILY,
+    NetlinkError,
+    listen_request,
+    parse_listen_reply,
+)
 from xpuctl.parse.net import TcpSocket, parse_tcp
 from xpuctl.host import sockdiag
 from xpuctl.host.scan import listening_sockets
@@ -21,41 +32,41 @@ def diag_msg(family: int, state: int, port: int, addr: bytes, uid: int, inode: i
     body += addr.ljust(16, b"\0") + bytes(16) + struct.pack("=I", 0) + bytes(8)
     body += struct.pack("=IIIII", 0, 0, 0, uid, inode)
     body += struct.pack("=HH", 8, 1) + bytes(4)  # an attribute the parser must skip
-    return struct.pack("=IHHII", 16 + len(body), S.SOCK_DIAG_BY_FAMILY, 2, 1, 0) + body
+    return struct.pack("=IHHII", 16 + len(body), SOCK_DIAG_BY_FAMILY, 2, 1, 0) + body
 
 
 def done() -> bytes:
-    return struct.pack("=IHHIIi", 20, S.NLMSG_DONE, 2, 1, 0, 0)
+    return struct.pack("=IHHIIi", 20, NLMSG_DONE, 2, 1, 0, 0)
 
 
 def test_parser_reads_listeners_of_both_families_and_stops_at_done():
     out: list[TcpSocket] = []
-    v4 = diag_msg(S.AF_INET, 10, 8000, bytes([127, 0, 0, 1]), 1000, 4242)
-    v6 = diag_msg(S.AF_INET6, 10, 29500, socket.inet_pton(socket.AF_INET6, "::1"), 0, 99)
-    assert S.parse_listen_reply(v4 + v6, out) is False  # more to come
-    assert S.parse_listen_reply(done(), out) is True
+    v4 = diag_msg(AF_INET, 10, 8000, bytes([127, 0, 0, 1]), 1000, 4242)
+    v6 = diag_msg(AF_INET6, 10, 29500, socket.inet_pton(socket.AF_INET6, "::1"), 0, 99)
+    assert parse_listen_reply(v4 + v6, out) is False  # more to come
+    assert parse_listen_reply(done(), out) is True
     assert out == [TcpSocket("127.0.0.1", 8000, "0A", 4242, 1000), TcpSocket("::1", 29500, "0A", 99, 0)]
 
 
 def test_parser_skips_other_states_and_reports_errors():
     out: list[TcpSocket] = []
-    established = diag_msg(S.AF_INET, 1, 8000, bytes(4), 0, 1)
-    assert S.parse_listen_reply(established + done(), out) is True
+    established = diag_msg(AF_INET, 1, 8000, bytes(4), 0, 1)
+    assert parse_listen_reply(established + done(), out) is True
     assert out == []
-    error = struct.pack("=IHHIIi", 20, S.NLMSG_ERROR, 0, 1, 0, -22)
-    with pytest.raises(S.NetlinkError, match="22"):
-        S.parse_listen_reply(error, out)
-    with pytest.raises(S.NetlinkError):
-        S.parse_listen_reply(struct.pack("=IHHII", 400, S.SOCK_DIAG_BY_FAMILY, 0, 1, 0), out)
+    error = struct.pack("=IHHIIi", 20, NLMSG_ERROR, 0, 1, 0, -22)
+    with pytest.raises(NetlinkError, match="22"):
+        parse_listen_reply(error, out)
+    with pytest.raises(NetlinkError):
+        parse_listen_reply(struct.pack("=IHHII", 400, SOCK_DIAG_BY_FAMILY, 0, 1, 0), out)
 
 
 def test_request_asks_for_tcp_listen_only():
-    req = S.listen_request(S.AF_INET6, 7)
+    req = listen_request(AF_INET6, 7)
     length, kind, flags, seq, _ = struct.unpack_from("=IHHII", req)
     family, proto, _, _, states = struct.unpack_from("=BBBBI", req, 16)
-    assert (length, kind, seq) == (len(req), S.SOCK_DIAG_BY_FAMILY, 7) and len(req) == 72
-    assert flags == S.NLM_F_REQUEST | S.NLM_F_DUMP
-    assert (family, proto, states) == (S.AF_INET6, 6, 1 << 10)
+    assert (length, kind, seq) == (len(req), SOCK_DIAG_BY_FAMILY, 7) and len(req) == 72
+    assert flags == NLM_F_REQUEST | NLM_F_DUMP
+    assert (family, proto, states) == (AF_INET6, 6, 1 << 10)
 
 
 def _files() -> list[TcpSocket]:

@@ -22,7 +22,7 @@ import termios
 import time
 from pathlib import Path
 
-import hostile as H
+import hostile
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -43,15 +43,15 @@ SRC = Path(__file__).resolve().parent.parent / "xpuctl"
 
 @pytest.fixture(scope="module")
 def host(tmp_path_factory):
-    return H.hostile_host(tmp_path_factory.mktemp("hostile"))
+    return hostile.hostile_host(tmp_path_factory.mktemp("hostile"))
 
 
 def invoke(root, *args: str, env: dict[str, str] | None = None):
-    result = runner.invoke(app, ["--root", str(root), *args], env=env or H.hostile_env())
+    result = runner.invoke(app, ["--root", str(root), *args], env=env or hostile.hostile_env())
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         raise AssertionError(f"{args}: uncaught {result.exception!r}") from result.exception
-    out = H.assert_terminal_safe(result.stdout_bytes, f"{args} stdout")
-    err = H.assert_terminal_safe(result.stderr_bytes, f"{args} stderr")
+    out = hostile.assert_terminal_safe(result.stdout_bytes, f"{args} stdout")
+    err = hostile.assert_terminal_safe(result.stderr_bytes, f"{args} stderr")
     assert "Traceback" not in out + err
     assert result.exit_code not in (70,), (args, out, err)
     return result.exit_code, out, err
@@ -61,7 +61,7 @@ def invoke(root, *args: str, env: dict[str, str] | None = None):
 
 
 def test_safe_shows_every_kind_of_unsafe_text_as_an_escape():
-    assert safe(H.OSC_CSI) == "\\x1b]0;owned\\x07\\x1b[2J\\x1b[31mRED"
+    assert safe(hostile.OSC_CSI) == "\\x1b]0;owned\\x07\\x1b[2J\\x1b[31mRED"
     assert safe("a\nb\tc\rd\x00e\x7f\x9b") == "a\\nb\\tc\\rd\\x00e\\x7f\\x9b"
     assert safe("x\udcff\udc80") == "x\\xff\\x80"  # bytes that were not UTF-8
     assert safe(b"\xff\x1b") == "\\xff\\x1b"
@@ -77,11 +77,11 @@ def test_safe_shows_every_kind_of_unsafe_text_as_an_escape():
     lambda b: b.decode("utf-8", "surrogateescape")))
 def test_safe_output_is_always_printable_and_idempotent(text):
     out = safe(text)
-    assert H._BAD.search(out) is None
+    assert hostile._BAD.search(out) is None
     out.encode("utf-8")  # no surrogate left
     assert safe(out) == out  # field, then sink: an escape is never doubled
     lines = safe_lines(text)
-    assert H._BAD.search(lines) is None and lines.count("\n") == text.count("\n")
+    assert hostile._BAD.search(lines) is None and lines.count("\n") == text.count("\n")
 
 
 def _prom_unescape(value: str) -> str:
@@ -92,7 +92,7 @@ def _prom_unescape(value: str) -> str:
 @given(st.text())
 def test_prom_label_round_trips_what_the_format_can_carry(text):
     out = prom_label(text)
-    assert H._BAD.search(out) is None
+    assert hostile._BAD.search(out) is None
     assert re.search(r'(?<!\\)(\\\\)*"', out) is None  # no unescaped quote
     # backslash, quote, newline and printable text come back exact; what the format cannot
     # carry comes back as the visible escape `safe` shows
@@ -108,11 +108,11 @@ def test_console_escapes_what_skipped_safe_and_reads_no_markup():
     c = console(file=buf, force_terminal=True, color_system="standard", width=100)
     t = Table(title="t")
     t.add_column("raw")
-    t.add_row("[bold]x[/bold] :skull: " + H.OSC_CSI + "\udcff")
+    t.add_row("[bold]x[/bold] :skull: " + hostile.OSC_CSI + "\udcff")
     c.print(t)
     c.print(Text("plain \x1b[2J", style="red"))
     c.print("str [red]markup[/red] \x9b\u202e")
-    text = H.assert_terminal_safe(buf.getvalue().encode(), "console", tty=True)
+    text = hostile.assert_terminal_safe(buf.getvalue().encode(), "console", tty=True)
     assert "[bold]x[/bold] :skull: \\x1b]0;owned" in text  # (rich itself drops BEL)
     assert "\\xff" in text and "str [red]markup[/red] \\x9b\\u202e" in text
     assert "\x1b[31m" in text  # rich's own styling still reaches the terminal
@@ -141,11 +141,11 @@ def test_ps_table_styles_only_its_own_words(host):
     buf = io.StringIO()
     console(file=buf, force_terminal=True, width=300).print(
         tables.processes_table(snap, width=300), no_wrap=True, crop=True)
-    lines = H.assert_terminal_safe(buf.getvalue().encode(), "ps table", tty=True).splitlines()
+    lines = hostile.assert_terminal_safe(buf.getvalue().encode(), "ps table", tty=True).splitlines()
     orphans = [line for line in lines if "ORPHAN" in line]
     assert orphans and all("\x1b[1;31mORPHAN\x1b[0m" in line for line in orphans)
     assert lines[1].startswith("\x1b[1m PID")
-    evil = next(line for line in lines if line.startswith(str(H.EVIL_PID)))
+    evil = next(line for line in lines if line.startswith(str(hostile.EVIL_PID)))
     assert "\x1b" not in evil.replace("\\x1b", "") and "[bold]x[/bold]" in evil
 
 
@@ -219,24 +219,24 @@ def test_every_command_escapes_hostile_host_text(host, args):
     elif "--device" in args or args[0] == "serve" or args[:2] == ("shutdown", "--dry-run"):
         assert code in (2, 3) and err.startswith("xpuctl: error: ") and err.count("\n") == 1, err
     if args[0] == "devices" and len(args) == 1:
-        assert safe(H.VENDOR_BYTES.strip()) in out  # the fuzz finding: shown escaped
-        assert safe(H.DRIVER) in out and safe(H.ODD_BDF) in out
+        assert safe(hostile.VENDOR_BYTES.strip()) in out  # the fuzz finding: shown escaped
+        assert safe(hostile.DRIVER) in out and safe(hostile.ODD_BDF) in out
     if args[:2] == ("ps", "-a") and len(args) == 2:
         assert "[bold]x[/bold] :skull:" in out  # markup and emoji codes printed literally
         assert "\\x1b]0;owned\\x07\\x1b[2J\\x1b[31mRED" in out
     if args == ("doctor",):
-        for shown in (safe(H.SHM_NAME), safe(H.TMP_NAME), "wait\\x1b[2J[bold]x[/bold]",
+        for shown in (safe(hostile.SHM_NAME), safe(hostile.TMP_NAME), "wait\\x1b[2J[bold]x[/bold]",
                       "ZE_AFFINITY_MASK='0,\\x1b[2J[bold]x[/bold]'"):
             assert shown in out, shown
     if args == ("reset", "--dry-run"):
-        assert f"remove {safe(H.TMP_NAME)} (" in out
+        assert f"remove {safe(hostile.TMP_NAME)} (" in out
     if args == ("shutdown", "--all", "--dry-run"):
-        assert f"would stop pid {H.EVIL_API}" in out
+        assert f"would stop pid {hostile.EVIL_API}" in out
 
 
 def test_bad_root_path_is_escaped_in_the_error():
     result = runner.invoke(app, ["--root", "/nonexistent/\x1b]0;owned\x07\udcff", "ps"])
-    err = H.assert_terminal_safe(result.stderr_bytes, "stderr")
+    err = hostile.assert_terminal_safe(result.stderr_bytes, "stderr")
     assert result.exit_code == 2
     assert err == "xpuctl: error: --root /nonexistent/\\x1b]0;owned\\x07\\xff: not a directory\n"
 
@@ -245,35 +245,35 @@ def test_json_carries_the_exact_host_text(host):
     _, out, _ = invoke(host.root, "doctor", "--json")
     data = json.loads(out)
     procs = {p["pid"]: p for p in data["processes"]}
-    evil = procs[H.EVIL_PID]
-    assert evil["argv"] == H.EVIL_ARGV and evil["comm"] == H.EVIL_COMM
-    assert evil["cmdline"] == " ".join(H.EVIL_ARGV)
+    evil = procs[hostile.EVIL_PID]
+    assert evil["argv"] == hostile.EVIL_ARGV and evil["comm"] == hostile.EVIL_COMM
+    assert evil["cmdline"] == " ".join(hostile.EVIL_ARGV)
     # reversible: the bytes that were not UTF-8 come back as they were
     raw = b"\0".join(a.encode("utf-8", "surrogateescape") for a in evil["argv"]) + b"\0"
-    assert raw == H.EVIL_ARGV_BYTES
-    assert H.MODEL in procs[H.EVIL_API]["argv"]
-    assert procs[H.EVIL_STUCK]["wchan"] == "wait\x1b[2J" + H.MARKUP
+    assert raw == hostile.EVIL_ARGV_BYTES
+    assert hostile.MODEL in procs[hostile.EVIL_API]["argv"]
+    assert procs[hostile.EVIL_STUCK]["wchan"] == "wait\x1b[2J" + hostile.MARKUP
     devs = {d["bdf"]: d for d in data["devices"]}
     odd = devs["0000:09:00.0"]
-    assert odd["vendor_id"].encode("utf-8", "surrogateescape") == H.VENDOR_BYTES.strip()
-    assert odd["device_id"].encode("utf-8", "surrogateescape") == H.DEVICE_BYTES
-    assert odd["driver"] == H.DRIVER and H.ODD_BDF in devs
+    assert odd["vendor_id"].encode("utf-8", "surrogateescape") == hostile.VENDOR_BYTES.strip()
+    assert odd["device_id"].encode("utf-8", "surrogateescape") == hostile.DEVICE_BYTES
+    assert odd["driver"] == hostile.DRIVER and hostile.ODD_BDF in devs
     paths = {a["path"] for a in data["artifacts"]}
-    assert {H.SHM_NAME, H.TMP_NAME} <= paths
-    assert any(repr(H.hostile_env()["ZE_AFFINITY_MASK"]) in f["message"] for f in data["findings"])
+    assert {hostile.SHM_NAME, hostile.TMP_NAME} <= paths
+    assert any(repr(hostile.hostile_env()["ZE_AFFINITY_MASK"]) in f["message"] for f in data["findings"])
     # every JSON output is printable ASCII: \\u escapes, \\udcXX for stray bytes
     assert out.isascii() and "\\udcff" in out
     _, ps_out, _ = invoke(host.root, "ps", "-a", "--json")
-    assert {p["pid"]: p for p in json.loads(ps_out)["processes"]}[H.EVIL_PID]["argv"] == H.EVIL_ARGV
+    assert {p["pid"]: p for p in json.loads(ps_out)["processes"]}[hostile.EVIL_PID]["argv"] == hostile.EVIL_ARGV
 
 
 def test_prometheus_labels_use_the_exposition_escapes(host):
     _, out, _ = invoke(host.root, "doctor", "--format", "prometheus")
-    label = prom_label(H.ODD_BDF)
+    label = prom_label(hostile.ODD_BDF)
     assert label == '0000:0a:00.0\\"\\\\\\\\x1b[2J'
     assert f'xpuctl_device_holder_processes{{device="{label}"}} 0' in out
     # what a parser reads back: the quote and backslash exact, the ESC as a visible escape
-    assert _prom_unescape(label) == H.ODD_BDF.replace("\x1b", "\\x1b")
+    assert _prom_unescape(label) == hostile.ODD_BDF.replace("\x1b", "\\x1b")
     for line in out.splitlines():
         assert re.fullmatch(r'(# (HELP|TYPE) \w+ .+|\w+(\{(\w+="([^"\\]|\\.)*",?)*\})? \S+)', line), line
     # Prometheus' own parser reads the same value back, from stdout and from --textfile
@@ -285,7 +285,7 @@ def test_prometheus_labels_use_the_exposition_escapes(host):
     for text in (out, path.read_text()):
         devices = {s.labels["device"] for fam in text_string_to_metric_families(text)
                    for s in fam.samples if "device" in s.labels}
-        assert H.ODD_BDF.replace("\x1b", "\\x1b") in devices, devices
+        assert hostile.ODD_BDF.replace("\x1b", "\\x1b") in devices, devices
 
 
 # --- on a terminal, and through the real streams ---------------------------------------------
@@ -315,7 +315,7 @@ def _run_pty(args: list[str], env: dict[str, str], cols: int = 220) -> tuple[int
 
 def _tty_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("NO_COLOR", "COLUMNS", "XPUCTL_ROOT")}
-    env.update(H.hostile_env(), TERM="xterm-256color")
+    env.update(hostile.hostile_env(), TERM="xterm-256color")
     return env
 
 
@@ -323,10 +323,10 @@ def _tty_env() -> dict[str, str]:
                                   ["doctor", "--device", "\x1b[2J"]], ids=" ".join)
 def test_on_a_terminal_only_riches_styling_is_raw(host, args):
     code, data = _run_pty(["--root", str(host.root), *args], _tty_env())
-    text = H.assert_terminal_safe(data, f"{args} on a pty", tty=True)
+    text = hostile.assert_terminal_safe(data, f"{args} on a pty", tty=True)
     assert code in (0, 1, 2), text
     if args[0] != "reset" and "--device" not in args:
-        assert H.SGR.search(text), "no styling: not a terminal?"
+        assert hostile.SGR.search(text), "no styling: not a terminal?"
 
 
 @pytest.mark.parametrize("lang", ["C", "C.UTF-8"])
@@ -338,8 +338,8 @@ def test_real_streams_in_any_locale(host, lang):
     for args in (["devices"], ["ps", "-a"], ["doctor"], ["doctor", "--json"]):
         p = subprocess.run([PY, "-m", "xpuctl", "--root", str(host.root), *args], env=env,
                            capture_output=True, timeout=120, cwd=SRC.parent)
-        H.assert_terminal_safe(p.stdout, f"{args} {lang} stdout")
-        H.assert_terminal_safe(p.stderr, f"{args} {lang} stderr")
+        hostile.assert_terminal_safe(p.stdout, f"{args} {lang} stdout")
+        hostile.assert_terminal_safe(p.stderr, f"{args} {lang} stderr")
         assert p.returncode in (0, 1), p.stderr
 
 
@@ -359,7 +359,7 @@ def test_real_process_with_hostile_argv_and_comm(standin_root, proc_token):
     root = standin_root
     comm = b"\x1b[31m\xff[b]x\x07"
     argv = [PY.encode(), b"-c", _HOLDER.encode(), root.node(0).encode(), comm.hex().encode(),
-            H.OSC_CSI.encode(), H.MARKUP.encode(), b"\xff\xfe\x9b", "\u202e\u2028".encode(), b"\t\r\n"]
+            hostile.OSC_CSI.encode(), hostile.MARKUP.encode(), b"\xff\xfe\x9b", "\u202e\u2028".encode(), b"\t\r\n"]
     shm = Path(root.root, "dev/shm", "torch_" + "\x1b[2J\x07[bold]q\udcff")
     shm.write_bytes(b"x")
     p = subprocess.Popen(argv, env=token_env(proc_token), stdout=subprocess.PIPE,
@@ -373,8 +373,8 @@ def test_real_process_with_hostile_argv_and_comm(standin_root, proc_token):
                      ["reset", "--dry-run"]):
             r = subprocess.run([PY, "-m", "xpuctl", "--root", root.root, *args], env=env,
                                capture_output=True, timeout=120, cwd=SRC.parent)
-            out = H.assert_terminal_safe(r.stdout, f"{args} stdout")
-            H.assert_terminal_safe(r.stderr, f"{args} stderr")
+            out = hostile.assert_terminal_safe(r.stdout, f"{args} stdout")
+            hostile.assert_terminal_safe(r.stderr, f"{args} stderr")
             assert r.returncode in (0, 1), r.stderr
             if args == ["ps", "-a", "--json"]:
                 mine = {q["pid"]: q for q in json.loads(out)["processes"]}[p.pid]
@@ -385,7 +385,7 @@ def test_real_process_with_hostile_argv_and_comm(standin_root, proc_token):
             if args == ["doctor"]:
                 assert safe(str(shm)[len(root.root):]) in out
         _, data = _run_pty(["--root", root.root, "ps", "-a"], _tty_env())
-        H.assert_terminal_safe(data, "ps -a on a pty", tty=True)
+        hostile.assert_terminal_safe(data, "ps -a on a pty", tty=True)
     finally:
         p.kill()
         p.wait()

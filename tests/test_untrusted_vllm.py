@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 
-import hostile as H
+import hostile
 import pytest
 from proctools import free_port
 from test_serve_shutdown import XPUCTL, _wait_ready, rig  # noqa: F401  (fixture)
@@ -26,8 +26,8 @@ MODEL = "m\x1b[31m[bold]odel\x07"
 def _run(rig, *args: str, timeout: float = 90) -> tuple[int, str, str]:
     p = subprocess.run([*XPUCTL, "--root", rig.root.root, *args], env=rig.env(),
                        capture_output=True, timeout=timeout, stdin=subprocess.DEVNULL, cwd=rig.tmp)
-    out = H.assert_terminal_safe(p.stdout, f"{args} stdout")
-    err = H.assert_terminal_safe(p.stderr, f"{args} stderr")
+    out = hostile.assert_terminal_safe(p.stdout, f"{args} stdout")
+    err = hostile.assert_terminal_safe(p.stderr, f"{args} stderr")
     return p.returncode, out, err
 
 
@@ -36,8 +36,8 @@ def test_detached_serve_ps_and_shutdown_timeline_escape_vllm_text(rig):
     cmd = rig.serve_cmd(port=port, model=MODEL)
     p = subprocess.run(cmd, env=rig.env(FAKE_VLLM_LOG_SUFFIX=SUFFIX), capture_output=True,
                        timeout=90, stdin=subprocess.DEVNULL, cwd=rig.tmp)
-    H.assert_terminal_safe(p.stdout, "serve stdout")
-    err = H.assert_terminal_safe(p.stderr, "serve stderr")
+    hostile.assert_terminal_safe(p.stdout, "serve stdout")
+    err = hostile.assert_terminal_safe(p.stderr, "serve stderr")
     assert p.returncode == 0, err
     name = f"vllm-{port}"
     code, out, _ = _run(rig, "ps")
@@ -62,8 +62,8 @@ def test_foreground_serve_echo_and_shutdown_json_keep_exact_text(rig):
     assert vllm and all(d.endswith(SUFFIX) for d in vllm), vllm  # exact, stray byte included
     assert out.isascii() and "\\udcff" in out
     fg.proc.wait(30)
-    echo = H.assert_terminal_safe(fg.out_path.read_bytes(), "serve stdout (vLLM's output)")
-    H.assert_terminal_safe(fg.err_path.read_bytes(), "serve stderr")
+    echo = hostile.assert_terminal_safe(fg.out_path.read_bytes(), "serve stdout (vLLM's output)")
+    hostile.assert_terminal_safe(fg.err_path.read_bytes(), "serve stderr")
     assert safe(SUFFIX) in echo
     rig.assert_clean()
 
@@ -72,8 +72,8 @@ def test_not_ready_diagnosis_escapes_the_log_tail(rig):
     cmd = rig.serve_cmd(port=free_port(), ready=3, detach=False)
     p = subprocess.run(cmd, env=rig.env(FAKE_VLLM_LOG_SUFFIX=SUFFIX, FAKE_VLLM_FAULTS="hang-startup"),
                        capture_output=True, timeout=90, stdin=subprocess.DEVNULL, cwd=rig.tmp)
-    H.assert_terminal_safe(p.stdout, "serve stdout")
-    err = H.assert_terminal_safe(p.stderr, "serve stderr")
+    hostile.assert_terminal_safe(p.stdout, "serve stdout")
+    err = hostile.assert_terminal_safe(p.stderr, "serve stderr")
     assert p.returncode == 4, err
     tail = [line for line in err.splitlines() if line.startswith("xpuctl:   | ")]
     assert tail and all(line.endswith(safe(SUFFIX)) for line in tail), err

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from . import env as E
+from . import realvllm
 
 
 @pytest.fixture(scope="session")
@@ -60,10 +60,10 @@ def vllm_venv(vllm_log) -> Path:
     t0 = time.monotonic()
     skip = broken = None
     try:
-        venv = E.ensure_vllm_venv(log=vllm_log)
-    except E.InstallImpossible as e:
+        venv = realvllm.ensure_vllm_venv(log=vllm_log)
+    except realvllm.InstallImpossible as e:
         skip = str(e).splitlines()[0]
-    except E.VllmSetupError as e:
+    except realvllm.VllmSetupError as e:
         broken = str(e)
     # outside the except blocks: no chained traceback in the report
     if skip is not None:
@@ -71,7 +71,7 @@ def vllm_venv(vllm_log) -> Path:
     if broken is not None:
         pytest.fail(
             f"real vLLM venv is broken: {broken}\n"
-            f"(delete {E.venv_path()} to have it rebuilt)",
+            f"(delete {realvllm.venv_path()} to have it rebuilt)",
             pytrace=False,
         )
     vllm_log(f"[vllm-real] venv {venv} ready ({time.monotonic() - t0:.1f} s)")
@@ -82,8 +82,8 @@ def vllm_venv(vllm_log) -> Path:
 def tiny_model(vllm_venv, vllm_log) -> Path:
     error = None
     try:
-        return E.ensure_tiny_model(vllm_venv, log=vllm_log)
-    except E.VllmSetupError as e:
+        return realvllm.ensure_tiny_model(vllm_venv, log=vllm_log)
+    except realvllm.VllmSetupError as e:
         error = str(e)
     pytest.fail(f"tiny model could not be made: {error}", pytrace=False)
 
@@ -101,7 +101,7 @@ def vllm_timings(vllm_log):
         )
         lines.append(f"  {test}: {parts}")
     vllm_log("\n".join(lines))
-    out = E.venv_path().parent / "vllm-real-timings.json"
+    out = realvllm.venv_path().parent / "vllm-real-timings.json"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(
@@ -135,10 +135,10 @@ def _clean_up(started, vllm_log, what: str) -> None:
 
 @pytest.fixture
 def vllm_server(vllm_venv, tiny_model, tmp_path, vllm_log):
-    servers: list[E.VllmServer] = []
+    servers: list[realvllm.VllmServer] = []
 
     def start(*extra_args: str, env: dict[str, str] | None = None, port: int = 0):
-        srv = E.VllmServer(
+        srv = realvllm.VllmServer(
             venv=vllm_venv, model=tiny_model,
             log_path=tmp_path / f"vllm-{len(servers)}.log",
             port=port, extra_args=tuple(extra_args), extra_env=env,

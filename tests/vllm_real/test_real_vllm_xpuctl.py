@@ -22,8 +22,8 @@ import time
 
 import pytest
 
-from . import env as E
-from . import workload as W
+from . import realvllm
+from . import workload
 from .xpuctl_run import XpuctlRun, in_flight
 
 pytestmark = pytest.mark.vllm
@@ -52,12 +52,12 @@ ALLOW_ALL_VAR = "XPUCTL_REAL_VLLM_SHUTDOWN_ALL"
 
 
 def _cmdline(pid: int) -> list[str]:
-    raw = E._read(f"/proc/{pid}/cmdline") or b""
+    raw = realvllm._read(f"/proc/{pid}/cmdline") or b""
     return [a.decode(errors="replace") for a in raw.split(b"\0") if a]
 
 
 def _environ(pid: int) -> dict[str, str]:
-    raw = E._read(f"/proc/{pid}/environ") or b""
+    raw = realvllm._read(f"/proc/{pid}/environ") or b""
     out = {}
     for item in raw.split(b"\0"):
         k, sep, v = item.decode(errors="replace").partition("=")
@@ -85,7 +85,7 @@ def _served_ok(run: XpuctlRun) -> dict:
     return rec
 
 
-def _tree_roles(run: XpuctlRun, rec: dict) -> dict[str, list[E.ProcInfo]]:
+def _tree_roles(run: XpuctlRun, rec: dict) -> dict[str, list[realvllm.ProcInfo]]:
     parts = run.parts()
     tree = run.describe_tree()
     assert [p.pid for p in parts["api"]] == [rec["pid"]], tree
@@ -124,7 +124,7 @@ def _wait(pred, timeout: float, poll: float = 0.1) -> bool:
 
 def _gone(pid: int, start_cmd: str) -> bool:
     """pid no longer runs the process we knew (exited, a zombie, or reused)."""
-    info = E.proc_info(pid)
+    info = realvllm.proc_info(pid)
     return info is None or info.zombie or info.cmdline != start_cmd
 
 
@@ -147,22 +147,22 @@ def test_xpuctl_shutdown_drains_inflight(xpuctl_serve, vllm_timings, request, vl
     eng_env = _environ(engine.pid)
     assert eng_env.get("SPT_NOENV") == "1" and eng_env.get("XPUCTL_RUN_ID") == rec["run_id"], (
         sorted(eng_env)[:20])
-    shm = E.shm_files_open_by(p.pid for p in run.tree())
+    shm = realvllm.shm_files_open_by(p.pid for p in run.tree())
 
     # size the work from this server and this machine: a warm-up, then one full batch
     model = str(run.model)
-    W.measure_rate(run.base_url, model, 1, 8)
+    workload.measure_rate(run.base_url, model, 1, 8)
     dry_runs = []
 
     def dry_run() -> None:
         dry_runs.append(run.xpuctl("shutdown", run.name, "--state-dir", run.state_dir,
                                    "--dry-run", "--json", timeout=300))
 
-    loaded = W.measure_under_load(run.base_url, model, BATCH, CALIB_TOKENS,
+    loaded = workload.measure_under_load(run.base_url, model, BATCH, CALIB_TOKENS,
                                   lambda: (in_flight(run.base_url) or 0) > 0, dry_run)
     assert dry_runs[0].rc == 0, dry_runs[0].describe()
     rate = loaded.rate
-    plan = W.plan(rate, loaded.lead_s, DRAIN_S, N_REQUESTS, MAX_TOKENS, min_seqs=MIN_SEQS)
+    plan = workload.plan(rate, loaded.lead_s, DRAIN_S, N_REQUESTS, MAX_TOKENS, min_seqs=MIN_SEQS)
     vllm_log(f"[vllm-real] drain plan: {rate.per_s:.0f} tok/s ({rate.tokens} in "
              f"{rate.seconds:.1f} s), dry run under load {loaded.lead_s:.1f} s"
              f"{'' if loaded.covered else ' (outlasted the calibration)'} -> {N_REQUESTS} x "
@@ -175,8 +175,8 @@ def test_xpuctl_shutdown_drains_inflight(xpuctl_serve, vllm_timings, request, vl
 
     def complete() -> None:
         try:
-            status, data = E.http_json(run.base_url + "/v1/completions",
-                                       W.completion_body(model, plan.n_seqs, MAX_TOKENS),
+            status, data = realvllm.http_json(run.base_url + "/v1/completions",
+                                       workload.completion_body(model, plan.n_seqs, MAX_TOKENS),
                                        timeout=request_timeout)
         except Exception as e:  # noqa: BLE001 - reported by the assertion below
             status, data = -1, repr(e)
@@ -225,7 +225,7 @@ def test_xpuctl_shutdown_drains_inflight(xpuctl_serve, vllm_timings, request, vl
     # the tree is gone, and so is the detached supervisor (zombies count as gone)
     gone, secs = run.wait_gone(60)
     assert gone, f"still alive after shutdown:\n{run.describe_tree()}"
-    assert not E.port_is_listening(run.port)
+    assert not realvllm.port_is_listening(run.port)
     assert _wait(lambda: run.record().get("state") == "stopped", 30), run.record()
     shm_left = sorted(p for p in shm if os.path.exists(p))
 
@@ -264,14 +264,14 @@ def test_xpuctl_orphans_after_api_sigkill(xpuctl_serve, vllm_timings, request, v
     api, engine = parts["api"][0], parts["engine"][0]
     workers = parts["worker"]
     orphans = {p.pid: p.cmdline for p in [engine, *workers]}
-    psm = E.shm_files_open_by((p.pid for p in run.tree()), prefix="/dev/shm/psm_")
+    psm = realvllm.shm_files_open_by((p.pid for p in run.tree()), prefix="/dev/shm/psm_")
     assert psm and all(pids <= set(orphans) for pids in psm.values()), psm
     dist = sorted(run.dist_files())
     assert dist and all(os.path.exists(p) for p in dist), dist
 
     # SIGKILL the API server (pid from the run record): its EngineCore and worker stay
     t_kill = time.monotonic()
-    assert E.signal_if_token(api.pid, run.token, signal.SIGKILL)
+    assert realvllm.signal_if_token(api.pid, run.token, signal.SIGKILL)
     assert _wait(lambda: _gone(api.pid, api.cmdline), 60), run.describe_tree()
 
     doc = run.xpuctl("doctor", "--json", "--port", run.port, timeout=180)
@@ -308,7 +308,7 @@ def test_xpuctl_orphans_after_api_sigkill(xpuctl_serve, vllm_timings, request, v
     # The real stop names EngineCore (what doctor's remedy says). A real `--all` stops
     # every vLLM tree on the machine, and other people's test trees come and go within
     # seconds (a dry run proves nothing about the next second), so it is opt-in.
-    only_ours = all(E.has_token(pid, run.token) for t in targets for pid in t["processes"])
+    only_ours = all(realvllm.has_token(pid, run.token) for t in targets for pid in t["processes"])
     if os.environ.get(ALLOW_ALL_VAR) == "1" and only_ours:
         how = ["--all"]
     else:

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
-from . import env as E
+from . import realvllm
 
 MIN_WORK_S = 12.0  # the in-flight work lasts at least this long at the measured rate
 LEAD_FACTOR = 4.0  # ... and at least this many times xpuctl's own time to a decision
@@ -66,7 +66,7 @@ def measure_rate(base_url: str, model: str, n: int, max_tokens: int,
     """Decode rate of one completion of n x max_tokens (EOS ignored). Raises AssertionError
     when the server does not answer 200 with every token."""
     t0 = time.monotonic()
-    status, body = E.http_json(base_url + "/v1/completions",
+    status, body = realvllm.http_json(base_url + "/v1/completions",
                                completion_body(model, n, max_tokens), timeout=timeout)
     seconds = time.monotonic() - t0
     assert status == 200, f"calibration request failed: {status} {str(body)[:300]}"

@@ -25,7 +25,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import env as E
+from . import realvllm
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,7 +57,7 @@ class XResult:
 def xpuctl_env(token: str) -> dict[str, str]:
     """vLLM's environment (offline HF, 1 GB KV cache) plus the token, but *without*
     SPT_NOENV: setting it is xpuctl's job, and the token is how we check it did."""
-    env = E.vllm_env({E.TOKEN_VAR: token})
+    env = realvllm.vllm_env({realvllm.TOKEN_VAR: token})
     env.pop("SPT_NOENV", None)
     env.pop("XPUCTL_STATE_DIR", None)
     env.pop("XPUCTL_ROOT", None)
@@ -97,7 +97,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
 def in_flight(base_url: str) -> int | None:
     """vllm:num_requests_running + vllm:num_requests_waiting from /metrics."""
     try:
-        status, text = E.http_json(base_url + "/metrics", timeout=2.0)
+        status, text = realvllm.http_json(base_url + "/metrics", timeout=2.0)
     except OSError:
         return None
     if status != 200 or not isinstance(text, str):
@@ -124,7 +124,7 @@ class XpuctlRun:
 
     def __post_init__(self) -> None:
         if not self.port:
-            self.port = E.free_port()
+            self.port = realvllm.free_port()
         self.state_dir = self.work / "state"
         self.env = xpuctl_env(self.token)
 
@@ -151,12 +151,12 @@ class XpuctlRun:
 
     def serve_argv(self, drain: float = 10, teardown: float = 10, ready: float = 600,
                    vllm_args: tuple[str, ...] = ()) -> list[str]:
-        vllm = f"{E.venv_python(self.venv)} -m vllm.entrypoints.openai.api_server --model"
+        vllm = f"{realvllm.venv_python(self.venv)} -m vllm.entrypoints.openai.api_server --model"
         return [
             "serve", "--vllm", vllm, "--state-dir", str(self.state_dir),
             "--drain-timeout", f"{drain:g}", "--teardown-timeout", f"{teardown:g}",
             "--ready-timeout", f"{ready:g}", "--detach",
-            str(self.model), "--port", str(self.port), *E.vllm_flags(), *vllm_args,
+            str(self.model), "--port", str(self.port), *realvllm.vllm_flags(), *vllm_args,
         ]
 
     def serve(self, timeout: float = 660.0, **kw) -> XResult:
@@ -204,12 +204,12 @@ class XpuctlRun:
     def log_tail(self, n: int = 40) -> str:
         return "\n".join(self.log_text().rstrip().splitlines()[-n:])
 
-    def tree(self) -> list[E.ProcInfo]:
+    def tree(self) -> list[realvllm.ProcInfo]:
         """Live processes carrying our token (supervisor included; zombies never)."""
-        return E.tree_with_token(self.token)
+        return realvllm.tree_with_token(self.token)
 
-    def parts(self) -> dict[str, list[E.ProcInfo]]:
-        return E.by_title(self.tree())
+    def parts(self) -> dict[str, list[realvllm.ProcInfo]]:
+        return realvllm.by_title(self.tree())
 
     def describe_tree(self) -> str:
         return "\n".join(f"  {p.pid} ppid={p.ppid} {p.state} {p.cmdline[:100]}"
@@ -217,25 +217,25 @@ class XpuctlRun:
 
     def note_artifacts(self) -> None:
         pids = [p.pid for p in self.tree()]
-        self.shm_seen |= set(E.shm_files_open_by(pids, prefix="/dev/shm/"))
-        self.sockets_seen |= {p for p in E.unix_socket_paths_of(pids) if E.ZMQ_SOCKET_RE.match(p)}
+        self.shm_seen |= set(realvllm.shm_files_open_by(pids, prefix="/dev/shm/"))
+        self.sockets_seen |= {p for p in realvllm.unix_socket_paths_of(pids) if realvllm.ZMQ_SOCKET_RE.match(p)}
 
     def dist_files(self) -> set[str]:
         return set(re.findall(r"distributed_init_method=file://(/tmp/vllm_dist_[0-9A-Za-z_]+)",
                               self.log_text()))
 
     def wait_gone(self, timeout: float) -> tuple[bool, float]:
-        return E.wait_token_gone(self.token, timeout)
+        return realvllm.wait_token_gone(self.token, timeout)
 
     # -- teardown ------------------------------------------------------------------------
-    def cleanup(self) -> E.Cleanup:
+    def cleanup(self) -> realvllm.Cleanup:
         """SIGKILL whatever still carries our token (tracker last), then remove the
         files this run left: shm it held (once nobody holds it), ZMQ sockets it bound
         (once unbound), the FileStore its log names."""
         with contextlib.suppress(Exception):
             self.note_artifacts()
-        killed = E.kill_token_tracker_last(self.token)
-        held = set(E.shm_files_open_by(E._all_pids(), prefix="/dev/shm/"))
+        killed = realvllm.kill_token_tracker_last(self.token)
+        held = set(realvllm.shm_files_open_by(realvllm._all_pids(), prefix="/dev/shm/"))
         candidates = (self.shm_seen - held) | self.sockets_seen | self.dist_files()
-        removed = [p for p in sorted(candidates) if E.remove_if_stale(p)]
-        return E.Cleanup(killed, removed)
+        removed = [p for p in sorted(candidates) if realvllm.remove_if_stale(p)]
+        return realvllm.Cleanup(killed, removed)

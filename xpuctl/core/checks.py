@@ -13,7 +13,7 @@ from xpuctl.core import advice
 from xpuctl.core.model import Finding, LastRun, Process, Report, Snapshot
 from xpuctl.output.units import human_bytes, shorten
 from xpuctl.parse import envvars
-from xpuctl.parse import roles as R
+from xpuctl.parse import roles
 
 
 class Options(NamedTuple):
@@ -233,7 +233,7 @@ def stuck_processes(c: Ctx) -> list[Finding]:
                     (p.pid,),
                 )
             )
-        elif p.state == "Z" and p.role in (R.ENGINE_CORE, R.WORKER):
+        elif p.state == "Z" and p.role in (roles.ENGINE_CORE, roles.WORKER):
             out.append(
                 Finding(
                     "stuck-processes",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from xpuctl.parse import roles as R
+from xpuctl.parse.roles import API_SERVER, ENGINE_CORE, RESOURCE_TRACKER, SPAWN_CANDIDATE, TRACKER_CANDIDATE, WORKER
 
 
 class Member(NamedTuple):
@@ -35,7 +35,7 @@ def resolve(members: dict[int, Member]) -> dict[int, Placement]:
     roles: dict[int, str] = {
         pid: m.role
         for pid, m in members.items()
-        if m.role is not None and m.role not in (R.TRACKER_CANDIDATE, R.SPAWN_CANDIDATE)
+        if m.role is not None and m.role not in (TRACKER_CANDIDATE, SPAWN_CANDIDATE)
     }
     vllm_sessions = {members[p].session for p in roles}
     vllm_runs = {members[p].run_id for p in roles if members[p].run_id}
@@ -44,7 +44,7 @@ def resolve(members: dict[int, Member]) -> dict[int, Placement]:
     while changed:
         changed = False
         for pid, m in members.items():
-            if pid in roles or m.role not in (R.TRACKER_CANDIDATE, R.SPAWN_CANDIDATE):
+            if pid in roles or m.role not in (TRACKER_CANDIDATE, SPAWN_CANDIDATE):
                 continue
             parent_role = roles.get(m.ppid)
             related = (
@@ -52,16 +52,16 @@ def resolve(members: dict[int, Member]) -> dict[int, Placement]:
                 or (m.run_id is not None and m.run_id in vllm_runs)
                 # a tracker that outlived its API server was reparented to init; only then
                 # does sharing a session tie it to vLLM (in a container, everything shares one)
-                or (m.role == R.TRACKER_CANDIDATE and m.ppid <= 1 and m.session in vllm_sessions)
+                or (m.role == TRACKER_CANDIDATE and m.ppid <= 1 and m.session in vllm_sessions)
             )
             if not related:
                 continue
-            if m.role == R.TRACKER_CANDIDATE:
-                roles[pid] = R.RESOURCE_TRACKER
-            elif parent_role == R.API_SERVER:
-                roles[pid] = R.ENGINE_CORE
+            if m.role == TRACKER_CANDIDATE:
+                roles[pid] = RESOURCE_TRACKER
+            elif parent_role == API_SERVER:
+                roles[pid] = ENGINE_CORE
             else:
-                roles[pid] = R.WORKER
+                roles[pid] = WORKER
             changed = True
 
     def top_of(pid: int) -> int:
@@ -79,14 +79,14 @@ def resolve(members: dict[int, Member]) -> dict[int, Placement]:
     # A resource tracker outlives its API server with ppid 1 (or a subreaper): it belongs
     # to the tree that shares its run id or session.
     for pid, role in roles.items():
-        if role != R.RESOURCE_TRACKER or tops[pid] != pid:
+        if role != RESOURCE_TRACKER or tops[pid] != pid:
             continue
         m = members[pid]
         kin = sorted(
             tops[o]
             for o, r in roles.items()
             if o != pid
-            and r != R.RESOURCE_TRACKER
+            and r != RESOURCE_TRACKER
             and (
                 (m.run_id is not None and members[o].run_id == m.run_id)
                 or members[o].session == m.session
@@ -97,15 +97,15 @@ def resolve(members: dict[int, Member]) -> dict[int, Placement]:
     live_tops = {
         members[t].run_id: t
         for t in sorted(set(tops.values()))
-        if roles[t] == R.API_SERVER and members[t].run_id and not members[t].zombie
+        if roles[t] == API_SERVER and members[t].run_id and not members[t].zombie
     }
     out: dict[int, Placement] = {}
     for pid, role in roles.items():
         top = tops[pid]
-        live = roles[top] == R.API_SERVER and not members[top].zombie
+        live = roles[top] == API_SERVER and not members[top].zombie
         if not live and members[pid].run_id in live_tops:
             top = live_tops[members[pid].run_id]  # left the tree, but its server is alive
             live = True
-        orphan = not live and role != R.API_SERVER and not members[pid].zombie
+        orphan = not live and role != API_SERVER and not members[pid].zombie
         out[pid] = Placement(role=role, top=top, orphan=orphan)
     return out

@@ -23,10 +23,10 @@ import os
 import sys
 from typing import Any
 
-from xpuctl.probes.children.common import emit
+from xpuctl.probes.children.common import run
 
 from xpuctl.host.seam import Host
-from xpuctl.parse import kmd as K
+from xpuctl.parse import kmd
 from xpuctl.host.devices import scan_devices
 
 CAP_SYS_ADMIN = 21
@@ -46,26 +46,26 @@ def privileged(status_text: str) -> bool:
 
 
 def _xe(fd: int) -> bytes:
-    q = bytearray(K.xe_query())
-    fcntl.ioctl(fd, K.DRM_IOCTL_XE_DEVICE_QUERY, q, True)
-    size = K.xe_query_size(bytes(q))
+    q = bytearray(kmd.xe_query())
+    fcntl.ioctl(fd, kmd.DRM_IOCTL_XE_DEVICE_QUERY, q, True)
+    size = kmd.xe_query_size(bytes(q))
     buf = ctypes.create_string_buffer(max(size, 1))
-    q = bytearray(K.xe_query(size, ctypes.addressof(buf)))
-    fcntl.ioctl(fd, K.DRM_IOCTL_XE_DEVICE_QUERY, q, True)
-    return buf.raw[: K.xe_query_size(bytes(q))]
+    q = bytearray(kmd.xe_query(size, ctypes.addressof(buf)))
+    fcntl.ioctl(fd, kmd.DRM_IOCTL_XE_DEVICE_QUERY, q, True)
+    return buf.raw[: kmd.xe_query_size(bytes(q))]
 
 
 def _i915(fd: int) -> bytes:
-    item = ctypes.create_string_buffer(K.i915_item(), K.I915_QUERY_ITEM.size)
-    q = bytearray(K.i915_query(ctypes.addressof(item)))
-    fcntl.ioctl(fd, K.DRM_IOCTL_I915_QUERY, q, True)
-    length = K.i915_item_length(item.raw)
+    item = ctypes.create_string_buffer(kmd.i915_item(), kmd.I915_QUERY_ITEM.size)
+    q = bytearray(kmd.i915_query(ctypes.addressof(item)))
+    fcntl.ioctl(fd, kmd.DRM_IOCTL_I915_QUERY, q, True)
+    length = kmd.i915_item_length(item.raw)
     if length <= 0:
         raise OSError(-length or errno.EINVAL, os.strerror(-length or errno.EINVAL))
     buf = ctypes.create_string_buffer(length)
-    ctypes.memmove(item, K.i915_item(length, ctypes.addressof(buf)), K.I915_QUERY_ITEM.size)
-    fcntl.ioctl(fd, K.DRM_IOCTL_I915_QUERY, q, True)
-    length = K.i915_item_length(item.raw)
+    ctypes.memmove(item, kmd.i915_item(length, ctypes.addressof(buf)), kmd.I915_QUERY_ITEM.size)
+    fcntl.ioctl(fd, kmd.DRM_IOCTL_I915_QUERY, q, True)
+    length = kmd.i915_item_length(item.raw)
     if length <= 0:
         raise OSError(-length or errno.EINVAL, os.strerror(-length or errno.EINVAL))
     return buf.raw[:length]
@@ -92,7 +92,7 @@ def probe() -> dict[str, Any]:
             continue
         try:
             entry["reply"] = (_xe(fd) if d.driver == "xe" else _i915(fd)).hex()
-        except (OSError, K.KmdReplyError) as exc:
+        except (OSError, kmd.KmdReplyError) as exc:
             entry["errno"] = getattr(exc, "errno", None)
             entry["error"] = f"query on {d.render_node}: {getattr(exc, 'strerror', None) or exc}"
         finally:
@@ -102,11 +102,7 @@ def probe() -> dict[str, Any]:
 
 
 def main() -> None:
-    try:
-        out = probe()
-    except Exception as exc:  # noqa: BLE001
-        out = {"name": "kmd", "privileged": False, "devices": [], "error": f"{type(exc).__name__}: {exc}"}
-    emit(out)
+    run(probe, lambda why: {"name": "kmd", "privileged": False, "devices": [], "error": why})
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import os
 import sys
 from typing import Any
 
-from xpuctl.probes.children.common import emit
+from xpuctl.probes.children.common import run
 
 DEVICE_LOST = 0x70000001
 DEVICE_REQUIRES_RESET = 0x70000006
@@ -52,42 +52,42 @@ def _text(raw: Any) -> str | None:
     return raw.strip() or None if isinstance(raw, str) else None
 
 
-def _call(z: Any, name: str, *args: Any) -> int:
-    rc = int(getattr(z, name)(*args))
+def _call(pyzes: Any, name: str, *args: Any) -> int:
+    rc = int(getattr(pyzes, name)(*args))
     if rc in (DEVICE_LOST, DEVICE_REQUIRES_RESET):
         raise Lost(name, rc)
     return rc
 
 
-def _handles(z: Any, fn: str, handle_type: Any, *head: Any) -> tuple[int, list[Any]]:
+def _handles(pyzes: Any, fn: str, handle_type: Any, *head: Any) -> tuple[int, list[Any]]:
     """The two-call enumeration: count first, then the array."""
     from ctypes import byref, c_uint32
 
     count = c_uint32(0)
-    rc = _call(z, fn, *head, byref(count), None)
+    rc = _call(pyzes, fn, *head, byref(count), None)
     if rc != 0 or count.value == 0:
         return rc, []
     arr = (handle_type * count.value)()
-    rc = _call(z, fn, *head, byref(count), arr)
+    rc = _call(pyzes, fn, *head, byref(count), arr)
     return rc, list(arr)[: count.value] if rc == 0 else []
 
 
-def _memory(z: Any, dev: Any) -> tuple[int | None, int | None]:
+def _memory(pyzes: Any, dev: Any) -> tuple[int | None, int | None]:
     from ctypes import byref
 
-    _, mems = _handles(z, "zesDeviceEnumMemoryModules", z.zes_mem_handle_t, dev)
+    _, mems = _handles(pyzes, "zesDeviceEnumMemoryModules", pyzes.zes_mem_handle_t, dev)
     total = used = 0
     found = False
     for m in mems:
-        props = z.zes_mem_properties_t()
-        props.stype = getattr(z, "ZES_STRUCTURE_TYPE_MEM_PROPERTIES", 0xB)
-        if _call(z, "zesMemoryGetProperties", m, byref(props)) != 0:
+        props = pyzes.zes_mem_properties_t()
+        props.stype = getattr(pyzes, "ZES_STRUCTURE_TYPE_MEM_PROPERTIES", 0xB)
+        if _call(pyzes, "zesMemoryGetProperties", m, byref(props)) != 0:
             continue
-        if props.location != getattr(z, "ZES_MEM_LOC_DEVICE", MEM_LOC_DEVICE):
+        if props.location != getattr(pyzes, "ZES_MEM_LOC_DEVICE", MEM_LOC_DEVICE):
             continue
-        state = z.zes_mem_state_t()
-        state.stype = getattr(z, "ZES_STRUCTURE_TYPE_MEM_STATE", 0x1E)
-        if _call(z, "zesMemoryGetState", m, byref(state)) != 0:
+        state = pyzes.zes_mem_state_t()
+        state.stype = getattr(pyzes, "ZES_STRUCTURE_TYPE_MEM_STATE", 0x1E)
+        if _call(pyzes, "zesMemoryGetState", m, byref(state)) != 0:
             continue
         total += int(state.size)
         used += max(0, int(state.size) - int(state.free))
@@ -95,17 +95,17 @@ def _memory(z: Any, dev: Any) -> tuple[int | None, int | None]:
     return (total, used) if found else (None, None)
 
 
-def _processes(z: Any, dev: Any, me: int) -> tuple[list[dict[str, Any]] | None, str | None]:
+def _processes(pyzes: Any, dev: Any, me: int) -> tuple[list[dict[str, Any]] | None, str | None]:
     from ctypes import byref, c_uint32
 
     count = c_uint32(0)
     for _ in range(3):  # the list can grow between the two calls (INVALID_SIZE)
-        rc = _call(z, "zesDeviceProcessesGetState", dev, byref(count), None)
+        rc = _call(pyzes, "zesDeviceProcessesGetState", dev, byref(count), None)
         if rc == 0:
-            arr = (z.zes_process_state_t * max(count.value, 1))()
+            arr = (pyzes.zes_process_state_t * max(count.value, 1))()
             for p in arr:
-                p.stype = getattr(z, "ZES_STRUCTURE_TYPE_PROCESS_STATE", 0x16)
-            rc = _call(z, "zesDeviceProcessesGetState", dev, byref(count), arr)
+                p.stype = getattr(pyzes, "ZES_STRUCTURE_TYPE_PROCESS_STATE", 0x16)
+            rc = _call(pyzes, "zesDeviceProcessesGetState", dev, byref(count), arr)
             if rc == INVALID_SIZE:
                 continue
         if rc == UNSUPPORTED_FEATURE:
@@ -123,23 +123,23 @@ def _processes(z: Any, dev: Any, me: int) -> tuple[list[dict[str, Any]] | None, 
     return None, "the process list kept changing size"
 
 
-def _device(z: Any, dev: Any, me: int) -> dict[str, Any]:
+def _device(pyzes: Any, dev: Any, me: int) -> dict[str, Any]:
     from ctypes import byref
 
     out: dict[str, Any] = {"bdf": None, "index": None, "name": None, "state": "ok", "reason": None,
                            "memory_total_bytes": None, "memory_used_bytes": None, "processes": None}
     try:
-        pci = z.zes_pci_properties_t()
-        pci.stype = getattr(z, "ZES_STRUCTURE_TYPE_PCI_PROPERTIES", 0x2)
-        if _call(z, "zesDevicePciGetProperties", dev, byref(pci)) == 0:
+        pci = pyzes.zes_pci_properties_t()
+        pci.stype = getattr(pyzes, "ZES_STRUCTURE_TYPE_PCI_PROPERTIES", 0x2)
+        if _call(pyzes, "zesDevicePciGetProperties", dev, byref(pci)) == 0:
             a = pci.address
             out["bdf"] = f"{a.domain:04x}:{a.bus:02x}:{a.device:02x}.{a.function:x}"
-        props = z.zes_device_properties_t()
-        props.stype = getattr(z, "ZES_STRUCTURE_TYPE_DEVICE_PROPERTIES", 0x1)
-        if _call(z, "zesDeviceGetProperties", dev, byref(props)) == 0:
+        props = pyzes.zes_device_properties_t()
+        props.stype = getattr(pyzes, "ZES_STRUCTURE_TYPE_DEVICE_PROPERTIES", 0x1)
+        if _call(pyzes, "zesDeviceGetProperties", dev, byref(props)) == 0:
             out["name"] = _text(props.modelName) or _text(props.core.name)
-        out["memory_total_bytes"], out["memory_used_bytes"] = _memory(z, dev)
-        out["processes"], out["reason"] = _processes(z, dev, me)
+        out["memory_total_bytes"], out["memory_used_bytes"] = _memory(pyzes, dev)
+        out["processes"], out["reason"] = _processes(pyzes, dev, me)
     except Lost as exc:
         out["state"] = "lost"
         out["reason"] = str(exc)
@@ -150,7 +150,7 @@ def probe() -> dict[str, Any]:
     result: dict[str, Any] = {"name": "sysman", "available": False, "reason": None, "version": None,
                               "notes": [], "devices": []}
     try:
-        import pyzes as z  # OSError when the loader is missing from pyzes's hard-coded path
+        import pyzes  # OSError when the loader is missing from pyzes's hard-coded path
     except OSError as exc:
         result["reason"] = f"Level Zero loader not found: {exc}"
         return result
@@ -162,20 +162,20 @@ def probe() -> dict[str, Any]:
 
         result["version"] = version("pyzes")
     except Exception:  # noqa: BLE001 - a stand-in or a vendored copy has no metadata
-        result["version"] = getattr(z, "__version__", None)
-    rc = int(z.zesInit(0))
+        result["version"] = getattr(pyzes, "__version__", None)
+    rc = int(pyzes.zesInit(0))
     if rc != 0:
         result["reason"] = f"zesInit failed: {result_name(rc)}"
         return result
     me = os.getpid()
     try:
-        rc, drivers = _handles(z, "zesDriverGet", z.zes_driver_handle_t)
+        rc, drivers = _handles(pyzes, "zesDriverGet", pyzes.zes_driver_handle_t)
         if rc != 0:
             result["reason"] = f"zesDriverGet failed: {result_name(rc)}"
             return result
         for drv in drivers:
-            _, devs = _handles(z, "zesDeviceGet", z.zes_device_handle_t, drv)
-            result["devices"].extend(_device(z, d, me) for d in devs)
+            _, devs = _handles(pyzes, "zesDeviceGet", pyzes.zes_device_handle_t, drv)
+            result["devices"].extend(_device(pyzes, d, me) for d in devs)
     except Lost as exc:
         result["reason"] = str(exc)
         return result
@@ -187,11 +187,7 @@ def probe() -> dict[str, Any]:
 
 
 def main() -> None:
-    try:
-        out = probe()
-    except Exception as exc:  # noqa: BLE001 - report, never a traceback on stdout
-        out = {"name": "sysman", "available": False, "reason": f"{type(exc).__name__}: {exc}"}
-    emit(out)
+    run(probe, lambda why: {"name": "sysman", "available": False, "reason": why})
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import re
 import sys
 from typing import Any
 
-from xpuctl.probes.children.common import emit
+from xpuctl.probes.children.common import run
 
 IPEX_NOTE = (
     "intel-extension-for-pytorch is end-of-life (last release 2.8.10+xpu, repository "
@@ -114,11 +114,7 @@ def probe() -> dict[str, Any]:
 
 
 def main() -> None:
-    try:
-        out = probe()
-    except Exception as exc:  # noqa: BLE001
-        out = {"name": "torch", "available": False, "reason": f"{type(exc).__name__}: {exc}"}
-    emit(out)
+    run(probe, lambda why: {"name": "torch", "available": False, "reason": why})
 
 
 if __name__ == "__main__":
