@@ -23,7 +23,7 @@ from xpuctl.probes import baseline, reconcile, runner
 from xpuctl.cli import app
 from xpuctl.host.seam import Host
 from xpuctl.parse.probes import ProbeDevice, ProbeProcess, ProbeResult
-from xpuctl.host.scan import take_snapshot
+from xpuctl.host.scan import take_scan
 
 STANDINS = Path(__file__).resolve().parent / "standins"
 BDF0, BDF1 = "0000:03:00.0", "0000:04:00.0"
@@ -397,7 +397,7 @@ def _dev(bdf=None, index=None, used=None, total=None, procs=None, state="ok") ->
 @pytest.fixture
 def snap(tmp_path):
     h = deep_host(tmp_path / "root")
-    return Host(str(h.root)), take_snapshot(Host(str(h.root)), port=None)
+    return Host(str(h.root)), take_scan(Host(str(h.root)), port=None)
 
 
 def test_reconcile_prefers_kmd_then_sysman_then_torch(snap):

@@ -221,7 +221,7 @@ time.sleep(60)
 
 
 def test_split_maps_pass_sees_a_file_kept_only_by_a_mapping(standin_root, proc_token, monkeypatch):
-    from xpuctl.host.scan import take_snapshot
+    from xpuctl.host.scan import take_scan
 
     root = standin_root
     mapped = os.path.join(root.root, "dev/shm/psm_mapped_only")
@@ -234,7 +234,7 @@ def test_split_maps_pass_sees_a_file_kept_only_by_a_mapping(standin_root, proc_t
         monkeypatch.setattr(Sp, "SPLIT_ABOVE", 0)
         monkeypatch.setattr(Sp, "can_split", lambda: True)
         before = set(children_left())
-        snap = take_snapshot(Host(root.root), port=None, want_env=False)
+        snap = take_scan(Host(root.root), port=None, want_env=False)
         arts = {a.path: a for a in snap.artifacts}
         assert arts["/dev/shm/psm_mapped_only"].stale is False
         assert p.pid in arts["/dev/shm/psm_mapped_only"].open_by

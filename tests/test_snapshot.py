@@ -490,7 +490,7 @@ def test_temporary_files_are_removed(tmp_path, pinned_now, monkeypatch):
 
 def _same_as_capture(taken: capture.Taken, archive: str, opts: Options) -> None:
     """The capture's own scan (doctor's, at capture time) and the read-back agree."""
-    live = documents.doctor_dict(evaluate(taken.report.snapshot, opts))
+    live = documents.doctor_dict(evaluate(taken.report.scan, opts))
     with open_snapshot(archive) as opened:
         back = documents.doctor_dict(diagnose(opened.host, list(opts.devices), opts.port,
                                            opts.expect_idle, dict(opened.manifest.caller_env)))
@@ -512,13 +512,13 @@ def test_read_back_equals_capture_with_a_real_vllm_tree(standin_root, proc_token
             archive = str(tmp_path / f"{step}.tar.gz")
             env = {"ZE_AFFINITY_MASK": "0,1", "PATH": os.environ.get("PATH", "")}
             taken = capture.take(Host(root.root), archive, env, str(tmp_path / "no-state"))
-            roles = {p.role for p in taken.report.snapshot.processes if not p.orphan}
+            roles = {p.role for p in taken.report.scan.processes if not p.orphan}
             if step == "serving":
-                assert {"api-server", "engine-core", "worker"} <= roles, taken.report.snapshot.processes
-                assert any(pt.port == fv.port and pt.pid for pt in taken.report.snapshot.ports)
+                assert {"api-server", "engine-core", "worker"} <= roles, taken.report.scan.processes
+                assert any(pt.port == fv.port and pt.pid for pt in taken.report.scan.ports)
             else:
-                assert any(p.orphan for p in taken.report.snapshot.processes), taken.report.snapshot.processes
-            assert any(p.devices for p in taken.report.snapshot.processes)
+                assert any(p.orphan for p in taken.report.scan.processes), taken.report.scan.processes
+            assert any(p.devices for p in taken.report.scan.processes)
             _same_as_capture(taken, archive, Options())  # the capture scans for port 8000
             _same_as_capture(taken, archive, Options(expect_idle=True))
             if step == "serving":
@@ -526,7 +526,7 @@ def test_read_back_equals_capture_with_a_real_vllm_tree(standin_root, proc_token
                 fv.proc.wait()
                 assert wait_for(lambda: fv.proc.poll() is not None, 10)
                 time.sleep(0.2)
-        report = evaluate(taken.report.snapshot, Options(port=fv.port))
+        report = evaluate(taken.report.scan, Options(port=fv.port))
         assert any(f.check == "orphans" for f in report.findings)
     finally:
         lsock.close()
@@ -611,7 +611,7 @@ def test_read_back_replays_char_device_numbers(tmp_path):
                   fdinfo={7: fh.xe_fdinfo(77, None, [fh.GiB]), 8: fh.xe_fdinfo(78, None, [fh.GiB])})
     archive = str(tmp_path / "snap.tar.gz")
     taken = capture.take(_RdevHost(h.root), archive, {}, str(tmp_path / "no-state"))
-    engine = taken.report.snapshot.process(7000)
+    engine = taken.report.scan.process(7000)
     assert engine.devices == (fh.BDF1,) and engine.memory_bytes == fh.GiB  # by minor, fd 8 dropped
     with open_snapshot(archive) as opened:
         assert opened.host.rdev_checked and not opened.host.live

@@ -135,9 +135,9 @@ def test_ps_table_styles_only_its_own_words(host):
     """Header bold, ORPHAN bold red; a hostile row carries no styling at all."""
     from xpuctl.output import tables
     from xpuctl.host.seam import Host
-    from xpuctl.host.scan import take_snapshot
+    from xpuctl.host.scan import take_scan
 
-    snap = take_snapshot(Host(str(host.root)), port=None, artifacts=False)
+    snap = take_scan(Host(str(host.root)), port=None, artifacts=False)
     buf = io.StringIO()
     console(file=buf, force_terminal=True, width=300).print(
         tables.processes_table(snap, width=300), no_wrap=True, crop=True)

@@ -9,11 +9,11 @@ from typing import NamedTuple
 
 from xpuctl.core.checks import Options, evaluate
 from xpuctl.host.seam import Host
-from xpuctl.core.model import Issue, Report, Snapshot
+from xpuctl.core.model import Issue, Report, Scan
 from xpuctl.parse.procfs import parse_status_nspid
 from xpuctl.host.devices import resolve_device_specs
-from xpuctl.host.scan import DEFAULT_PORT, take_snapshot
-from xpuctl.state.statedir import resolve_state_dir as state_dir_for  # noqa: F401  (until cli/ lands)
+from xpuctl.host.scan import DEFAULT_PORT, take_scan
+from xpuctl.state.statedir import resolve_state_dir
 
 
 class RecordedProbes(NamedTuple):
@@ -52,17 +52,17 @@ def pid_namespace_issue(host: Host) -> Issue | None:
     )
 
 
-def deep_snapshot(host: Host, environ: dict[str, str], deep: DeepOptions, **scan: object) -> Snapshot:
+def deep_scan(host: Host, environ: dict[str, str], deep: DeepOptions, **scan: object) -> Scan:
     """The probes run while /proc is scanned; the probe children are left out of the scan."""
     from xpuctl.probes import baseline, reconcile, runner
 
     if deep.recorded is not None:
-        snap = take_snapshot(host, **scan)  # type: ignore[arg-type]
+        snap = take_scan(host, **scan)  # type: ignore[arg-type]
         results, pids, idle, problem = deep.recorded
     else:
         running = runner.start(environ, deep.timeout, since=deep.since)
         try:
-            snap = take_snapshot(host, exclude_pids=running.pids, **scan)  # type: ignore[arg-type]
+            snap = take_scan(host, exclude_pids=running.pids, **scan)  # type: ignore[arg-type]
         finally:
             results = running.finish()
         pids = running.pids
@@ -92,9 +92,9 @@ def diagnose(
     )
     if deep is not None:
         env = dict(os.environ) if caller_env is None else caller_env
-        snap = deep_snapshot(host, env, deep, port=opts.port, caller_env=caller_env)
+        snap = deep_scan(host, env, deep, port=opts.port, caller_env=caller_env)
     else:
-        snap = take_snapshot(host, port=opts.port, caller_env=caller_env)
+        snap = take_scan(host, port=opts.port, caller_env=caller_env)
     ns = pid_namespace_issue(host)
     if ns is not None:
         snap = snap._replace(issues=snap.issues + (ns,))
@@ -138,4 +138,4 @@ def relaunch_advice(host: Host, state_dir: str | None, environ: dict[str, str]) 
     from xpuctl.core.checks import last_run_findings
     from xpuctl.state.lastrun import last_run
 
-    return last_run_findings(last_run(state_dir_for(host, state_dir, environ)))
+    return last_run_findings(last_run(resolve_state_dir(host, state_dir, environ)))

@@ -5,25 +5,25 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from xpuctl.core.model import Process, Snapshot
+from xpuctl.core.model import Process, Scan
 from xpuctl.host.seam import Host
 
 
 class ProcessListing(NamedTuple):
     runs: list[Any]  # RunRow: xpuctl's runs from their records, live ones only
     processes: list[Process]
-    snap: Snapshot  # the scan, for the device labels
+    snap: Scan  # the scan, for the device labels
 
 
 def list_processes(host: Host, specs: list[str], show_all: bool, state_dir: str | None) -> ProcessListing:
     """vLLM processes (every device holder with `show_all`), narrowed to the trees that hold
     the devices in `specs` (a tree's members without a device stay with it)."""
     from xpuctl.doctor import resolve_device_specs
-    from xpuctl.host.scan import take_snapshot
+    from xpuctl.host.scan import take_scan
     from xpuctl.serve.supervise import live_runs
 
     bdfs = set(resolve_device_specs(host, specs))
-    snap = take_snapshot(host, port=None, artifacts=False)
+    snap = take_scan(host, port=None, artifacts=False)
     procs = [
         p
         for p in snap.processes
@@ -37,25 +37,25 @@ def list_processes(host: Host, specs: list[str], show_all: bool, state_dir: str 
 
 
 def list_devices(host: Host, environ: dict[str, str], deep: Any, record_baseline: bool,
-                 replayed: Any) -> tuple[Snapshot, list[tuple[str, int | None, str]] | None]:
+                 replayed: Any) -> tuple[Scan, list[tuple[str, int | None, str]] | None]:
     """The devices scan, and with `record_baseline` what was recorded as each idle device's
     baseline (the scan is then shown against it). `deep`: DeepOptions for --deep, else None;
     `replayed`: a --deep snapshot's probes, shown as devices --deep showed them."""
     scan = {"port": None, "want_env": False, "artifacts": False}
     if deep is None and replayed is None:
-        from xpuctl.host.scan import take_snapshot
+        from xpuctl.host.scan import take_scan
 
-        return take_snapshot(host, **scan), None
-    from xpuctl.doctor import DeepOptions, deep_snapshot
+        return take_scan(host, **scan), None
+    from xpuctl.doctor import DeepOptions, deep_scan
 
     if deep is not None and record_baseline:
         from xpuctl.probes import deep as probes_deep
 
-        snap = deep_snapshot(host, environ, deep._replace(state_dir=None), **scan)
+        snap = deep_scan(host, environ, deep._replace(state_dir=None), **scan)
         recorded = probes_deep.record_baseline(deep.state_dir, snap)
         baseline, _ = probes_deep.load_baseline(deep.state_dir)
         assert snap.deep is not None
         return probes_deep.attach(host, snap, snap.deep.probes, baseline, snap.deep.probe_pids), recorded
     if deep is not None:
-        return deep_snapshot(host, environ, deep, **scan), None
-    return deep_snapshot(host, {}, DeepOptions(recorded=replayed), **scan), None
+        return deep_scan(host, environ, deep, **scan), None
+    return deep_scan(host, {}, DeepOptions(recorded=replayed), **scan), None

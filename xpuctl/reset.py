@@ -22,14 +22,14 @@ from xpuctl.core.checks import Options, evaluate
 from xpuctl.actions.cleanup import Removal, may_delete, removable, remove
 from xpuctl.errors import UsageError
 from xpuctl.host.seam import Host
-from xpuctl.core.model import Artifact, Process, Report, Snapshot
+from xpuctl.core.model import Artifact, Process, Report, Scan
 from xpuctl.parse.roles import API_SERVER
 from xpuctl.host.processes import list_pids, same_process
 from xpuctl.output.safetext import safe
 from xpuctl.output.timeline import event_line
-from xpuctl.host.scan import DEFAULT_PORT, take_snapshot
+from xpuctl.host.scan import DEFAULT_PORT, take_scan
 from xpuctl.shutdown.ladder import StopResult, stop
-from xpuctl.shutdown.targets import ServerTree, tree_from_snapshot
+from xpuctl.shutdown.targets import ServerTree, tree_from_scan
 from xpuctl.actions.signals import can_signal, target_of
 
 
@@ -88,7 +88,7 @@ def _ancestry(parents: dict[int, int], pid: int) -> list[int]:
     return chain
 
 
-def find_holders(host: Host, snap: Snapshot, wanted: set[str]) -> list[Holder]:
+def find_holders(host: Host, snap: Scan, wanted: set[str]) -> list[Holder]:
     """Non-vLLM processes holding a target device, each with whether it may be stopped."""
     targets = wanted or {d.bdf for d in snap.devices if d.is_intel}
     held = [p for p in snap.processes
@@ -142,7 +142,7 @@ class Outcome:
 
 def make_plan(host: Host, bdfs: tuple[str, ...], port: int | None, device_reset: bool,
               kill_holders: bool = False) -> Plan:
-    snap = take_snapshot(host, port=port or DEFAULT_PORT)
+    snap = take_scan(host, port=port or DEFAULT_PORT)
     wanted = set(bdfs)
     notes: list[str] = []
     orphans = [
@@ -155,7 +155,7 @@ def make_plan(host: Host, bdfs: tuple[str, ...], port: int | None, device_reset:
         notes.append("orphans found, but this root's /proc is not the live one: they cannot be stopped from here")
     elif tops:
         for top in tops:
-            tree = tree_from_snapshot(snap, top, host)
+            tree = tree_from_scan(snap, top, host)
             if tree is not None:
                 tree.orphan = True
                 trees.append(tree)
@@ -196,7 +196,7 @@ def execute(
             host, trees, timeout=timeout, kill_after=kill_after, release_timeout=10.0,
             on_event=lambda ev: say(event_line(ev.t, ev.phase, ev.detail)),
         )
-    fresh = take_snapshot(host, port=port or DEFAULT_PORT)
+    fresh = take_scan(host, port=port or DEFAULT_PORT)
     removed = remove(host, plan.files + plan.pending_files, fresh)
     for r in removed:
         if r.removed:
@@ -205,7 +205,7 @@ def execute(
             say(f"kept {safe(r.path)}: {safe(r.reason)}")
     resets: list[tuple[str, bool, str]] = []
     for bdf in plan.device_reset:
-        holders = take_snapshot(host, port=None, want_env=False).holders(bdf)
+        holders = take_scan(host, port=None, want_env=False).holders(bdf)
         if holders:
             resets.append((bdf, False, f"still held by {', '.join(map(str, holders))}"))
             continue
@@ -221,7 +221,7 @@ def execute(
     for bdf, ok, why in resets:
         say(f"device reset {safe(bdf)}: {'done' if ok else 'not done'} ({safe(why)})")
     after = evaluate(
-        take_snapshot(host, port=port or DEFAULT_PORT),
+        take_scan(host, port=port or DEFAULT_PORT),
         Options(devices=bdfs, port=port or DEFAULT_PORT, port_explicit=port is not None),
     )
     return Outcome(plan, stopped, removed, resets, after)

@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 from xpuctl.state import audit
 from xpuctl.host.seam import Host
-from xpuctl.core.model import Artifact, Snapshot
+from xpuctl.core.model import Artifact, Scan
 
 
 def may_delete(owner_uid: int, euid: int | None = None) -> bool:
@@ -27,12 +27,12 @@ class Removal(NamedTuple):
     reason: str
 
 
-def removable(snap: Snapshot, euid: int | None = None) -> list[Artifact]:
+def removable(snap: Scan, euid: int | None = None) -> list[Artifact]:
     return [a for a in snap.artifacts if a.stale and may_delete(a.owner_uid, euid)]
 
 
-def remove(host: Host, planned: list[Artifact], fresh: Snapshot, euid: int | None = None) -> list[Removal]:
-    """Delete the planned files that the fresh snapshot still calls stale."""
+def remove(host: Host, planned: list[Artifact], fresh: Scan, euid: int | None = None) -> list[Removal]:
+    """Delete the planned files that the fresh scan still calls stale."""
     out = _remove(host, planned, fresh, euid)
     by_path = {a.path: a for a in planned}
     for r in out:  # every planned deletion, done or not, is one audit line
@@ -40,7 +40,7 @@ def remove(host: Host, planned: list[Artifact], fresh: Snapshot, euid: int | Non
     return out
 
 
-def _remove(host: Host, planned: list[Artifact], fresh: Snapshot, euid: int | None) -> list[Removal]:
+def _remove(host: Host, planned: list[Artifact], fresh: Scan, euid: int | None) -> list[Removal]:
     now = {a.path: a for a in fresh.artifacts}
     out: list[Removal] = []
     for a in planned:

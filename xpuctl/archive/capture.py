@@ -208,7 +208,7 @@ def _probes_doc(deep: DeepOptions, report: Report) -> dict[str, Any] | None:
     from xpuctl.parse.probes import results_to_json
     from xpuctl.probes.baseline import load_baseline
 
-    d = report.snapshot.deep
+    d = report.scan.deep
     if d is None:
         return None
     doc = results_to_json(d.probes, d.probe_pids)
@@ -235,7 +235,7 @@ def take(
     probes = _probes_doc(deep, report) if deep is not None else None
     _listings(rec)
     listeners = rec.listeners
-    at = rec.taken_at if rec.taken_at is not None else report.snapshot.taken_at
+    at = rec.taken_at if rec.taken_at is not None else report.scan.taken_at
     index = _index(rec, listeners)
     contents = _contents(rec, listeners)
     state_files, state_problems = _state(state_dir)

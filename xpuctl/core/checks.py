@@ -1,4 +1,4 @@
-"""Pure judgement: Snapshot → findings and a status. No I/O.
+"""Pure judgement: Scan → findings and a status. No I/O.
 
 One small function per stable check id, registered in `REGISTRY` (id → function) with the
 `@check` decorator; `evaluate` runs them all. Check ids are stable (scripts and alerts key on
@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Callable, NamedTuple
 
 from xpuctl.core import advice
-from xpuctl.core.model import Finding, LastRun, Process, Report, Snapshot
+from xpuctl.core.model import Finding, LastRun, Process, Report, Scan
 from xpuctl.output.units import human_bytes, shorten
 from xpuctl.parse import envvars
 from xpuctl.parse import roles
@@ -27,7 +27,7 @@ class Options(NamedTuple):
 class Ctx(NamedTuple):
     """What every check needs, computed once per evaluation."""
 
-    snap: Snapshot
+    snap: Scan
     opts: Options
     wanted: frozenset[str]
     by_pid: dict[int, Process]
@@ -535,7 +535,7 @@ CHECKS = (
 )
 
 
-def _context(snap: Snapshot, opts: Options) -> Ctx:
+def _context(snap: Scan, opts: Options) -> Ctx:
     by_pid = {p.pid: p for p in snap.processes}
     trees: dict[int, list[Process]] = {}
     for p in snap.processes:
@@ -544,7 +544,7 @@ def _context(snap: Snapshot, opts: Options) -> Ctx:
     return Ctx(snap, opts, frozenset(opts.devices), by_pid, trees)
 
 
-def evaluate(snap: Snapshot, opts: Options) -> Report:
+def evaluate(snap: Scan, opts: Options) -> Report:
     c = _context(snap, opts)
     findings = [f for check_id in CHECKS for f in REGISTRY[check_id](c)]
     failed = any(f.severity == "fail" for f in findings)

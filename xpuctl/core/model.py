@@ -1,11 +1,11 @@
 """Typed records of what a scan saw. No I/O, no rich.
 
-"Unknown" is `None`; why a value is unknown is recorded as an `Issue` on the snapshot.
+"Unknown" is `None`; why a value is unknown is recorded as an `Issue` on the scan.
 
 Records are `typing.NamedTuple`s: immutable and typed like frozen dataclasses, and about ten
 times cheaper to define (0.06 ms against 0.6 ms per class on Python 3.11), which every
 command pays at start-up. Change one with `_replace`. A record holding a dict (`Process.env`,
-`Snapshot.caller_env`) is not hashable.
+`Scan.caller_env`) is not hashable.
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ class LastRun(NamedTuple):
     ended_at: float | None = None
 
 
-class Snapshot(NamedTuple):
+class Scan(NamedTuple):
     """Everything one scan saw, before any judgement."""
 
     root: str
@@ -217,9 +217,9 @@ class Snapshot(NamedTuple):
 
 
 class Report(NamedTuple):
-    """A snapshot judged: findings and a status."""
+    """A scan judged: findings and a status."""
 
-    snapshot: Snapshot
+    scan: Scan
     findings: tuple[Finding, ...]
     status: str  # clean | busy | dirty
 

@@ -1,4 +1,4 @@
-"""host → probes → Snapshot: one scan of everything doctor, ps and shutdown look at."""
+"""host → probes → Scan: one scan of everything doctor, ps and shutdown look at."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import re
 from collections.abc import Iterable
 
 from xpuctl.host.seam import CLK_TCK, Host  # noqa: F401 (CLK_TCK: cli's own-age check)
-from xpuctl.core.model import Artifact, Device, DmabufHold, DrmClient, Issue, Port, Process, Snapshot
+from xpuctl.core.model import Artifact, Device, DmabufHold, DrmClient, Issue, Port, Process, Scan
 from xpuctl.parse.fdinfo import parse_dmabuf, parse_fdinfo
 from xpuctl.parse.net import TcpSocket, parse_tcp, parse_unix_paths
 from xpuctl.parse.procfs import parse_boot_time, parse_environ, parse_maps_paths, parse_status_uid
@@ -314,14 +314,14 @@ def _tag_run_leaders(host: Host, fds: FdScan) -> None:
             proc.role = API_SERVER
 
 
-def take_snapshot(
+def take_scan(
     host: Host,
     port: int | None = DEFAULT_PORT,
     want_env: bool = True,
     caller_env: dict[str, str] | None = None,
     artifacts: bool = True,
     exclude_pids: frozenset[int] = frozenset(),
-) -> Snapshot:
+) -> Scan:
     """One scan. `artifacts=False` skips /dev/shm and /tmp (a release check needs only
     holders and ports). `exclude_pids` (live /proc only): our own helpers, e.g. deep probes."""
     now = host.now()
@@ -402,7 +402,7 @@ def take_snapshot(
     if fds.malformed:
         issues.append(Issue("/proc", f"could not parse {len(fds.malformed)} process(es)"))
     ports = _ports(host, fds, procs, port)
-    return Snapshot(
+    return Scan(
         root=host.origin,
         taken_at=now,
         devices=tuple(devices),

@@ -12,7 +12,7 @@ import json
 from typing import Any
 
 from xpuctl import __version__
-from xpuctl.core.model import Artifact, Device, Finding, Port, Process, Report, RuntimeView, Snapshot
+from xpuctl.core.model import Artifact, Device, Finding, Port, Process, Report, RuntimeView, Scan
 from xpuctl.parse.probes import ProbeResult, result_to_dict
 
 
@@ -40,7 +40,7 @@ def runtime_dict(v: RuntimeView | None) -> dict[str, Any] | None:
     }
 
 
-def device_dict(d: Device, snap: Snapshot) -> dict[str, Any]:
+def device_dict(d: Device, snap: Scan) -> dict[str, Any]:
     view = snap.deep.device(d.bdf) if snap.deep else None
     return {
         "index": d.index,
@@ -119,7 +119,7 @@ def finding_dict(f: Finding) -> dict[str, Any]:
 
 
 def doctor_dict(report: Report) -> dict[str, Any]:
-    snap = report.snapshot
+    snap = report.scan
     return {
         "schema": "xpuctl.doctor/1",
         "version": __version__,
@@ -154,7 +154,7 @@ def ps_document(runs: list[Any], processes: list[Process]) -> dict[str, Any]:
             "processes": [process_dict(p) for p in processes]}
 
 
-def devices_document(snap: Snapshot, baseline: list[tuple[str, int | None, str]] | None) -> dict[str, Any]:
+def devices_document(snap: Scan, baseline: list[tuple[str, int | None, str]] | None) -> dict[str, Any]:
     """`devices --json`; `baseline` is what --record-baseline recorded (None: not asked)."""
     data: dict[str, Any] = {"schema": "xpuctl.devices/1",
                             "devices": [device_dict(d, snap) for d in snap.devices]}

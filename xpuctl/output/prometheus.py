@@ -29,7 +29,7 @@ def sample_value(value: float) -> str:
 
 
 def prometheus(report: Report) -> str:
-    snap = report.snapshot
+    snap = report.scan
     lines: list[str] = []
 
     def metric(name: str, kind: str, help_: str, samples: list[tuple[dict[str, Any], float]]) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import textwrap
 from typing import TYPE_CHECKING, Any
 
-from xpuctl.core.model import Finding, Report, Snapshot
+from xpuctl.core.model import Finding, Report, Scan
 from xpuctl.output.safetext import safe
 from xpuctl.output.units import human_age, human_bytes
 
@@ -30,7 +30,7 @@ def _cell(value: object) -> Any:
     return Text(safe(value))
 
 
-def _dev_label(snap: Snapshot, bdf: str) -> str:
+def _dev_label(snap: Scan, bdf: str) -> str:
     """The Level Zero index when there is one (short), else the BDF."""
     d = snap.device(bdf)
     if d is None or d.index is None:
@@ -38,7 +38,7 @@ def _dev_label(snap: Snapshot, bdf: str) -> str:
     return str(d.index)
 
 
-def devices_table(snap: Snapshot) -> Any:
+def devices_table(snap: Scan) -> Any:
     from rich.table import Table
     from rich.text import Text
 
@@ -70,7 +70,7 @@ def devices_table(snap: Snapshot) -> Any:
     return t
 
 
-def probes_line(snap: Snapshot) -> Any:
+def probes_line(snap: Scan) -> Any:
     """One line naming each deep probe and whether it answered (a rich Text, no markup)."""
     if snap.deep is None:
         return None
@@ -94,7 +94,7 @@ def probes_line(snap: Snapshot) -> Any:
     return line
 
 
-def processes_table(snap: Snapshot, title: str = "Processes", width: int = 120) -> Any:
+def processes_table(snap: Scan, title: str = "Processes", width: int = 120) -> Any:
     """A ps-style listing (rich's Table squeezes short columns when a command is long)."""
     from rich.text import Text
 
@@ -150,7 +150,7 @@ def runs_table(rows: list[Any]) -> Any:
     return out
 
 
-def print_devices(console: Console, snap: Snapshot) -> None:
+def print_devices(console: Console, snap: Scan) -> None:
     """The devices table, or a plain sentence where it would be empty."""
     if not any(d.is_intel for d in snap.devices):
         console.print("no Intel GPU found", highlight=False)
@@ -207,7 +207,7 @@ def _hanging(out: Any, text: str, room: int, indent: int, style: str | None = No
 def print_doctor(console: Console, report: Report) -> None:
     from rich.text import Text
 
-    snap = report.snapshot
+    snap = report.scan
     print_devices(console, snap)
     line = probes_line(snap)
     if line:

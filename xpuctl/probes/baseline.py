@@ -8,7 +8,7 @@ import os
 import time
 from typing import Any
 
-from xpuctl.core.model import Issue, Snapshot
+from xpuctl.core.model import Issue, Scan
 from xpuctl.state import atomic
 from xpuctl.state.runs import ensure_state_dir
 
@@ -50,7 +50,7 @@ def load_baseline(state_dir: str | None) -> tuple[dict[str, int], Issue | None]:
     return _used_bytes(devices), problem
 
 
-def record_baseline(state_dir: str, snap: Snapshot) -> list[tuple[str, int | None, str]]:
+def record_baseline(state_dir: str, snap: Scan) -> list[tuple[str, int | None, str]]:
     """Record the used memory of every device nothing holds. [(bdf, bytes or None, note)]."""
     assert snap.deep is not None
     state_dir = ensure_state_dir(state_dir)

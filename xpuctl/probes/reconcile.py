@@ -7,14 +7,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from xpuctl.core.model import Deep, RuntimeView, Snapshot
+from xpuctl.core.model import Deep, RuntimeView, Scan
 from xpuctl.host.seam import Host
 from xpuctl.parse.probes import ProbeProcess, ProbeResult
 
 USED_ORDER = ("kmd", "sysman", "torch")  # best source of used memory first (then a process list)
 
 
-def _bdf_for(snap: Snapshot, bdf: str | None, index: int | None) -> str | None:
+def _bdf_for(snap: Scan, bdf: str | None, index: int | None) -> str | None:
     if bdf:
         return bdf
     if index is not None:
@@ -24,7 +24,7 @@ def _bdf_for(snap: Snapshot, bdf: str | None, index: int | None) -> str | None:
     return None
 
 
-def reconcile(host: Host, snap: Snapshot, results: tuple[ProbeResult, ...],
+def reconcile(host: Host, snap: Scan, results: tuple[ProbeResult, ...],
               baseline: dict[str, int] | None = None,
               probe_pids: frozenset[int] | tuple[int, ...] = ()) -> Deep:
     """Per device: used memory from the best source, minus what visible holders have in
@@ -90,10 +90,10 @@ def reconcile(host: Host, snap: Snapshot, results: tuple[ProbeResult, ...],
     return Deep(tuple(results), tuple(views), tuple(sorted(own)), tuple(unplaced))
 
 
-def attach(host: Host, snap: Snapshot, results: tuple[ProbeResult, ...],
+def attach(host: Host, snap: Scan, results: tuple[ProbeResult, ...],
            baseline: dict[str, int] | None = None,
-           probe_pids: frozenset[int] | tuple[int, ...] = ()) -> Snapshot:
-    """The snapshot with `deep` set and memory totals from a probe where sysfs has none."""
+           probe_pids: frozenset[int] | tuple[int, ...] = ()) -> Scan:
+    """The scan with `deep` set and memory totals from a probe where sysfs has none."""
     deep = reconcile(host, snap, results, baseline, probe_pids)
     devices = tuple(
         d._replace(memory_total_bytes=v.memory_total_bytes)

@@ -2,7 +2,7 @@
 collected until a deadline (stragglers killed with their process group).
 
     running = start(environ, timeout)        # nothing waits here
-    scan = take_snapshot(..., exclude_pids=running.pids)   # scan /proc meanwhile
+    scan = take_scan(..., exclude_pids=running.pids)   # scan /proc meanwhile
     results = running.finish()               # tuple[ProbeResult]
 
 Probes always describe the live machine (`live: true`), whatever --root says. The probe

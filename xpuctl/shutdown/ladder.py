@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from xpuctl.actions.signals import Target, wait_gone
-from xpuctl.host.scan import listening_sockets, take_snapshot
+from xpuctl.host.scan import listening_sockets, take_scan
 from xpuctl.host.seam import Host
 from xpuctl.shutdown.logtail import LogTail
 from xpuctl.shutdown.targets import ServerTree, find_trees, members, topmost  # noqa: F401  (find_trees: until cli/ lands)
@@ -195,7 +195,7 @@ def _verify_release(ld: _Ladder, release_timeout: float) -> StopResult:
     ports = sorted({t.port for t in ld.trees if t.port})
     deadline = time.monotonic() + release_timeout
     while True:
-        snap = take_snapshot(ld.host, port=None, want_env=False, artifacts=False)
+        snap = take_scan(ld.host, port=None, want_env=False, artifacts=False)
         holders = sorted({pid for b in devices for pid in snap.holders(b)})
         busy_ports = sorted({s.port for s in listening_sockets(ld.host) if s.port in ports}) if ports else []
         if (not holders and not busy_ports) or time.monotonic() >= deadline:

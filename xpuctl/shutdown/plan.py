@@ -14,13 +14,13 @@ def find_targets(host: Host, state_dir: str, name: str | None, pid: int | None, 
                  specs: list[str], all_: bool) -> list[Any]:
     """The trees to stop (NotFoundError, exit 3, when NAME, --pid or --port match nothing)."""
     from xpuctl.doctor import resolve_device_specs
-    from xpuctl.host.scan import take_snapshot
+    from xpuctl.host.scan import take_scan
     from xpuctl.shutdown import ladder
     from xpuctl.state import runs
 
     records = runs.list_records(runs.ensure_state_dir(state_dir, create=False)) if os.path.isdir(state_dir) else []
     bdfs = resolve_device_specs(host, specs)
-    snap = take_snapshot(host, port=port, artifacts=False)  # finding trees needs no files
+    snap = take_scan(host, port=port, artifacts=False)  # finding trees needs no files
     return ladder.find_trees(host, snap, records, name, pid, port, bdfs, all_)
 
 

@@ -1,6 +1,6 @@
 """The servers a shutdown names: their trees (top, members, devices, port, budget).
 
-A tree is found from a scan (`tree_from_snapshot`: the top's vLLM processes) or from a run
+A tree is found from a scan (`tree_from_scan`: the top's vLLM processes) or from a run
 record (`tree_from_record`: the recorded top while it is the same process, else whatever
 carries the run id). `members` lists every live process of a tree at the moment of asking.
 """
@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 
 from xpuctl.actions.signals import Target, target_of
-from xpuctl.core.model import Snapshot
+from xpuctl.core.model import Scan
 from xpuctl.host.processes import list_pids, read_cmdline, same_process
 from xpuctl.host.scan import RUN_ID_VAR
 from xpuctl.host.seam import Host
@@ -44,7 +44,7 @@ class ServerTree:
         return self.record.name if self.record else f"pid {self.top.pid}"
 
 
-def tree_from_snapshot(snap: Snapshot, top_pid: int, host: Host) -> ServerTree | None:
+def tree_from_scan(snap: Scan, top_pid: int, host: Host) -> ServerTree | None:
     top = snap.process(top_pid)
     target = target_of(host, top_pid, top.role or "" if top else "")
     if target is None or top is None:
@@ -68,13 +68,13 @@ def tree_from_snapshot(snap: Snapshot, top_pid: int, host: Host) -> ServerTree |
     )
 
 
-def tree_from_record(rec: RunRecord, snap: Snapshot, host: Host) -> ServerTree | None:
+def tree_from_record(rec: RunRecord, snap: Scan, host: Host) -> ServerTree | None:
     """A recorded run: its top if still the same process, else whatever carries its run id."""
     tree = None
     if rec.pid and rec.start_ticks is not None:
         p = snap.process(rec.pid)
         if p is not None and p.start_ticks == rec.start_ticks:
-            tree = tree_from_snapshot(snap, rec.pid, host)
+            tree = tree_from_scan(snap, rec.pid, host)
         if tree is None:
             # the recorded top is what xpuctl launched: trust the record over argv shapes
             t = target_of(host, rec.pid, "api-server", rec.start_ticks)
@@ -85,7 +85,7 @@ def tree_from_record(rec: RunRecord, snap: Snapshot, host: Host) -> ServerTree |
         if not tagged:
             return None
         tops = sorted({p.top or p.pid for p in tagged})
-        tree = tree_from_snapshot(snap, tops[0], host)
+        tree = tree_from_scan(snap, tops[0], host)
         if tree is None:
             return None
     tree.record = rec
@@ -168,7 +168,7 @@ def topmost(host: Host, targets: list[Target]) -> list[Target]:
 
 def find_trees(
     host: Host,
-    snap: Snapshot,
+    snap: Scan,
     records: list[RunRecord],
     name: str | None = None,
     pid: int | None = None,
@@ -194,7 +194,7 @@ def find_trees(
     def add_top(top_pid: int) -> None:
         p = snap.process(top_pid)
         rec = record_for(top_pid, p.run_id if p else None)
-        add(tree_from_record(rec, snap, host) if rec else tree_from_snapshot(snap, top_pid, host))
+        add(tree_from_record(rec, snap, host) if rec else tree_from_scan(snap, top_pid, host))
 
     if name is not None:
         rec = next((r for r in records if r.name == name), None)
