@@ -24,13 +24,9 @@ def _bdf_for(snap: Scan, bdf: str | None, index: int | None) -> str | None:
     return None
 
 
-def reconcile(host: Host, snap: Scan, results: tuple[ProbeResult, ...],
-              baseline: dict[str, int] | None = None,
-              probe_pids: frozenset[int] | tuple[int, ...] = ()) -> Deep:
-    """Per device: used memory from the best source, minus what visible holders have in
-    fdinfo, minus the idle baseline. Pure arithmetic apart from the /proc existence checks."""
-    baseline = baseline or {}
-    own = frozenset(probe_pids)
+def _placed(snap: Scan, results: tuple[ProbeResult, ...]) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """Each available probe's answer per BDF ({bdf: {probe: device}}), and the lost devices
+    no BDF could be found for."""
     seen: dict[str, dict[str, Any]] = {}
     unplaced: list[str] = []
     for r in results:
@@ -42,51 +38,71 @@ def reconcile(host: Host, snap: Scan, results: tuple[ProbeResult, ...],
                 seen.setdefault(bdf, {}).setdefault(r.name, pd)
             elif pd.state == "lost":
                 unplaced.append(f"{r.name} device #{n}: {pd.reason or 'device lost'}")
-    order = [d.bdf for d in snap.devices if d.is_intel] + sorted(set(seen) - {d.bdf for d in snap.devices})
-    views = []
-    for bdf in order:
-        entries = seen.get(bdf, {})
-        source = next((n for n in USED_ORDER if n in entries and entries[n].memory_used_bytes is not None), None)
-        used = entries[source].memory_used_bytes if source else None
-        total = next((entries[n].memory_total_bytes for n in USED_ORDER
-                      if n in entries and entries[n].memory_total_bytes), None)
-        procs: dict[int, ProbeProcess] = {}
-        psources = []
-        own_bytes = 0
-        for n in ("sysman", "xpu-smi"):
-            listed = entries[n].processes if n in entries else None
-            if listed is None:
+    return seen, unplaced
+
+
+def _listed(entries: dict[str, Any], own: frozenset[int]) -> tuple[dict[int, ProbeProcess], list[str], int]:
+    """The processes the probes list (the probes' own left out), the probes that listed
+    them, and the memory the probes' own contexts use (as the first lister saw it)."""
+    procs: dict[int, ProbeProcess] = {}
+    psources: list[str] = []
+    own_bytes = 0
+    for n in ("sysman", "xpu-smi"):
+        listed = entries[n].processes if n in entries else None
+        if listed is None:
+            continue
+        psources.append(n)
+        for p in listed:
+            if p.pid in own:
+                if n == psources[0]:
+                    own_bytes += p.memory_bytes or 0
                 continue
-            psources.append(n)
-            for p in listed:
-                if p.pid in own:
-                    if n == psources[0]:
-                        own_bytes += p.memory_bytes or 0
-                    continue
-                procs.setdefault(p.pid, p)
-        if used is not None and source != "torch":
-            used = max(0, used - own_bytes)  # the probes' own contexts
-        if used is None and psources:
-            # no memory figure: the listed processes' memory is a lower bound of what is used
-            used = sum(p.memory_bytes or 0 for p in procs.values())
-            source = psources[0]
-        lost = tuple(f"{n}: {e.reason or 'device lost'}" for n, e in sorted(entries.items()) if e.state == "lost")
-        visible = snap.memory_used(bdf) or 0
-        base = baseline.get(bdf, 0)
-        views.append(RuntimeView(
-            bdf=bdf,
-            source=source,
-            memory_used_bytes=used,
-            memory_total_bytes=total,
-            processes=tuple(sorted(procs.values())),
-            process_source="+".join(psources) or None,
-            state="lost" if lost else "ok",
-            lost_reasons=lost,
-            visible_bytes=visible,
-            baseline_bytes=base,
-            unattributed_bytes=max(0, used - visible - base) if used is not None else None,
-            invisible_pids=tuple(sorted(pid for pid in procs if not host.exists(f"/proc/{pid}"))),
-        ))
+            procs.setdefault(p.pid, p)
+    return procs, psources, own_bytes
+
+
+def _view(host: Host, snap: Scan, bdf: str, entries: dict[str, Any], own: frozenset[int],
+          base: int) -> RuntimeView:
+    """One device: used memory from the best source, the listed processes, what is left."""
+    source = next((n for n in USED_ORDER if n in entries and entries[n].memory_used_bytes is not None), None)
+    used = entries[source].memory_used_bytes if source else None
+    total = next((entries[n].memory_total_bytes for n in USED_ORDER
+                  if n in entries and entries[n].memory_total_bytes), None)
+    procs, psources, own_bytes = _listed(entries, own)
+    if used is not None and source != "torch":
+        used = max(0, used - own_bytes)  # the probes' own contexts
+    if used is None and psources:
+        # no memory figure: the listed processes' memory is a lower bound of what is used
+        used = sum(p.memory_bytes or 0 for p in procs.values())
+        source = psources[0]
+    lost = tuple(f"{n}: {e.reason or 'device lost'}" for n, e in sorted(entries.items()) if e.state == "lost")
+    visible = snap.memory_used(bdf) or 0
+    return RuntimeView(
+        bdf=bdf,
+        source=source,
+        memory_used_bytes=used,
+        memory_total_bytes=total,
+        processes=tuple(sorted(procs.values())),
+        process_source="+".join(psources) or None,
+        state="lost" if lost else "ok",
+        lost_reasons=lost,
+        visible_bytes=visible,
+        baseline_bytes=base,
+        unattributed_bytes=max(0, used - visible - base) if used is not None else None,
+        invisible_pids=tuple(sorted(pid for pid in procs if not host.exists(f"/proc/{pid}"))),
+    )
+
+
+def reconcile(host: Host, snap: Scan, results: tuple[ProbeResult, ...],
+              baseline: dict[str, int] | None = None,
+              probe_pids: frozenset[int] | tuple[int, ...] = ()) -> Deep:
+    """Per device: used memory from the best source, minus what visible holders have in
+    fdinfo, minus the idle baseline. Pure arithmetic apart from the /proc existence checks."""
+    baseline = baseline or {}
+    own = frozenset(probe_pids)
+    seen, unplaced = _placed(snap, results)
+    order = [d.bdf for d in snap.devices if d.is_intel] + sorted(set(seen) - {d.bdf for d in snap.devices})
+    views = [_view(host, snap, bdf, seen.get(bdf, {}), own, baseline.get(bdf, 0)) for bdf in order]
     return Deep(tuple(results), tuple(views), tuple(sorted(own)), tuple(unplaced))
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from xpuctl.actions.signals import Target, target_of
 from xpuctl.core.model import Scan
+from xpuctl.errors import NotFoundError, UsageError
 from xpuctl.host.processes import list_pids, read_cmdline, same_process
 from xpuctl.host.scan import RUN_ID_VAR
 from xpuctl.host.seam import Host
@@ -166,6 +167,49 @@ def topmost(host: Host, targets: list[Target]) -> list[Target]:
     return out
 
 
+def _named_run(host: Host, snap: Scan, records: list[RunRecord], name: str,
+               all_: bool) -> ServerTree | None:
+    """The run NAME's tree; NotFoundError when there is no such run, or (without --all) it
+    has no live process."""
+    rec = next((r for r in records if r.name == name), None)
+    if rec is None:
+        known = f"; known runs: {', '.join(r.name for r in records)}" if records else ""
+        raise NotFoundError(f"no run named {name!r}{known}")
+    tree = tree_from_record(rec, snap, host)
+    if tree is None and not all_:
+        raise NotFoundError(f"run {name!r} has no live process (state: {rec.state})")
+    return tree
+
+
+def _named_tops(snap: Scan, pid: int | None, port: int | None, device_bdfs: tuple[str, ...],
+                all_: bool) -> list[int]:
+    """The top pids of the servers --pid, --port, --device and --all name, in that order;
+    NotFoundError when one of them names nothing."""
+    tops: list[int] = []
+    if pid is not None:
+        p = snap.process(pid)
+        if p is None or p.role is None:
+            raise NotFoundError(f"pid {pid} is not a vLLM process; xpuctl stops only vLLM servers")
+        if p.is_zombie:
+            raise NotFoundError(f"pid {pid} is a zombie: it holds nothing and cannot be stopped")
+        tops.append(p.top or p.pid)
+    if port is not None:
+        listening = [snap.process(pt.pid) for pt in snap.ports if pt.port == port and pt.pid]
+        found = sorted({pr.top or pr.pid for pr in listening if pr and pr.role})
+        if not found:
+            raise NotFoundError(f"no vLLM server listens on port {port}")
+        tops += found
+    if device_bdfs:
+        found = sorted({p.top or p.pid for p in snap.processes
+                        if p.role and not p.is_zombie and set(p.devices) & set(device_bdfs)})
+        if not found and not all_:
+            raise NotFoundError(f"no vLLM process holds {', '.join(device_bdfs)}")
+        tops += found
+    if all_:
+        tops += sorted({p.top or p.pid for p in snap.processes if p.role and not p.is_zombie})
+    return tops
+
+
 def find_trees(
     host: Host,
     snap: Scan,
@@ -177,8 +221,6 @@ def find_trees(
     all_: bool = False,
 ) -> list[ServerTree]:
     """The servers a shutdown request names. NotFoundError (exit 3) when it names nothing."""
-    from xpuctl.errors import NotFoundError, UsageError
-
     trees: dict[int, ServerTree] = {}
 
     def add(tree: ServerTree | None) -> None:
@@ -191,41 +233,13 @@ def find_trees(
                 return rec
         return None
 
-    def add_top(top_pid: int) -> None:
+    if name is not None:
+        add(_named_run(host, snap, records, name, all_))
+    for top_pid in _named_tops(snap, pid, port, device_bdfs, all_):
         p = snap.process(top_pid)
         rec = record_for(top_pid, p.run_id if p else None)
         add(tree_from_record(rec, snap, host) if rec else tree_from_scan(snap, top_pid, host))
-
-    if name is not None:
-        rec = next((r for r in records if r.name == name), None)
-        if rec is None:
-            raise NotFoundError(f"no run named {name!r}" + (f"; known runs: {', '.join(r.name for r in records)}" if records else ""))
-        tree = tree_from_record(rec, snap, host)
-        if tree is None and not all_:
-            raise NotFoundError(f"run {name!r} has no live process (state: {rec.state})")
-        add(tree)
-    if pid is not None:
-        p = snap.process(pid)
-        if p is None or p.role is None:
-            raise NotFoundError(f"pid {pid} is not a vLLM process; xpuctl stops only vLLM servers")
-        if p.is_zombie:
-            raise NotFoundError(f"pid {pid} is a zombie: it holds nothing and cannot be stopped")
-        add_top(p.top or p.pid)
-    if port is not None:
-        tops = sorted({pr.top or pr.pid for pt in snap.ports if pt.port == port and pt.pid for pr in [snap.process(pt.pid)] if pr and pr.role})
-        if not tops:
-            raise NotFoundError(f"no vLLM server listens on port {port}")
-        for top in tops:
-            add_top(top)
-    if device_bdfs:
-        tops = sorted({p.top or p.pid for p in snap.processes if p.role and not p.is_zombie and set(p.devices) & set(device_bdfs)})
-        if not tops and not all_:
-            raise NotFoundError(f"no vLLM process holds {', '.join(device_bdfs)}")
-        for top in tops:
-            add_top(top)
     if all_:
-        for top in sorted({p.top or p.pid for p in snap.processes if p.role and not p.is_zombie}):
-            add_top(top)
         for rec in records:
             if rec.state in ACTIVE_STATES:
                 add(tree_from_record(rec, snap, host))
