@@ -151,7 +151,6 @@ def test_internal_error_is_one_line_and_debug_shows_the_traceback(tmp_path, monk
         raise RuntimeError("kaboom")
 
     monkeypatch.setattr(xpuctl.host.scan, "take_scan", boom)
-    monkeypatch.setattr(xpuctl.host.scan, "take_snapshot", boom)  # until cli/ lands
     h = fakehost.clean_host(tmp_path / "root")
     res = runner.invoke(app, ["--root", str(h.root), "devices"])
     assert res.exit_code == 70

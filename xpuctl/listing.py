@@ -18,9 +18,9 @@ class ProcessListing(NamedTuple):
 def list_processes(host: Host, specs: list[str], show_all: bool, state_dir: str | None) -> ProcessListing:
     """vLLM processes (every device holder with `show_all`), narrowed to the trees that hold
     the devices in `specs` (a tree's members without a device stay with it)."""
-    from xpuctl.doctor import resolve_device_specs
+    from xpuctl.host.devices import resolve_device_specs
     from xpuctl.host.scan import take_scan
-    from xpuctl.serve.supervise import live_runs
+    from xpuctl.state.live import live_runs
 
     bdfs = set(resolve_device_specs(host, specs))
     snap = take_scan(host, port=None, artifacts=False)
@@ -49,13 +49,13 @@ def list_devices(host: Host, environ: dict[str, str], deep: Any, record_baseline
     from xpuctl.doctor import DeepOptions, deep_scan
 
     if deep is not None and record_baseline:
-        from xpuctl.probes import deep as probes_deep
+        from xpuctl.probes import baseline, reconcile
 
         snap = deep_scan(host, environ, deep._replace(state_dir=None), **scan)
-        recorded = probes_deep.record_baseline(deep.state_dir, snap)
-        baseline, _ = probes_deep.load_baseline(deep.state_dir)
+        recorded = baseline.record_baseline(deep.state_dir, snap)
+        idle, _ = baseline.load_baseline(deep.state_dir)
         assert snap.deep is not None
-        return probes_deep.attach(host, snap, snap.deep.probes, baseline, snap.deep.probe_pids), recorded
+        return reconcile.attach(host, snap, snap.deep.probes, idle, snap.deep.probe_pids), recorded
     if deep is not None:
         return deep_scan(host, environ, deep, **scan), None
     return deep_scan(host, {}, DeepOptions(recorded=replayed), **scan), None

@@ -26,7 +26,7 @@ from xpuctl.core.model import Artifact, Process, Report, Scan
 from xpuctl.parse.roles import API_SERVER
 from xpuctl.host.processes import list_pids, same_process
 from xpuctl.output.safetext import safe
-from xpuctl.output.timeline import event_line
+from xpuctl.output.lines import event_line
 from xpuctl.host.scan import DEFAULT_PORT, take_scan
 from xpuctl.shutdown.ladder import StopResult, stop
 from xpuctl.shutdown.targets import ServerTree, tree_from_scan
@@ -194,7 +194,7 @@ def execute(
     if trees:
         stopped = stop(
             host, trees, timeout=timeout, kill_after=kill_after, release_timeout=10.0,
-            on_event=lambda ev: say(event_line(ev.t, ev.phase, ev.detail)),
+            on_event=lambda ev: say(event_line(ev)),
         )
     fresh = take_scan(host, port=port or DEFAULT_PORT)
     removed = remove(host, plan.files + plan.pending_files, fresh)

@@ -40,7 +40,13 @@ def devices(
     host, _, replayed = open_source(ctx, from_)
     if record_baseline and not deep:
         raise UsageError("--record-baseline needs --deep (the baseline is what the devices report)")
-    opts = deep_options(a.environ, probe_timeout, "1GiB", state_dir) if deep else None
+    from xpuctl.state.statedir import resolve_state_dir
+
+    sdir = resolve_state_dir(a.host, state_dir, a.environ)
+    if record_baseline and sdir is None:
+        raise UsageError("--record-baseline under --root keeps the baseline of this machine: "
+                         "name the state directory (--state-dir)")
+    opts = deep_options(probe_timeout, "1GiB", sdir) if deep else None
     snap, recorded = list_devices(host, a.environ, opts, record_baseline, replayed)
     if as_json:
         from xpuctl.output.documents import devices_document, to_json

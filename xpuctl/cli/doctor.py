@@ -72,10 +72,12 @@ def doctor(
         raise UsageError("--deep asks this host's devices; a snapshot taken with --deep replays "
                          "its probes by itself")
     host, environ, replayed = open_source(ctx, from_)
-    deep_opts = deep_options(a.environ, probe_timeout, unattributed_threshold, state_dir) if deep else None
+    from xpuctl.state.statedir import resolve_state_dir
+
+    sdir = resolve_state_dir(host, state_dir, environ)
+    deep_opts = deep_options(probe_timeout, unattributed_threshold, sdir) if deep else None
     if replayed is not None:  # a --deep snapshot: its probes, judged as doctor --deep would
         deep_opts = DeepOptions(unattributed_threshold=parse_size(unattributed_threshold), recorded=replayed)
-    sdir = doctor_core.state_dir_for(host, state_dir, environ)
 
     def run() -> Any:
         return doctor_core.diagnose(host, list(device or []), port, expect_idle, environ,

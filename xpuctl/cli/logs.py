@@ -40,7 +40,14 @@ def logs(
     from xpuctl.state import runs
 
     a = app_context(ctx)
-    sdir, rec = runs.find_record(state_dir or runs.default_state_dir(a.environ), name)
+    from xpuctl.state.statedir import resolve_state_dir
+    from xpuctl.errors import NotFoundError
+
+    sdir = resolve_state_dir(a.host, state_dir, a.environ)
+    if sdir is None:
+        raise NotFoundError(f"no run named {name!r}: under --root only the runs of a named "
+                            "state directory (--state-dir) are read")
+    sdir, rec = runs.find_record(sdir, name)
 
     def alive() -> bool:
         fresh = runs.read_record(sdir, name)

@@ -52,10 +52,15 @@ def complete_device(ctx: typer.Context, incomplete: str) -> list[tuple[str, str]
 
 def complete_run(ctx: typer.Context, incomplete: str) -> list[tuple[str, str]]:
     """Run names from the state directory (this runs on every TAB)."""
+    from xpuctl.host.seam import Host
     from xpuctl.state import runs
+    from xpuctl.state.statedir import resolve_state_dir
 
     try:
-        sdir = ctx.params.get("state_dir") or runs.default_state_dir()
+        root = ctx.find_root().params.get("root")
+        sdir = resolve_state_dir(Host(root or "/"), ctx.params.get("state_dir"), os.environ)
+        if sdir is None:
+            return []
         sdir = runs.ensure_state_dir(sdir, create=False)
         return [(r.name, f"{r.state}, port {r.port}") for r in runs.list_records(sdir)
                 if r.name.startswith(incomplete)]
@@ -125,15 +130,14 @@ def parse_size(value: str, option: str = "--unattributed-threshold") -> int:
     return n
 
 
-def deep_options(environ: dict[str, str], timeout: float, threshold: str, state_dir: str | None) -> Any:
+def deep_options(timeout: float, threshold: str, state_dir: str | None) -> Any:
     """doctor --deep's options: the probes get what is left of `timeout` since this process
-    started (a command that took T to get here gives its probes timeout - T)."""
+    started (a command that took T to get here gives its probes timeout - T). `state_dir`
+    (resolved: statedir.resolve_state_dir) holds the idle baseline."""
     from xpuctl.cli.context import own_age_seconds
     from xpuctl.doctor import DeepOptions
-    from xpuctl.state import runs
 
-    sdir = state_dir or runs.default_state_dir(environ)
     age = own_age_seconds()
     since = time.monotonic() - age if age is not None else None
-    return DeepOptions(timeout=timeout, unattributed_threshold=parse_size(threshold), state_dir=sdir,
+    return DeepOptions(timeout=timeout, unattributed_threshold=parse_size(threshold), state_dir=state_dir,
                        since=since)

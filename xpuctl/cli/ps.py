@@ -30,12 +30,12 @@ def ps(
     Runs: name, state (starting, ready, stopping), age, pid, port, devices. Processes: role,
     state, devices, memory, orphan, run.
     """
-    from xpuctl.doctor import state_dir_for
+    from xpuctl.state.statedir import resolve_state_dir
     from xpuctl.listing import list_processes
 
     a = app_context(ctx)
     host, _, _ = open_source(ctx, from_)
-    listing = list_processes(host, list(device or []), show_all, state_dir_for(host, state_dir, a.environ))
+    listing = list_processes(host, list(device or []), show_all, resolve_state_dir(host, state_dir, a.environ))
     if as_json:
         from xpuctl.output.documents import ps_document, to_json
 

@@ -44,9 +44,10 @@ def reset(
     Exit 0: clean afterwards. 1: problems remain. 2: usage (or no --yes without a terminal).
     """
     from xpuctl import reset as reset_flow
-    from xpuctl.doctor import relaunch_advice, resolve_device_specs
+    from xpuctl.doctor import relaunch_advice
+    from xpuctl.host.devices import resolve_device_specs
     from xpuctl.output import documents, lines
-    from xpuctl.state import audit, runs
+    from xpuctl.state import audit
 
     a = app_context(ctx)
     bdfs = resolve_device_specs(a.host, list(device or []))
@@ -70,7 +71,9 @@ def reset(
             raise UsageError("refusing to clean without confirmation: pass --yes (no terminal to ask)")
         if not typer.confirm("Proceed?", default=False):
             raise typer.Exit(ExitCode.PROBLEMS)
-    with audit.recording(state_dir or runs.default_state_dir(a.environ), "reset") as log:
+    from xpuctl.state.statedir import resolve_state_dir
+
+    with audit.recording(resolve_state_dir(a.host, state_dir, a.environ), "reset") as log:
         outcome = reset_flow.execute(a.host, plan, bdfs, port, kill_after, timeout, say)
     warning = lines.audit_warning(log)
     if warning:

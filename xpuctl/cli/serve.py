@@ -73,23 +73,25 @@ def serve(
     leftovers remain or the preflight fails; 4 when not ready in time; 5 when a device or
     the port is claimed by another run.
     """
-    from xpuctl.serve import supervise as serve_flow
-    from xpuctl.state import runs
+    from xpuctl.serve import launch, start
 
     a = app_context(ctx)
     passed = list(vllm_args or []) + list(ctx.args)
     _check_serve_args(ctx, model, passed)
-    opts = serve_flow.ServeOptions(
+    from xpuctl.state.statedir import resolve_state_dir
+
+    sdir = resolve_state_dir(a.host, state_dir, a.environ)  # None: serve refuses this host
+    opts = launch.ServeOptions(
         model=model, vllm_args=passed, vllm_cmd=vllm, drain_timeout=drain_timeout,
         teardown_timeout=teardown_timeout, allow_abort=allow_abort, devices=list(devices or []),
         env=list(env or []), force=force, name=name,
-        state_dir=state_dir or runs.default_state_dir(a.environ), ready_timeout=ready_timeout,
+        state_dir=sdir, ready_timeout=ready_timeout,
         detach=detach, kill_after=kill_after,
-        deep_preflight=(deep_options(a.environ, probe_timeout, "1GiB", state_dir)
+        deep_preflight=(deep_options(probe_timeout, "1GiB", sdir)
                         if preflight is Preflight.deep else None),
-        quiet=quiet, port=port, host=bind,
+        quiet=quiet, port=port, bind=bind,
     )
-    code = serve_flow.serve(a.host, opts, a.environ, _say, _print_preflight)
+    code = start.serve(a.host, opts, a.environ, _say, _print_preflight)
     raise typer.Exit(int(code))
 
 

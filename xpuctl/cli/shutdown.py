@@ -45,14 +45,16 @@ def shutdown(
     from xpuctl.actions.signals import can_signal
     from xpuctl.output import documents, lines
     from xpuctl.shutdown import ladder, plan
-    from xpuctl.state import audit, runs
+    from xpuctl.state import audit
 
     a = app_context(ctx)
     if name is None and pid is None and port is None and not device and not all_:
         raise UsageError("say which server to stop: NAME, --pid, --port, --device or --all")
     if not can_signal(a.host) and not dry_run:
         raise UsageError("shutdown needs the live /proc (a root whose proc is the real /proc)")
-    sdir = state_dir or runs.default_state_dir(a.environ)
+    from xpuctl.state.statedir import resolve_state_dir
+
+    sdir = resolve_state_dir(a.host, state_dir, a.environ)
     trees = plan.find_targets(a.host, sdir, name, pid, port, list(device or []), all_)
     if dry_run or not trees:
         targets = documents.shutdown_target_dicts(trees, plan.planned_members(a.host, trees))

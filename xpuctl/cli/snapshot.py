@@ -40,13 +40,14 @@ def snapshot(
     Exit 0: written. 2: cannot write.
     """
     from xpuctl.archive.capture import take
-    from xpuctl.state import runs
 
     a = app_context(ctx)
     if output == "-" and a.stdout_tty:  # as gzip does: binary bytes would garble a terminal
         raise UsageError("refusing to write the archive to a terminal: redirect stdout or use -o FILE")
-    sdir = state_dir or runs.default_state_dir(a.environ)
-    deep_opts = deep_options(a.environ, probe_timeout, "1GiB", sdir) if deep else None
+    from xpuctl.state.statedir import resolve_state_dir
+
+    sdir = resolve_state_dir(a.host, state_dir, a.environ)
+    deep_opts = deep_options(probe_timeout, "1GiB", sdir) if deep else None
     taken = take(a.host, output, a.environ, sdir, deep_opts)
     shown = "stdout" if taken.path == "-" else taken.path
     emit(sys.stderr,

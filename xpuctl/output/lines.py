@@ -1,7 +1,8 @@
 """Plain lines for people: findings, events, plans. No rich: these go through `safetext.emit`.
 
 Each kind of line has one writer here, so the same thing reads the same wherever it is said
-(doctor's advice in reset, serve's preflight, a stop's timeline in shutdown, reset and serve).
+(doctor's advice in reset, serve's preflight, a stop's timeline in shutdown, reset and serve,
+serve's start-up phases).
 Host text in them is escaped with `safe`.
 """
 
@@ -31,6 +32,11 @@ def finding_lines(findings: Iterable[Finding], lead: str = "", fix: str | None =
 def event_line(ev: Any) -> str:
     """One step of a stop's timeline: seconds since it began, the phase, what happened."""
     return f"{ev.t:7.2f}s  {ev.phase:<18} {safe(ev.detail)}"
+
+
+def phase_line(t: float, label: str) -> str:
+    """A start-up phase as it begins: `  12.3s loading model` (tenths: phases last seconds)."""
+    return f"{t:6.1f}s {label}"
 
 
 def audit_warning(log: Any) -> str | None:

@@ -27,7 +27,7 @@ from typing import IO, Protocol
 
 from xpuctl.parse.vllmlog import READY, STARTING, Phase, phase_of, short_line
 from xpuctl.output.safetext import emit, safe, safe_lines
-from xpuctl.output.timeline import phase_line
+from xpuctl.output.lines import phase_line
 
 
 class Tracker:

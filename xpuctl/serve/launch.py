@@ -38,14 +38,14 @@ class ServeOptions:
     env: list[str] = field(default_factory=list)
     force: bool = False
     name: str | None = None
-    state_dir: str = ""
+    state_dir: str | None = None  # resolved (statedir): None only where serve refuses to run
     ready_timeout: float = 900.0
     detach: bool = False
     kill_after: float = 10.0
     deep_preflight: object | None = None  # doctor.DeepOptions: `--preflight deep`
     quiet: bool = False
     port: int | None = None  # --port/--host given before MODEL (passed on to vLLM once)
-    host: str | None = None
+    bind: str | None = None  # --host: the address vLLM binds
 
 
 @dataclass
@@ -172,7 +172,7 @@ def _environment(opts: ServeOptions, host: Host, environ: dict[str, str],
 
 def plan_launch(opts: ServeOptions, host: Host, environ: dict[str, str], run_id: str) -> LaunchPlan:
     vllm_args = merge_shared(list(opts.vllm_args), "--port", None if opts.port is None else str(opts.port))
-    vllm_args = merge_shared(vllm_args, "--host", opts.host)
+    vllm_args = merge_shared(vllm_args, "--host", opts.bind)
     cmd = shlex.split(opts.vllm_cmd)
     if not cmd:
         raise UsageError("--vllm is empty")

@@ -46,6 +46,7 @@ def _prepare(host: Host, opts: ServeOptions, environ: dict[str, str], out: Calla
     """Plan the launch, check the name, run the preflight doctor; the record to write."""
     if not can_signal(host):
         raise UsageError("serve needs the live /proc (a root whose proc is the real /proc)")
+    assert opts.state_dir is not None  # resolve_state_dir gives one wherever /proc is live
     state_dir = ensure_state_dir(opts.state_dir)
     run_id = uuid.uuid4().hex[:16]
     plan = plan_launch(opts, host, environ, run_id)

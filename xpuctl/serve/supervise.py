@@ -21,7 +21,7 @@ from xpuctl.host import http
 from xpuctl.host.seam import Host
 from xpuctl.output import progress
 from xpuctl.output.safetext import safe
-from xpuctl.output.timeline import event_line
+from xpuctl.output.lines import event_line
 from xpuctl.serve.launch import LaunchPlan, ServeOptions
 from xpuctl.state.runs import RunRecord, update_record
 
@@ -220,7 +220,7 @@ class RunSupervisor:
                     never_ready=not self.ready)
 
     def _show(self, ev) -> None:
-        self.say(f"xpuctl: {event_line(ev.t, ev.phase, ev.detail)}")
+        self.say(f"xpuctl: {event_line(ev)}")
 
     def stop_tree(self):
         """The ladder on our own tree. A server that never became ready has nothing to
@@ -319,14 +319,3 @@ class RunSupervisor:
             return ExitCode.PROBLEMS
         return code
 
-
-def __getattr__(name: str):  # until cli/ lands: the names cli.py still reads here
-    if name == "serve":
-        from xpuctl.serve.start import serve
-
-        return serve
-    if name == "live_runs":
-        from xpuctl.state.live import live_runs
-
-        return live_runs
-    raise AttributeError(name)

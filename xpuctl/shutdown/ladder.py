@@ -22,7 +22,7 @@ from xpuctl.actions.signals import Target, wait_gone
 from xpuctl.host.scan import listening_sockets, take_scan
 from xpuctl.host.seam import Host
 from xpuctl.shutdown.logtail import LogTail
-from xpuctl.shutdown.targets import ServerTree, find_trees, members, topmost  # noqa: F401  (find_trees: until cli/ lands)
+from xpuctl.shutdown.targets import ServerTree, members, topmost
 
 DRAIN_MARGIN = 10.0  # seconds on top of vLLM's own shutdown timeout
 DEFAULT_SHUTDOWN_TIMEOUT = 5  # what vLLM >= 0.25 forces on XPU when none is given

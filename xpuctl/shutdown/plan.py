@@ -10,28 +10,28 @@ from typing import Any
 from xpuctl.host.seam import Host
 
 
-def find_targets(host: Host, state_dir: str, name: str | None, pid: int | None, port: int | None,
+def find_targets(host: Host, state_dir: str | None, name: str | None, pid: int | None, port: int | None,
                  specs: list[str], all_: bool) -> list[Any]:
     """The trees to stop (NotFoundError, exit 3, when NAME, --pid or --port match nothing)."""
-    from xpuctl.doctor import resolve_device_specs
+    from xpuctl.host.devices import resolve_device_specs
     from xpuctl.host.scan import take_scan
-    from xpuctl.shutdown import ladder
+    from xpuctl.shutdown import targets
     from xpuctl.state import runs
 
-    records = runs.list_records(runs.ensure_state_dir(state_dir, create=False)) if os.path.isdir(state_dir) else []
+    records = runs.list_records(runs.ensure_state_dir(state_dir, create=False)) if state_dir and os.path.isdir(state_dir) else []
     bdfs = resolve_device_specs(host, specs)
     snap = take_scan(host, port=port, artifacts=False)  # finding trees needs no files
-    return ladder.find_trees(host, snap, records, name, pid, port, bdfs, all_)
+    return targets.find_trees(host, snap, records, name, pid, port, bdfs, all_)
 
 
 def planned_members(host: Host, trees: list[Any]) -> dict[int, list[int]]:
     """Each tree's processes, by its top pid, as they are now."""
-    from xpuctl.shutdown import ladder
+    from xpuctl.shutdown import targets
 
-    return {t.top.pid: [m.pid for m in ladder.members(host, t)] for t in trees}
+    return {t.top.pid: [m.pid for m in targets.members(host, t)] for t in trees}
 
 
-def mark_records(state_dir: str, trees: list[Any], **changes: Any) -> None:
+def mark_records(state_dir: str | None, trees: list[Any], **changes: Any) -> None:
     """Note a stop in the records of the runs being stopped ("stopping", then "stopped" or
     "failed"); a record that cannot be written does not stop the shutdown."""
     from xpuctl.state import runs

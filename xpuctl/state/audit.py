@@ -33,11 +33,13 @@ FILENAME = "audit.jsonl"
 
 
 class Sink:
-    """Where the lines of one command go, and what went wrong writing them."""
+    """Where the lines of one command go, and what went wrong writing them. No state
+    directory (under --root on a tree whose /proc is not this machine's, statedir): nothing
+    is written, as nothing of this machine's state is."""
 
-    def __init__(self, state_dir: str, command: str) -> None:
+    def __init__(self, state_dir: str | None, command: str) -> None:
         self.state_dir = state_dir
-        self.path = os.path.join(os.path.abspath(state_dir), FILENAME)
+        self.path = os.path.join(os.path.abspath(state_dir), FILENAME) if state_dir else None
         self.command = command
         self.lines = 0
         self.lost = 0
@@ -52,6 +54,8 @@ class Sink:
             self._ready = True
 
     def write(self, entry: dict[str, Any]) -> None:
+        if self.state_dir is None or self.path is None:
+            return
         now = time.time()
         line = {
             "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}Z",
@@ -84,7 +88,7 @@ _sink: Sink | None = None
 
 
 @contextmanager
-def recording(state_dir: str, command: str) -> Iterator[Sink]:
+def recording(state_dir: str | None, command: str) -> Iterator[Sink]:
     """Audit every signal and deletion made inside the block into `state_dir`."""
     global _sink
     previous = _sink

@@ -19,7 +19,6 @@ from typing import Any
 
 from xpuctl.state import atomic
 from xpuctl.errors import LockedError, UsageError
-from xpuctl.state.statedir import default_state_dir  # noqa: F401  (until cli/ lands)
 
 ACTIVE_STATES = ("starting", "ready", "stopping")  # a run that may still have processes
 STATES = (*ACTIVE_STATES, "stopped", "failed")
