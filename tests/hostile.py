@@ -23,10 +23,10 @@ EVIL_ARGV = EVIL_ARGV_BYTES.decode("utf-8", "surrogateescape").split("\0")[:-1]
 EVIL_COMM = "ev\x1b[2J\x07[b]l"  # <= 15 bytes, as the kernel keeps it
 
 MODEL = OSC_CSI + MARKUP + "\u202e"
-# names the stale-file rules accept (torch_.+, ccl-ipc-fd-sock-<pid>:.*), so they are listed;
-# `$` also matches before a final newline
+# names the stale-file rules accept (torch_.+, ccl-ipc-fd-sock-<pid>:.*), so they are listed
+# (the patterns end in \Z: a newline can no longer end a listed name; a vertical tab can)
 SHM_NAME = "/dev/shm/torch_" + "\x1b[2J\x07[bold]x[red]" + "\udcff\u202e\t\udcfe"
-TMP_NAME = "/tmp/ccl-ipc-fd-sock-2901:" + "\x1b]0;owned\x07\x9b1m" + "\udce9\n"
+TMP_NAME = "/tmp/ccl-ipc-fd-sock-2901:" + "\x1b]0;owned\x07\x9b1m" + "\udce9\x0b"
 VENDOR_BYTES = b"\xff\xfe\x1b[2J\x00\x9b" + MARKUP.encode() + b"\x07\n"
 DEVICE_BYTES = b"\x1b]0;title\x07:skull:"
 DRIVER = "xe\x1b[5m[bold]x"  # a link name: no slash

@@ -28,23 +28,23 @@ _UUID = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
 #: (directory, name pattern, kind, must be a socket). First match wins.
 PATTERNS: tuple[tuple[str, re.Pattern[str], str, bool], ...] = (
     # Python multiprocessing.shared_memory (vLLM's shm MessageQueue): /psm_<hex>
-    ("/dev/shm", re.compile(r"^psm_[0-9A-Za-z_]+$"), "shm", False),
+    ("/dev/shm", re.compile(r"^psm_[0-9A-Za-z_]+\Z"), "shm", False),
     # multiprocessing semaphores (sem_open): sem.mp-<random>
-    ("/dev/shm", re.compile(r"^sem\.mp-[0-9A-Za-z_]+$"), "shm", False),
+    ("/dev/shm", re.compile(r"^sem\.mp-[0-9A-Za-z_]+\Z"), "shm", False),
     # torch file_system tensor sharing
-    ("/dev/shm", re.compile(r"^torch_.+$"), "shm", False),
+    ("/dev/shm", re.compile(r"^torch_.+\Z"), "shm", False),
     # libfabric shm provider regions and its Level Zero IPC sockets
-    ("/dev/shm", re.compile(r"^fi_.+$"), "shm", False),
-    ("/dev/shm", re.compile(r"^ze_.+$"), "shm", False),
+    ("/dev/shm", re.compile(r"^fi_.+\Z"), "shm", False),
+    ("/dev/shm", re.compile(r"^ze_.+\Z"), "shm", False),
     # vLLM's torch.distributed FileStore
-    ("/tmp", re.compile(r"^vllm_dist_[0-9A-Za-z_]+$"), "filestore", False),
+    ("/tmp", re.compile(r"^vllm_dist_[0-9A-Za-z_]+\Z"), "filestore", False),
     # oneCCL: device-fd exchange sockets and IPC handle-exchange sockets
-    ("/tmp", re.compile(r"^ccl-ipc-fd-sock-\d+:.*$"), "ccl-socket", False),
-    ("/tmp", re.compile(r"^ccl-handle-.+$"), "ccl-socket", False),
+    ("/tmp", re.compile(r"^ccl-ipc-fd-sock-\d+:.*\Z"), "ccl-socket", False),
+    ("/tmp", re.compile(r"^ccl-handle-.+\Z"), "ccl-socket", False),
     # oneCCL kernel module cache: a cache, listed but never stale
-    ("/tmp", re.compile(r"^ccl-module-cache-.+$"), "cache", False),
+    ("/tmp", re.compile(r"^ccl-module-cache-.+\Z"), "cache", False),
     # vLLM's ZMQ ipc:// sockets: uuid4 names directly in /tmp (VLLM_RPC_BASE_PATH)
-    ("/tmp", re.compile(rf"^{_UUID}$"), "zmq-socket", True),
+    ("/tmp", re.compile(rf"^{_UUID}\Z"), "zmq-socket", True),
 )
 
 _CCL_PID = re.compile(r"^ccl-ipc-fd-sock-(\d+):")
