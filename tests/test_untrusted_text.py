@@ -34,7 +34,7 @@ from proctools import (
 from typer.testing import CliRunner
 
 from xpuctl.cli import app
-from xpuctl.output.safetext import console, emit, prom_label, safe, safe_lines
+from xpuctl.output.safetext import console, emit, neutral, neutral_lines, prom_label, safe, safe_lines
 
 runner = CliRunner()
 PY = sys.executable
@@ -62,7 +62,7 @@ def invoke(root, *args: str, env: dict[str, str] | None = None):
 
 def test_safe_shows_every_kind_of_unsafe_text_as_an_escape():
     assert safe(hostile.OSC_CSI) == "\\x1b]0;owned\\x07\\x1b[2J\\x1b[31mRED"
-    assert safe("a\nb\tc\rd\x00e\x7f\x9b") == "a\\nb\\tc\\rd\\x00e\\x7f\\x9b"
+    assert safe("a\nb\tc\rd\x00e\x7f\x9b") == "a\\nb\\tc\\rd\\x00e\\x7f\\u009b"
     assert safe("x\udcff\udc80") == "x\\xff\\x80"  # bytes that were not UTF-8
     assert safe(b"\xff\x1b") == "\\xff\\x1b"
     assert safe("\u202eabc\u2066\u2028") == "\\u202eabc\\u2066\\u2028"
@@ -70,18 +70,53 @@ def test_safe_shows_every_kind_of_unsafe_text_as_an_escape():
     assert safe(None) == "" and safe(42) == "42"
     assert safe("x" * 50, 10) == "x" * 9 + "…"
     assert safe_lines("a\x1b\nb\n") == "a\\x1b\nb\n"
+    assert safe_lines("a\\x1b\nb") == "a\\\\x1b\nb"
 
+
+def test_escaped_text_is_unambiguous():
+    """A string that really holds `\\x1b` never reads like an escaped ESC (issue 17 item 5);
+    a C1 character never reads like a byte that was not UTF-8."""
+    assert safe("\x1b") == "\\x1b"
+    assert safe("\\x1b") == "\\\\x1b"
+    assert safe("a\\b") == "a\\\\b" and safe("\\") == "\\\\"
+    assert safe("\x9b") == "\\u009b" and safe(b"\x9b") == "\\x9b"
+    assert len({safe("\x1b"), safe("\\x1b"), safe("\\\x1b"), safe("\\\\x1b")}) == 4
+    # a cut never leaves half an escape (a lone backslash would escape the ellipsis)
+    assert safe("\\" * 10, 6) == "\\\\" * 2 + "…"
+    assert safe("ab\x1b", 5) == "ab…"
+    # the sinks escape controls only: a field that went through `safe` is never doubled
+    assert neutral_lines(safe("\\x1b\x1b")) == safe("\\x1b\x1b")
+    assert neutral("a\\b\nc\x1b") == "a\\b\\nc\\x1b"
 
 @settings(max_examples=300, derandomize=True, database=None, deadline=None)
 @given(st.text(alphabet=st.characters(exclude_categories=())) | st.binary().map(  # + surrogates
     lambda b: b.decode("utf-8", "surrogateescape")))
-def test_safe_output_is_always_printable_and_idempotent(text):
-    out = safe(text)
+def test_safe_output_is_always_printable_and_reads_back_exactly(text):
+    out = safe(text, sys.maxsize)
     assert hostile._BAD.search(out) is None
     out.encode("utf-8")  # no surrogate left
-    assert safe(out) == out  # field, then sink: an escape is never doubled
+    assert unescape(out) == text  # one reading only: a backslash is always an escape
+    assert neutral_lines(out) == out  # field, then sink: an escape is never doubled
     lines = safe_lines(text)
     assert hostile._BAD.search(lines) is None and lines.count("\n") == text.count("\n")
+    cut = safe(text, 8)
+    assert len(cut) <= 8 and (cut == out or unescape(cut[:-1]) == text[: len(unescape(cut[:-1]))])
+
+
+_NAMED_BACK = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+
+
+def unescape(shown: str) -> str:
+    """The exact text back from what `safe` showed (the rule in README's "Host text")."""
+    def one(m: re.Match[str]) -> str:
+        if m.group(1):
+            return _NAMED_BACK[m.group(1)]
+        code = int(m.group(2) or m.group(3), 16)
+        if m.group(2) and code >= 0x80:
+            return chr(0xDC00 + code)  # a byte that was not UTF-8
+        return chr(code)
+
+    return re.sub(r"\\(?:([ntr\\])|x([0-9a-f]{2})|u([0-9a-f]{4}))", one, shown)
 
 
 def _prom_unescape(value: str) -> str:
@@ -96,7 +131,7 @@ def test_prom_label_round_trips_what_the_format_can_carry(text):
     assert re.search(r'(?<!\\)(\\\\)*"', out) is None  # no unescaped quote
     # backslash, quote, newline and printable text come back exact; what the format cannot
     # carry comes back as the visible escape `safe` shows
-    assert _prom_unescape(out) == safe_lines(text, sys.maxsize)
+    assert _prom_unescape(out) == neutral_lines(text)
 
 
 def test_console_escapes_what_skipped_safe_and_reads_no_markup():
@@ -114,7 +149,7 @@ def test_console_escapes_what_skipped_safe_and_reads_no_markup():
     c.print("str [red]markup[/red] \x9b\u202e")
     text = hostile.assert_terminal_safe(buf.getvalue().encode(), "console", tty=True)
     assert "[bold]x[/bold] :skull: \\x1b]0;owned" in text  # (rich itself drops BEL)
-    assert "\\xff" in text and "str [red]markup[/red] \\x9b\\u202e" in text
+    assert "\\xff" in text and "str [red]markup[/red] \\u009b\\u202e" in text
     assert "\x1b[31m" in text  # rich's own styling still reaches the terminal
 
 
@@ -260,7 +295,8 @@ def test_json_carries_the_exact_host_text(host):
     assert odd["driver"] == hostile.DRIVER and hostile.ODD_BDF in devs
     paths = {a["path"] for a in data["artifacts"]}
     assert {hostile.SHM_NAME, hostile.TMP_NAME} <= paths
-    assert any(repr(hostile.hostile_env()["ZE_AFFINITY_MASK"]) in f["message"] for f in data["findings"])
+    mask = hostile.hostile_env()["ZE_AFFINITY_MASK"]  # the exact value, not a repr of it
+    assert any(f"ZE_AFFINITY_MASK='{mask}'" in f["message"] for f in data["findings"])
     # every JSON output is printable ASCII: \\u escapes, \\udcXX for stray bytes
     assert out.isascii() and "\\udcff" in out
     _, ps_out, _ = invoke(host.root, "ps", "-a", "--json")

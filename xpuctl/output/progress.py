@@ -26,7 +26,7 @@ import time
 from typing import IO, Protocol
 
 from xpuctl.parse.vllmlog import READY, STARTING, Phase, phase_of, short_line
-from xpuctl.output.safetext import emit, safe, safe_lines
+from xpuctl.output.safetext import emit, neutral_lines, safe
 from xpuctl.output.lines import phase_line
 
 
@@ -86,7 +86,7 @@ class _Base:
 
     def say(self, msg: str) -> None:
         with self.lock:
-            self._write(safe_lines(msg) + "\n")
+            self._write(neutral_lines(msg) + "\n")
 
     def phase(self, t: float, label: str) -> None:
         pass
@@ -165,7 +165,7 @@ class LiveView(_Base):
     def say(self, msg: str) -> None:
         with self.lock:
             self._clear()
-            self._write(safe_lines(msg) + "\n")
+            self._write(neutral_lines(msg) + "\n")
             self._draw()
 
     def phase(self, t: float, label: str) -> None:
@@ -187,7 +187,7 @@ class LiveView(_Base):
         with self.lock:
             self._clear()
             self.done = True
-            self._write(safe_lines(msg) + "\n")
+            self._write(neutral_lines(msg) + "\n")
 
     def finish(self) -> None:
         with self.lock:

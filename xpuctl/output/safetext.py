@@ -19,18 +19,25 @@ JSON keeps the exact text (render.to_json writes `\\udcxx` escapes for bytes tha
 UTF-8, see the README); Prometheus label values use the exposition format's escapes
 (`prom_label`).
 
-Shown as visible escapes: C0 controls (including newline and tab: one field stays one line),
-DEL, C1 controls, bytes that were not UTF-8 (kept by the readers as surrogates, \\udc80-\\udcff,
-shown as \\xNN), any other lone surrogate, the Unicode line/paragraph separators and the
+Shown as visible escapes: C0 controls and DEL as \\xNN (newline, tab, CR as \\n, \\t, \\r: one
+field stays one line), bytes that were not UTF-8 (kept by the readers as surrogates,
+\\udc80-\\udcff) as \\xNN with NN >= 80, C1 controls as \\u0080-\\u009f (a character, not a
+byte), any other lone surrogate, the Unicode line/paragraph separators and the
 bidirectional overrides that can reorder what a reader sees (U+202A-U+202E, U+2066-U+2069).
-The result is capped at `limit` characters. A backslash is left alone: `safe` is idempotent,
-so applying it twice (field, then sink) never doubles an escape.
+A backslash is shown as `\\\\`, so escaped text reads back one way only: `\\x1b` in the output is
+an ESC, `\\\\x1b` the four characters `\\`, `x`, `1`, `b`. The result is capped at `limit`
+characters, never in the middle of an escape.
+
+`safe` is therefore applied once per field, where the field is put into a line. The sinks
+(`emit`, `console`, and `neutral` for composed one-line messages) escape control characters
+only and leave backslashes alone: what reaches them is xpuctl's own words plus fields that
+went through `safe`, and escaping those backslashes again would double every escape. A field
+that skipped `safe` still cannot reach a terminal raw; only its backslashes stay ambiguous.
 """
 
 from __future__ import annotations
 
 import re
-import sys
 from typing import IO, Any
 
 LIMIT = 4096
@@ -39,7 +46,11 @@ LIMIT = 4096
 _REST = "\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff"
 _UNSAFE_CLASS = "\x00-\x1f" + _REST
 _UNSAFE = f"[{_UNSAFE_CLASS}]"
+_FIELD = f"[\\\\{_UNSAFE_CLASS}]"  # a field: the backslash too (see the module doc)
+_FIELD_BUT_NEWLINE = f"[\\\\\x00-\x09\x0b-\x1f{_REST}]"
 _UNSAFE_BUT_NEWLINE = f"[\x00-\x09\x0b-\x1f{_REST}]"
+# one escape `safe` writes, or one character: a cut never splits an escape
+_SHOWN = r"\\(?:x[0-9a-f]{2}|u[0-9a-f]{4}|.)|."
 _PROM = f'[\\\\"{_UNSAFE_CLASS}]'
 _COMPILED: dict[str, re.Pattern[str]] = {}
 
@@ -51,7 +62,7 @@ def _re(pattern: str) -> re.Pattern[str]:
     if compiled is None:
         compiled = _COMPILED[pattern] = re.compile(pattern)
     return compiled
-_NAMED = {"\n": "\\n", "\t": "\\t", "\r": "\\r", "\x1b": "\\x1b"}
+_NAMED = {"\\": "\\\\", "\n": "\\n", "\t": "\\t", "\r": "\\r", "\x1b": "\\x1b"}
 
 
 def _escape_char(ch: str) -> str:
@@ -61,7 +72,7 @@ def _escape_char(ch: str) -> str:
     code = ord(ch)
     if 0xDC80 <= code <= 0xDCFF:  # a byte that was not UTF-8 (surrogateescape)
         return f"\\x{code - 0xDC00:02x}"
-    if code < 0x100:
+    if code < 0x80:  # \xNN above 0x7f is a byte that was not UTF-8, never a character
         return f"\\x{code:02x}"
     return f"\\u{code:04x}"
 
@@ -78,34 +89,61 @@ def _text(text: object) -> str:
     return text if isinstance(text, str) else str(text)
 
 
+def _cut(shown: str, limit: int) -> str:
+    if len(shown) <= limit:
+        return shown
+    out, used = [], 0
+    for m in _re(_SHOWN).finditer(shown):
+        piece = m.group()
+        if used + len(piece) > max(0, limit - 1):
+            break
+        out.append(piece)
+        used += len(piece)
+    return "".join(out) + "…"
+
+
 def safe(text: object, limit: int = LIMIT) -> str:
-    """`text` with every control character, stray byte and bidi override shown as an escape.
+    """`text` with every control character, stray byte and bidi override shown as an escape,
+    and every backslash doubled (so the escapes are unambiguous).
 
     Bytes are decoded as UTF-8 with undecodable bytes kept (and then shown as \\xNN); None
     becomes "". Longer results are cut to `limit` characters, the last one an ellipsis.
     """
     text = _text(text)
-    unsafe = _re(_UNSAFE)
+    unsafe = _re(_FIELD)
     if unsafe.search(text):
         text = unsafe.sub(_escape, text)
-    if len(text) > limit:
-        text = text[: max(0, limit - 1)] + "…"
-    return text
+    return _cut(text, limit) if len(text) > limit else text
 
 
 def safe_lines(text: object, limit: int = LIMIT) -> str:
     """Like `safe`, but newlines stay newlines (a block of lines; each line capped)."""
     text = _text(text)
-    if not _re(_UNSAFE_BUT_NEWLINE).search(text) and len(text) <= limit:
+    if not _re(_FIELD_BUT_NEWLINE).search(text) and len(text) <= limit:
         return text
     return "\n".join(safe(line, limit) for line in text.split("\n"))
+
+
+def neutral(text: object) -> str:
+    """Composed text (xpuctl's words and fields that went through `safe`) made one safe line:
+    control characters, newlines included, shown as escapes; backslashes kept as they are."""
+    text = _text(text)
+    unsafe = _re(_UNSAFE)
+    return unsafe.sub(_escape, text) if unsafe.search(text) else text
+
+
+def neutral_lines(text: object) -> str:
+    """The sinks' pass (see the module doc): like `neutral`, but newlines stay newlines."""
+    text = _text(text)
+    unsafe = _re(_UNSAFE_BUT_NEWLINE)
+    return unsafe.sub(_escape, text) if unsafe.search(text) else text
 
 
 def emit(stream: IO[str], text: str) -> None:
     """Write `text` plus a newline to a text stream, every line escaped: the sink for every
     plain (non-rich) human line xpuctl prints. JSON and Prometheus text need none (they are
     printable by construction) and are written directly."""
-    stream.write(safe_lines(text) + "\n")
+    stream.write(neutral_lines(text) + "\n")
     stream.flush()
 
 
@@ -158,7 +196,7 @@ def console(stderr: bool = False, **kwargs: Any) -> Any:
                 if unsafe.search("".join(s.text for s in buffer if not s.control)):
                     buffer = [
                         seg if seg.control or not unsafe.search(seg.text)
-                        else Segment(safe_lines(seg.text, sys.maxsize), seg.style, seg.control)
+                        else Segment(neutral_lines(seg.text), seg.style, seg.control)
                         for seg in buffer
                     ]
                 return super()._render_buffer(buffer)

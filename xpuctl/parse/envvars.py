@@ -37,14 +37,14 @@ def check_affinity_mask(value: str, device_count: int | None) -> str | None:
     indices = mask_indices(value)
     if indices is None:
         return (
-            f"ZE_AFFINITY_MASK={value!r} is malformed: expected a comma list of device "
+            f"ZE_AFFINITY_MASK='{value}' is malformed: expected a comma list of device "
             "indices such as 0,1 or tiles such as 0.0,0.1"
         )
     if device_count is not None and indices:
         missing = [i for i in indices if i >= device_count]
         if missing:
             return (
-                f"ZE_AFFINITY_MASK={value!r} names device index {missing[0]}, but this host "
+                f"ZE_AFFINITY_MASK='{value}' names device index {missing[0]}, but this host "
                 f"has {device_count} Intel GPU(s); Level Zero silently ignores it"
             )
     return None
@@ -53,11 +53,11 @@ def check_affinity_mask(value: str, device_count: int | None) -> str | None:
 def check_device_selector(value: str) -> str | None:
     terms = [t.strip() for t in value.split(";") if t.strip()]
     if not terms:
-        return f"ONEAPI_DEVICE_SELECTOR={value!r} is empty: SYCL will see no device"
+        return f"ONEAPI_DEVICE_SELECTOR='{value}' is empty: SYCL will see no device"
     for term in terms:
         if not _SELECTOR_TERM.match(term):
             return (
-                f"ONEAPI_DEVICE_SELECTOR term {term!r} is malformed: expected "
+                f"ONEAPI_DEVICE_SELECTOR term '{term}' is malformed: expected "
                 "backend:devices such as level_zero:0,1 or level_zero:gpu"
             )
     return None
@@ -66,7 +66,7 @@ def check_device_selector(value: str) -> str | None:
 def check_hierarchy(value: str) -> str | None:
     if value not in HIERARCHIES:
         return (
-            f"ZE_FLAT_DEVICE_HIERARCHY={value!r} is not one of {', '.join(HIERARCHIES)} "
+            f"ZE_FLAT_DEVICE_HIERARCHY='{value}' is not one of {', '.join(HIERARCHIES)} "
             "(exact, upper case); Level Zero ignores it"
         )
     return None
