@@ -13,7 +13,7 @@ import struct
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from xpuctl.parse import envvars, fdinfo, kmd, net, probes, procfs, roles, sockdiag, vllmargs, xpusmi
+from xpuctl.parse import envvars, fdinfo, kmd, net, probes, procfs, roles, sockdiag, vllmargs, vllmlog, xpusmi
 from xpuctl.errors import UsageError
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -51,6 +51,25 @@ def test_fdinfo_never_raises(text):
     fdinfo.parse_size(text)
     fdinfo.parse_fdinfo(text)
     fdinfo.parse_dmabuf(text)
+
+
+@FUZZ
+@given(st.lists(st.binary(max_size=80).map(lambda b: b.replace(b"\n", b"")), max_size=8),
+       st.binary(min_size=1, max_size=40).map(lambda b: b.replace(b"\n", b"x")))
+def test_log_lines_splits_at_newlines_only(lines, partial):
+    """One line in, one line out, whatever CRs, VTs, NELs or U+2028 it holds (issue 17);
+    a final piece without its newline is a line too."""
+    for data, want in ((b"".join(ln + b"\n" for ln in lines), lines),
+                       (b"".join(ln + b"\n" for ln in lines) + partial, [*lines, partial])):
+        got = vllmlog.log_lines(data)
+        assert [line.encode("utf-8", "surrogateescape") for line in got] == \
+            [raw.removesuffix(b"\r") for raw in want]
+
+
+def test_log_lines_keeps_a_progress_bar_one_line():
+    data = b"Loading:  10%\rLoading:  50%\rLoading: 100%\n(EngineCore) x \xc2\x85 [shutdown] y\r\n"
+    assert vllmlog.log_lines(data) == ["Loading:  10%\rLoading:  50%\rLoading: 100%",
+                                       "(EngineCore) x \x85 [shutdown] y"]
 
 
 @FUZZ

@@ -64,6 +64,21 @@ _PREFIX = re.compile(
 )
 
 
+def log_lines(data: bytes) -> list[str]:
+    """A log's bytes as lines, split at newlines only.
+
+    vLLM's progress bars (tqdm) redraw with a carriage return, and `splitlines` would also
+    split at CR, VT, FF, \\x1c-\\x1e, NEL and U+2028: one progress line would become many, a
+    marker at its end a line of its own. A CR stays inside its line (shown as `\\r` by
+    `safe`); a CRLF ending loses its CR. Bytes that are not UTF-8 are kept (surrogateescape).
+    A final piece without a newline is a line too."""
+    text = data.decode("utf-8", "surrogateescape")
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    return [line[:-1] if line.endswith("\r") else line for line in lines]
+
+
 def short_line(line: str) -> str:
     """A log line without vLLM's prefix (process tag, level, time, source), for a status
     line: `(EngineCore pid=7) INFO 12-01 10:00:03 [core.py:95] Initializing…` becomes

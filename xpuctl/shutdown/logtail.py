@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import os
 
+from xpuctl.parse.vllmlog import log_lines
+
 _LOG_MARKERS = ("[shutdown]", "XPUWorker shutdown", "force killing", "sending SIGKILL", "sending SIGTERM")
 
 
 class LogTail:
     """Reads a log from its size at creation on; `new_phases` returns the complete new lines
-    that carry a shutdown marker."""
+    that carry a shutdown marker. Lines end at newlines only: a progress line redrawn with
+    CRs stays one line (shown with `\\r` by `safe`)."""
 
 
     def __init__(self, path: str | None) -> None:
@@ -33,8 +36,7 @@ class LogTail:
         cut = data.rfind(b"\n") + 1
         self.offset += cut
         out = []
-        for raw in data[:cut].splitlines():
-            line = raw.decode("utf-8", "surrogateescape")  # exact in JSON; escaped when shown
+        for line in log_lines(data[:cut]):  # exact in JSON; escaped when shown
             if line.startswith("xpuctl:"):
                 continue  # the supervisor's own lines (a detached run logs here too)
             if any(m in line for m in _LOG_MARKERS):

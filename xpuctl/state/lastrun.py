@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 from xpuctl.core.model import LastRun
-from xpuctl.parse.vllmlog import furthest_phase, hang_signatures
+from xpuctl.parse.vllmlog import furthest_phase, hang_signatures, log_lines
 from xpuctl.state.runs import ACTIVE_STATES, RunRecord, ensure_state_dir, read_record
 
 TAIL_BYTES = 64 * 1024
@@ -45,7 +45,7 @@ def log_tail(path: str, limit: int = TAIL_BYTES) -> list[str]:
             data = fh.read(limit)
     except OSError:
         return []
-    lines = data.decode("utf-8", "surrogateescape").splitlines()
+    lines = log_lines(data)  # at newlines only: a progress bar's CRs stay inside its line
     if size > limit and lines:
         lines = lines[1:]  # cut mid-line
     return [ln for ln in lines if not ln.startswith("xpuctl:")]
