@@ -17,10 +17,23 @@ and `deletion`; reset's device reset calls `record`. A command turns the log on 
 with `recording(state_dir, command)`; outside it (serve, library use) nothing is written.
 A line that cannot be written never stops the action it describes: the error is kept and the
 command reports it (a shutdown must not fail because a disk is full).
+
+Rotation by size: before a line is written, a log that has reached `MAX_BYTES` (1 MiB, some
+3,000 lines) becomes `audit.jsonl.1`, `.1` becomes `.2`, and so on up to `.KEEP` (3); the
+oldest beyond that is dropped: at most 4 MiB in all. Concurrent xpuctl runs share the log
+safely through `audit.lock` beside it: a writer holds a shared flock for its open and its one
+write(2) (O_APPEND: lines never interleave), the rotator an exclusive one for its renames, so
+no line is written into a file while it is being renamed away, none is split, and a line
+written just before a rotation is in `.1`, never lost. Two runs that both see a full log
+rotate once: the second re-checks the size under the lock. A lock that cannot be had within
+`LOCK_WAIT` seconds (a writer stopped with SIGSTOP) skips the rotation, or writes the line
+without the lock (still one write(2)): the log never blocks an action.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import signal as _signal
@@ -30,6 +43,71 @@ from contextlib import contextmanager
 from typing import Any
 
 FILENAME = "audit.jsonl"
+LOCKNAME = "audit.lock"
+MAX_BYTES = 1 << 20  # rotate once the log reaches this size
+KEEP = 3  # rotated files kept: audit.jsonl.1 (newest) .. audit.jsonl.3
+LOCK_WAIT = 1.0  # seconds to wait for the lock (held by others for microseconds)
+_OPEN = os.O_CLOEXEC | os.O_NOFOLLOW
+
+
+def _flock(fd: int, how: int, wait: float) -> bool:
+    """flock without blocking for more than `wait` seconds. True when taken."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            fcntl.flock(fd, how | fcntl.LOCK_NB)
+            return True
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EINTR):
+                raise
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.002)
+
+
+def _size(path: str) -> int:
+    try:
+        return os.lstat(path).st_size
+    except FileNotFoundError:
+        return 0
+
+
+def rotate(path: str, lock_fd: int) -> bool:
+    """Shift `path` to `path.1` (and so on) if it is still at `MAX_BYTES` once the exclusive
+    lock is held. True when rotated."""
+    if not _flock(lock_fd, fcntl.LOCK_EX, LOCK_WAIT):
+        return False
+    try:
+        if _size(path) < MAX_BYTES:
+            return False  # another run rotated it first
+        for n in range(KEEP, 0, -1):
+            older = f"{path}.{n - 1}" if n > 1 else path
+            try:
+                os.replace(older, f"{path}.{n}")
+            except FileNotFoundError:
+                pass
+        return True
+    finally:
+        fcntl.flock(lock_fd, fcntl.LOCK_UN)
+
+
+def append(path: str, data: bytes) -> None:
+    """One line onto the log at `path`, rotating it first when full (see the module doc)."""
+    lock_fd = os.open(os.path.join(os.path.dirname(path), LOCKNAME), os.O_RDWR | os.O_CREAT | _OPEN, 0o600)
+    try:
+        if _size(path) >= MAX_BYTES:
+            rotate(path, lock_fd)
+        locked = _flock(lock_fd, fcntl.LOCK_SH, LOCK_WAIT)
+        # one write(2) on an O_APPEND file: concurrent xpuctl runs never interleave a line
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _OPEN, 0o600)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+            if locked:
+                fcntl.flock(lock_fd, fcntl.LOCK_UN)
+    finally:
+        os.close(lock_fd)
 
 
 class Sink:
@@ -68,12 +146,7 @@ class Sink:
         data = (json.dumps(line, ensure_ascii=False, default=str) + "\n").encode("utf-8", "surrogateescape")
         try:
             self._prepare()
-            # one write(2) on an O_APPEND file: concurrent xpuctl runs never interleave a line
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-            try:
-                os.write(fd, data)
-            finally:
-                os.close(fd)
+            append(self.path, data)
             self.lines += 1
         except Exception as exc:  # noqa: BLE001 (never let the log stop the action)
             self.lost += 1
