@@ -105,6 +105,19 @@ def diagnose(
     return evaluate(snap, opts)
 
 
+def write_textfile(path: str, text: str, state_dir: str | None) -> None:
+    """`doctor --textfile`: remove our own stale temporary files beside PATH (audited in
+    `state_dir`), then write PATH atomically."""
+    from xpuctl import atomic, audit, cleanup, textfile
+
+    full = textfile.check_target(path)
+    if state_dir:
+        with audit.recording(state_dir, "doctor"):
+            cleanup.remove_stale_temps(os.path.dirname(full), atomic.temp_pattern(full),
+                                       textfile.STALE_TEMP_SECONDS)
+    textfile.write_atomic(full, text)
+
+
 def blocking(report: Report, strict: bool) -> bool:
     return report.failed or (strict and report.warned)
 

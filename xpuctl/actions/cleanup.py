@@ -6,6 +6,9 @@ unlink, and the file must still be the same inode that was planned.
 from __future__ import annotations
 
 import os
+import re
+import stat
+import time
 from typing import NamedTuple
 
 from xpuctl.state import audit
@@ -73,3 +76,47 @@ def _remove(host: Host, planned: list[Artifact], fresh: Scan, euid: int | None) 
             continue
         out.append(Removal(a.path, a.kind, a.size_bytes, True, cur.reason))
     return out
+
+
+def remove_stale_temps(directory: str, pattern: re.Pattern[str], max_age: float,
+                       now: float | None = None, euid: int | None = None) -> list[Removal]:
+    """Delete xpuctl's own temporary files left in `directory` by a run killed mid-write
+    (`atomic.replace`): names matching `pattern` only, regular files only (lstat: a symlink
+    is never followed, nor removed), owned as `may_delete` allows, last modified more than
+    `max_age` seconds ago (a write in progress renames its file within that). Each removal,
+    or failed removal, is one audit line; files that are not candidates are left unmentioned.
+    The names are resolved in a directory fd, so a directory swapped for a symlink during
+    the sweep cannot redirect an unlink."""
+    now = time.time() if now is None else now
+    out: list[Removal] = []
+    try:
+        dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return out
+    try:
+        for name in os.listdir(dfd):
+            if not pattern.match(name):
+                continue
+            try:
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            except OSError:
+                continue
+            if (not stat.S_ISREG(st.st_mode) or not may_delete(st.st_uid, euid)
+                    or now - st.st_mtime < max_age):
+                continue
+            out.append(_unlink_temp(dfd, directory, name, st))
+    finally:
+        os.close(dfd)
+    return out
+
+
+def _unlink_temp(dfd: int, directory: str, name: str, st: os.stat_result) -> Removal:
+    path = os.path.join(directory, name)
+    try:
+        os.unlink(name, dir_fd=dfd)
+        removal = Removal(path, "temp-file", st.st_size, True, f"stale temporary file "
+                          f"(last written {time.time() - st.st_mtime:.0f}s ago)")
+    except OSError as exc:
+        removal = Removal(path, "temp-file", st.st_size, False, exc.strerror or str(exc))
+    audit.deletion(path, st.st_ino, "temp-file", "removed" if removal.removed else f"kept: {removal.reason}")
+    return removal

@@ -12,8 +12,16 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import tempfile
 from typing import BinaryIO, Callable
+
+
+def temp_pattern(path: str, suffix: str = ".tmp") -> re.Pattern[str]:
+    """The names `replace` gives its temporary files for `path`: `.NAME.` + mkstemp's eight
+    characters + `suffix`. A SIGKILL between mkstemp and the rename leaves one behind."""
+    name = os.path.basename(path)
+    return re.compile(re.escape(f".{name}.") + r"[a-z0-9_]{8}" + re.escape(suffix) + r"\Z")
 
 
 def fsync_dir(directory: str) -> None:

@@ -6,6 +6,10 @@ filesystem, so the rename is atomic; its name does not end in `.prom`, so the co
 reads it), is fsynced, made 0644 (node_exporter often runs as another user), and renamed over
 PATH; then the directory is fsynced so the rename survives a crash. On any failure the
 temporary file is removed and the old PATH is left as it was.
+
+Only a SIGKILL (or a crash) between creating the temporary file and the rename leaves it
+behind, as `.NAME.XXXXXXXX.tmp`. The next write removes such files older than
+`STALE_TEMP_SECONDS` (`doctor.write_textfile` -> `cleanup.remove_stale_temps`, audited).
 """
 
 from __future__ import annotations
@@ -17,6 +21,9 @@ from xpuctl.errors import UsageError, XpuctlError
 
 MODE = 0o644
 SUFFIX = ".prom"
+#: a temporary file of ours older than this is a leftover: a write renames its file within
+#: milliseconds, and even an fsync on a loaded disk ends well within five minutes
+STALE_TEMP_SECONDS = 300.0
 
 
 def check_target(path: str) -> str:
