@@ -206,6 +206,8 @@ def doctor_line(node_pod: dict) -> list[str]:
 
 def test_daemonset_sees_the_host_and_writes_the_textfile(node_pod):
     assert node_pod["hostPID"] is True
+    # the port check reads the listeners of xpuctl's own network namespace: the node's
+    assert node_pod["hostNetwork"] is True
     (c,) = node_pod["containers"]
     mounts = {m["name"]: m for m in c["volumeMounts"]}
     vols = {v["name"]: v for v in node_pod["volumes"]}
@@ -217,6 +219,10 @@ def test_daemonset_sees_the_host_and_writes_the_textfile(node_pod):
     out = next(m for m in mounts.values() if target.startswith(m["mountPath"] + "/"))
     assert not out.get("readOnly") and "hostPath" in vols[out["name"]]
     assert "--format" in argv and argv[argv.index("--format") + 1] == "prometheus"
+    # the state directory (audit log) is writable under the read-only root filesystem
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    run = next(m for m in mounts.values() if m["mountPath"] == "/run")  # xpuctl makes /run/xpuctl
+    assert not run.get("readOnly") and "emptyDir" in vols[run["name"]]
     need_deep()
     command, p = parse_xpuctl(argv[1:])
     assert command == "doctor" and p["deep"] and p["textfile"] == target
