@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from xpuctl import audit
+from xpuctl.state import audit
 
 
 def _read_all(state: Path) -> dict[str, list[dict]]:
@@ -47,7 +47,7 @@ def test_the_log_rotates_at_the_bound_and_keeps_KEEP_files(tmp_path, monkeypatch
 
 WRITER = r"""
 import sys
-from xpuctl import audit
+from xpuctl.state import audit
 audit.MAX_BYTES, audit.KEEP = int(sys.argv[2]), 10_000
 with audit.recording(sys.argv[1], "writer") as sink:
     for n in range(int(sys.argv[3])):

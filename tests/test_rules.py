@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from xpuctl.rules import PATTERNS, match
+from xpuctl.core.rules import PATTERNS, match
 
 # one real name per pattern, in PATTERNS order
 EXAMPLES = (
@@ -41,8 +41,8 @@ def test_a_trailing_newline_is_not_part_of_a_known_name(directory, name):
 def test_a_fake_host_file_ending_in_newline_is_not_listed(tmp_path):
     from fakehost import clean_host
 
-    from xpuctl.host import Host
-    from xpuctl.scan import take_snapshot
+    from xpuctl.host.scan import take_snapshot
+    from xpuctl.host.seam import Host
 
     h = clean_host(tmp_path)
     h.add_file("/dev/shm/psm_abc", uid=0, size=8, mtime=h.at(0), mode=0o600)

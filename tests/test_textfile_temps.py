@@ -8,7 +8,8 @@ import json
 import os
 import time
 
-from xpuctl import atomic, cleanup, textfile
+from xpuctl.actions import cleanup
+from xpuctl.state import atomic, textfile
 from xpuctl.doctor import write_textfile
 
 OLD = time.time() - textfile.STALE_TEMP_SECONDS - 60

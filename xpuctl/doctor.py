@@ -108,7 +108,8 @@ def diagnose(
 def write_textfile(path: str, text: str, state_dir: str | None) -> None:
     """`doctor --textfile`: remove our own stale temporary files beside PATH (audited in
     `state_dir`), then write PATH atomically."""
-    from xpuctl import atomic, audit, cleanup, textfile
+    from xpuctl.actions import cleanup
+    from xpuctl.state import atomic, audit, textfile
 
     full = textfile.check_target(path)
     if state_dir:
