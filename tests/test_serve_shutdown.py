@@ -781,6 +781,41 @@ def test_ready_timeout_hang_startup(rig):
     plan = rig.xpuctl("reset", "--dry-run", "--state-dir", rig.state)
     assert "warn last-run: the last run hung" in plan.out, str(plan)
 
+    # issue 17 item 3: the hung start's stop is in the audit log, every signal the timeline
+    # shows, sent by the --detach supervisor (its own pid) under the command "serve"
+    lines = audit_lines(rig)
+    assert lines and all(e["command"] == "serve" for e in lines), lines
+    assert {e["xpuctl_pid"] for e in lines} == {rec["supervisor_pid"]}, lines
+    sent = [(e["signal"], e["target"]["pid"]) for e in lines if e["result"] == "sent"]
+    assert sent[0] == ("SIGTERM", rec["pid"]), lines  # the top first
+    assert {pid for sig, pid in sent if sig == "SIGKILL"} >= set(workers), lines
+    shown = [(ph.split("-")[0].upper(), pid) for ph, detail in
+             re.findall(r"^xpuctl: +\d+\.\d+s (sigterm|sigterm-survivors|sigkill) +(.*)$", log, re.M)
+             for pid in pids_in(detail)]
+    assert sorted(sent) == sorted(shown), (sent, shown)  # one line per signal shown
+
+    # issue 17 item 4: the next serve shows that advice, with costs, before it launches
+    nxt = rig.serve(name="next")
+    assert nxt.rc == 0, str(nxt)
+    err = nxt.err
+    advice_at = err.find("xpuctl: preflight warn last-run: the last run hung was not ready in time")
+    assert advice_at >= 0, str(nxt)
+    assert advice_at < err.find("xpuctl: next: supervisor"), str(nxt)
+    for setting in ("xpuctl reset", "CCL_ZE_CACHE_OPEN_IPC_HANDLES=0", "CCL_ALLREDUCE=ring"):
+        assert re.search(rf"^xpuctl:   - {re.escape(setting)}: .*\(cost: .+\)$", err, re.M), str(nxt)
+    assert rig.shutdown("next", "--release-timeout", "5").rc == 0
+    rig.assert_clean()
+    # a run that went well leaves no advice for the one after it
+    again = rig.serve(name="again")
+    assert again.rc == 0 and "last-run" not in again.err, str(again)
+    assert rig.shutdown("again", "--release-timeout", "5").rc == 0
+    rig.assert_clean()
+
+
+def audit_lines(rig) -> list[dict]:
+    path = Path(rig.state, "audit.jsonl")
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
 
 # ---------------------------------------------------------------------------------------------
 # the shutdown ladder
@@ -1013,6 +1048,9 @@ def test_serve_stops_the_orphans_of_its_killed_api_server(rig):
     log = rig.run_log("oom")
     assert "xpuctl: vLLM exited with code -9" in log, log
     assert re.search(rf"SIGTERM to .*\b{core} \(", log), log  # the supervisor stopped it
+    # the supervisor's cleanup is audited (issue 17 item 3)
+    assert [(e["command"], e["xpuctl_pid"], e["signal"], e["target"]["pid"])
+            for e in audit_lines(rig) if e["result"] == "sent"] == [("serve", sup, "SIGTERM", core)]
     assert rig.signals(core) == ["SIGTERM"] and rig.exits(core) == [0]
     assert all(rig.exits(w) == [0] for w in workers)
     rec = rig.record("oom")
@@ -1171,6 +1209,10 @@ def test_foreground_signal_stops_cleanly(rig, sig):
     assert rig.signals(core) == ["SIGTERM"] and all(rig.signals(w) == [] for w in workers)
     rec = rig.record(fg.name)
     assert rec["state"] == "stopped" and rec["exit_code"] == 0, rec
+    # serve's own stop is audited (issue 17 item 3): the one SIGTERM, by the foreground serve
+    sent = [(e["command"], e["xpuctl_pid"], e["signal"], e["target"]["pid"])
+            for e in audit_lines(rig) if e["result"] == "sent"]
+    assert sent == [("serve", fg.proc.pid, "SIGTERM", api)], sent
     rig.assert_clean()
 
 
@@ -1363,3 +1405,8 @@ def test_foreground_hung_start_is_diagnosed_on_the_terminal(rig):
     assert "CCL_KVS_IFACE=lo" in err and "never ready, nothing to drain" in err, str(fg)
     assert "backend=xccl" in fg.out()  # vLLM's own output still goes to stdout
     rig.assert_clean()
+    # the foreground serve's stop of its hung start, in the audit log (issue 17 item 3)
+    lines = audit_lines(rig)
+    assert {(e["command"], e["xpuctl_pid"]) for e in lines} == {("serve", fg.proc.pid)}, lines
+    sent = [(e["signal"], e["target"]["pid"]) for e in lines if e["result"] == "sent"]
+    assert sent[0] == ("SIGTERM", rig.record(fg.name)["pid"]) and {"SIGKILL"} <= {s for s, _ in sent}, lines

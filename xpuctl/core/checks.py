@@ -485,11 +485,18 @@ def probe_timeout(c: Ctx) -> list[Finding]:
     ]
 
 
+def last_run_keys(run: LastRun | None) -> list[str]:
+    """The advice keys (core.advice.BY_SIGNATURE) of the newest run: none when it went well."""
+    if run is None:
+        return []
+    return (["not-ready"] if run.not_ready else []) + [s.key for s in run.signatures]
+
+
 def last_run_findings(run: LastRun | None) -> list[Finding]:
     """The relaunch advice for the state directory's newest run (also used by reset)."""
-    if run is None or not (run.not_ready or run.signatures):
+    keys = last_run_keys(run)
+    if run is None or not keys:
         return []
-    keys = (["not-ready"] if run.not_ready else []) + [s.key for s in run.signatures]
     said = []
     if run.not_ready:
         said.append(f"was not ready in time (stuck in: {run.phase})")

@@ -14,8 +14,10 @@ import sys
 from xpuctl.errors import ExitCode
 from xpuctl.host.seam import Host
 from xpuctl.output import progress
+from xpuctl.output.lines import audit_warning
 from xpuctl.serve.launch import LaunchPlan, ServeOptions
 from xpuctl.serve.supervise import RunSupervisor
+from xpuctl.state import audit
 from xpuctl.state.runs import Locks, RunRecord
 
 
@@ -40,6 +42,9 @@ def _supervise_child(host: Host, opts: ServeOptions, plan: LaunchPlan, rec: RunR
         for fd in (0, 1, 2):
             os.dup2(devnull, fd)
         code = RunSupervisor(host, opts, plan, rec, state_dir, sink, foreground=False).run()
+        warning = audit_warning(audit.active()) if audit.active() is not None else None
+        if warning:  # nobody sees our stderr: the run log says it
+            log(warning)
         sink.end(f"exit {code}")
     except BaseException as exc:  # noqa: BLE001
         log(f"xpuctl: supervisor error: {exc}")

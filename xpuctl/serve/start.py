@@ -14,8 +14,11 @@ from xpuctl.actions.signals import can_signal
 from xpuctl.errors import UsageError, XpuctlError
 from xpuctl.host.seam import Host
 from xpuctl.output import progress
+from xpuctl.output.lines import audit_warning
+from xpuctl.output.safetext import safe
 from xpuctl.serve.launch import LaunchPlan, ServeOptions, plan_launch
 from xpuctl.serve.supervise import RunSupervisor
+from xpuctl.state import audit
 from xpuctl.state.runs import Locks, RunRecord, ensure_state_dir
 
 
@@ -41,6 +44,21 @@ def _preflight(host: Host, opts: ServeOptions, plan: LaunchPlan,
         )
 
 
+def _last_run_advice(state_dir: str, out: Callable[[str], None]) -> None:
+    """The state directory's newest run (not this one: its record is not written yet) hung
+    or was not ready: say so, and what to try with each one's cost, before launching."""
+    from xpuctl.core import advice
+    from xpuctl.core.checks import last_run_findings, last_run_keys
+    from xpuctl.state.lastrun import last_run
+
+    run = last_run(state_dir)
+    for f in last_run_findings(run):
+        out(f"xpuctl: preflight {f.severity} {f.check}: {safe(f.message)}")
+        out("xpuctl: before this launch, consider (advice only; xpuctl sets none; each has a cost):")
+        for line in advice.lines(last_run_keys(run)):
+            out(f"xpuctl:   - {line}")
+
+
 def _prepare(host: Host, opts: ServeOptions, environ: dict[str, str], out: Callable[[str], None],
              show_findings: Callable[[object], None]) -> _Prepared:
     """Plan the launch, check the name, run the preflight doctor; the record to write."""
@@ -55,6 +73,7 @@ def _prepare(host: Host, opts: ServeOptions, environ: dict[str, str], out: Calla
     name = opts.name or f"vllm-{plan.port}"
     if not re.match(r"^[A-Za-z0-9_.-]{1,64}$", name):
         raise UsageError(f"--name {name!r}: use letters, digits, '.', '_' or '-'")
+    _last_run_advice(state_dir, out)  # also with --force: advice only, it refuses nothing
     if not opts.force:
         _preflight(host, opts, plan, show_findings)
     log_path = os.path.join(state_dir, "logs", f"{name}.log")
@@ -79,6 +98,20 @@ def _run_foreground(host: Host, opts: ServeOptions, p: _Prepared, view: progress
 
 def serve(host: Host, opts: ServeOptions, environ: dict[str, str], out: Callable[[str], None],
           show_findings: Callable[[object], None], view: progress.View | None = None) -> int:
+    """Every signal of the run (its stops on Ctrl-C, on a readiness timeout, the cleanup of
+    what vLLM left, in the foreground or the --detach supervisor, which inherits the
+    recording across its fork) is a line in the state directory's audit log."""
+    assert opts.state_dir is not None
+    with audit.recording(opts.state_dir, "serve") as log:
+        code = _start(host, opts, environ, out, show_findings, view)
+    warning = audit_warning(log)
+    if warning:
+        out(warning)
+    return code
+
+
+def _start(host: Host, opts: ServeOptions, environ: dict[str, str], out: Callable[[str], None],
+           show_findings: Callable[[object], None], view: progress.View | None) -> int:
     prepared = _prepare(host, opts, environ, out, show_findings)
     if view is None:
         view = progress.choose(sys.stderr, prepared.rec.name, quiet=opts.quiet)

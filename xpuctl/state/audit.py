@@ -14,7 +14,8 @@ File: `<state dir>/audit.jsonl` (0600, appended). Each line:
 The hooks sit where the actions happen, so no path misses them: `supervisor.Target.send`
 (the only code that signals) and `cleanup.remove` (the only code that deletes) call `signal`
 and `deletion`; reset's device reset calls `record`. A command turns the log on for its run
-with `recording(state_dir, command)`; outside it (serve, library use) nothing is written.
+with `recording(state_dir, command)`: reset, shutdown, serve (its whole run, the --detach
+supervisor included) and doctor's textfile sweep; outside it (library use) nothing is written.
 A line that cannot be written never stops the action it describes: the error is kept and the
 command reports it (a shutdown must not fail because a disk is full).
 
@@ -170,6 +171,11 @@ def recording(state_dir: str | None, command: str) -> Iterator[Sink]:
         yield sink
     finally:
         _sink = previous
+
+
+def active() -> Sink | None:
+    """The sink of the recording in force (a forked supervisor inherits its parent's)."""
+    return _sink
 
 
 def record(action: str, target: dict[str, Any], result: str, **extra: Any) -> None:
