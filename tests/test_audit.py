@@ -85,3 +85,28 @@ def test_concurrent_runs_rotate_without_losing_or_splitting_a_line(tmp_path, wri
     for name in files:
         if name != "audit.jsonl":  # a rotated file reached the bound; by at most a few lines
             assert 3000 <= (state / name).stat().st_size < 3000 + count * 400, name
+
+
+def test_a_deep_probes_group_kill_is_audited_when_the_command_records(tmp_path):
+    """The one signal outside actions/signals: doctor --deep's SIGKILL of its own probe
+    child's process group (serve --preflight deep records it)."""
+    import time as _time
+
+    from xpuctl.probes.runner import _Job
+
+    state = tmp_path / "state"
+    job = _Job("torch", [sys.executable, "-c", "pass"], dict(os.environ))
+    try:
+        with audit.recording(str(state), "serve"):
+            deadline = _time.monotonic() + 60
+            while not job.exited():
+                assert _time.monotonic() < deadline
+                _time.sleep(0.01)
+    finally:
+        if job.proc.poll() is None:
+            job.proc.kill()
+        job.proc.wait()
+    (line,) = _read_all(state)["audit.jsonl"]
+    assert (line["command"], line["action"], line["signal"], line["result"]) == (
+        "serve", "signal", "SIGKILL", "sent")
+    assert line["target"] == {"pgid": job.pid, "label": "probe torch"}

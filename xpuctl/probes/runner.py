@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 
+from xpuctl.state import audit
 from xpuctl.parse import kmd, xpusmi
 from xpuctl.parse.probes import ProbeResult, parse_probe_output
 
@@ -83,10 +84,15 @@ class _Job:
         return self.t1 is not None
 
     def kill_group(self) -> None:
+        """SIGKILL the probe's own process group (it is our child, in a session of its own;
+        its unreaped leader keeps the group id from being reused). Audited like every
+        signal, when the command records (serve --preflight deep)."""
         try:
             os.killpg(self.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
-            pass
+            return
+        audit.record("signal", {"pgid": self.pid, "label": f"probe {self.name}"}, "sent",
+                     signal="SIGKILL")
 
     @property
     def seconds(self) -> float:
