@@ -17,12 +17,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from xpuctl import pausepoint
 from xpuctl.state import audit
 from xpuctl.core.checks import Options, evaluate
 from xpuctl.actions.cleanup import Removal, may_delete, removable, remove
 from xpuctl.errors import UsageError
 from xpuctl.host.seam import Host
 from xpuctl.core.model import Artifact, Process, Report, Scan
+from xpuctl.core.rules import CCL_PID
 from xpuctl.parse.roles import API_SERVER
 from xpuctl.host.processes import list_pids, same_process
 from xpuctl.output.safetext import safe
@@ -140,6 +142,23 @@ class Outcome:
     after: Report
 
 
+def _kept_only_by(a: Artifact, snap: Scan, orphans: set[int]) -> bool:
+    """Is this file kept from being stale only by the orphans this reset stops? Then it is
+    planned for removal once they are gone (re-judged on a fresh scan first): files they
+    hold open, vLLM's FileStore (kept while any vLLM process of its owner lives; nobody holds
+    it open) and a oneCCL socket named after one of them."""
+    if a.kind == "cache" or not orphans:
+        return False
+    if a.open_by:
+        return set(a.open_by) <= orphans
+    if a.kind == "filestore":
+        keepers = {p.pid for p in snap.processes if p.role is not None and not p.is_zombie
+                   and (p.uid is None or p.uid == a.owner_uid)}
+        return bool(keepers) and keepers <= orphans
+    m = CCL_PID.match(a.path.rsplit("/", 1)[-1])
+    return bool(m) and int(m.group(1)) in orphans
+
+
 def make_plan(host: Host, bdfs: tuple[str, ...], port: int | None, device_reset: bool,
               kill_holders: bool = False) -> Plan:
     snap = take_scan(host, port=port or DEFAULT_PORT)
@@ -162,11 +181,8 @@ def make_plan(host: Host, bdfs: tuple[str, ...], port: int | None, device_reset:
     orphan_pids = sorted(p.pid for p in orphans)
     files = removable(snap)
     skipped = [(a, f"owned by uid {a.owner_uid}") for a in snap.artifacts if a.stale and not may_delete(a.owner_uid)]
-    pending = [
-        a for a in snap.artifacts
-        if not a.stale and a.kind != "cache" and a.open_by and set(a.open_by) <= set(orphan_pids)
-        and may_delete(a.owner_uid)
-    ]
+    pending = [a for a in snap.artifacts
+               if not a.stale and may_delete(a.owner_uid) and _kept_only_by(a, snap, set(orphan_pids))]
     resets: list[str] = []
     if device_reset:
         if os.geteuid() != 0:
@@ -189,6 +205,7 @@ def execute(
     timeout: float | None,
     say: Callable[[str], None],
 ) -> Outcome:
+    pausepoint.reached("reset-execute")
     stopped = None
     trees = plan.orphan_trees + plan.holder_trees
     if trees:
@@ -196,6 +213,7 @@ def execute(
             host, trees, timeout=timeout, kill_after=kill_after, release_timeout=10.0,
             on_event=lambda ev: say(event_line(ev)),
         )
+    pausepoint.reached("reset-removing")
     fresh = take_scan(host, port=port or DEFAULT_PORT)
     removed = remove(host, plan.files + plan.pending_files, fresh)
     for r in removed:

@@ -11,6 +11,7 @@ import stat
 import time
 from typing import NamedTuple
 
+from xpuctl import pausepoint
 from xpuctl.state import audit
 from xpuctl.host.seam import Host
 from xpuctl.core.model import Artifact, Scan
@@ -75,6 +76,7 @@ def _remove(host: Host, planned: list[Artifact], fresh: Scan, euid: int | None) 
             out.append(Removal(a.path, a.kind, a.size_bytes, False, exc.strerror or str(exc)))
             continue
         out.append(Removal(a.path, a.kind, a.size_bytes, True, cur.reason))
+        pausepoint.reached("file-removed")
     return out
 
 

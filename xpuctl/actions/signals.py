@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterable
 from typing import NamedTuple
 
+from xpuctl import pausepoint
 from xpuctl.state import audit
 from xpuctl.host.seam import Host
 from xpuctl.host.processes import same_process, stat_of
@@ -88,6 +89,7 @@ class Target(NamedTuple):
             self._audit(sig, f"not sent: {exc.strerror or exc}")
             raise
         self._audit(sig, "sent")
+        pausepoint.reached("signal-sent")
 
     def _audit(self, sig: int, result: str) -> None:
         audit.signal(self.pid, self.start_ticks, self.label, sig, result)

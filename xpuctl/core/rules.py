@@ -47,7 +47,7 @@ PATTERNS: tuple[tuple[str, re.Pattern[str], str, bool], ...] = (
     ("/tmp", re.compile(rf"^{_UUID}\Z"), "zmq-socket", True),
 )
 
-_CCL_PID = re.compile(r"^ccl-ipc-fd-sock-(\d+):")
+CCL_PID = re.compile(r"^ccl-ipc-fd-sock-(\d+):")
 
 
 def match(directory: str, name: str) -> tuple[str, bool] | None:
@@ -82,7 +82,7 @@ def judge(path: str, kind: str, info: FileInfo, facts: Facts) -> tuple[bool, str
     if info.is_socket and facts.bound:
         return False, "a socket is bound to it"
     name = path.rsplit("/", 1)[-1]
-    m = _CCL_PID.match(name)
+    m = CCL_PID.match(name)
     if m and int(m.group(1)) in facts.live_pids:
         return False, f"its process {m.group(1)} is alive"
     if kind == "filestore":

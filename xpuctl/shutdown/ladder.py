@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from xpuctl import pausepoint
 from xpuctl.actions.signals import Target, wait_gone
 from xpuctl.host.scan import listening_sockets, take_scan
 from xpuctl.host.seam import Host
@@ -240,6 +241,7 @@ def stop(
     midway. `skip_drain`: no SIGTERM and no wait, straight to SIGKILL."""
     ld = _Ladder(host, trees, on_event, poll, passive, yield_to)
     _find_members(ld)
+    pausepoint.reached("shutdown-found")
     if not skip_drain:
         _sigterm_tops(ld)
         _wait_exit(ld, timeout)

@@ -14,6 +14,8 @@ import errno
 import os
 import re
 import tempfile
+
+from xpuctl import pausepoint
 from typing import BinaryIO, Callable
 
 
@@ -62,6 +64,7 @@ def replace(
                 while view:
                     view = view[os.write(f.fileno(), view):]
             os.fsync(f.fileno())
+        pausepoint.reached("record-rename")
         os.replace(tmp, path)
         tmp = None
         if sync_dir:

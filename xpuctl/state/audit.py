@@ -43,6 +43,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from xpuctl import pausepoint
+
 FILENAME = "audit.jsonl"
 LOCKNAME = "audit.lock"
 MAX_BYTES = 1 << 20  # rotate once the log reaches this size
@@ -102,6 +104,7 @@ def append(path: str, data: bytes) -> None:
         # one write(2) on an O_APPEND file: concurrent xpuctl runs never interleave a line
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _OPEN, 0o600)
         try:
+            pausepoint.reached("audit-locked")
             os.write(fd, data)
         finally:
             os.close(fd)

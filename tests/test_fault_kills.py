@@ -1,0 +1,169 @@
+"""xpuctl itself SIGKILLed at each step of reset and shutdown (issue 17 item 6): nothing it
+leaves behind is misread by the next run. Run records stay whole (atomic.replace), the audit
+log has no torn line, the next doctor tells the truth, and the next run finishes the job.
+
+Each kill is deterministic: XPUCTL_TEST_PAUSE_AT makes xpuctl stop at one named step
+(xpuctl/pausepoint.py, read only by tests), the test waits for its marker and SIGKILLs the
+process it started. reset sees every orphan on the host, so its runs happen in a private PID
+namespace, where the only processes are this test's (and all of them die with it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from proctools import is_gone, wait_for
+
+from test_serve_shutdown import XPUCTL, audit_lines, rig  # noqa: F401 (rig: fixture)
+
+PY = sys.executable
+TESTS_DIR = Path(__file__).resolve().parent
+
+
+def _pidns_available() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    try:
+        p = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"],
+                           capture_output=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return p.returncode == 0
+
+
+def assert_audit_whole(path: Path) -> list[dict]:
+    """Every line of the audit log (and its rotations) is whole JSON; none is torn."""
+    out = []
+    for f in sorted(path.parent.glob(path.name + "*")):
+        data = f.read_bytes()
+        assert data == b"" or data.endswith(b"\n"), f"{f}: torn last line: {data[-80:]!r}"
+        out += [json.loads(line) for line in data.decode().splitlines()]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# reset
+
+
+_RESET_DRIVER = r"""
+import json, os, signal, subprocess, sys, time
+tests, state, token, workdir, step = sys.argv[1:6]
+sys.path.insert(0, tests)
+from proctools import StandInRoot, holders, is_gone, start_fake_vllm, wait_for
+out = {"pid": os.getpid()}
+root = StandInRoot(workdir, n_devices=2)
+R = root.root
+xp = [sys.executable, "-m", "xpuctl", "--root", R]
+def run(*args):
+    p = subprocess.run(xp + list(args), capture_output=True, text=True, timeout=300)
+    return [p.returncode, p.stdout, p.stderr]
+try:
+    # orphans that need the whole ladder: workers hung in oneCCL init ignore SIGTERM, so
+    # reset sends SIGTERM to EngineCore, then SIGTERM to the survivors, then SIGKILL
+    fv = start_fake_vllm(token, R, tp=2, shutdown_timeout=5, workdir=workdir,
+                         env={"FAKE_VLLM_FAULTS": "hang-startup"})
+    out["ready"] = wait_for(lambda: fv.log().count("backend=xccl") == 2, 60)
+    tree = fv.tree()
+    fv.proc.kill()
+    fv.proc.wait()
+    out["orphans"] = [p for p in tree if p != fv.pid]
+    extra = os.path.join(R, "dev/shm/psm_deadbeef")  # stale from the start: nobody has it
+    with open(extra, "wb") as fh:
+        fh.write(b"x" * 64)
+    out["shm_before"] = root.shm()
+    marker = os.path.join(workdir, "paused")
+    env = dict(os.environ, XPUCTL_TEST_PAUSE_AT=step, XPUCTL_TEST_PAUSE_FILE=marker)
+    reset = xp + ["reset", "--yes", "--json", "--timeout", "1", "--kill-after", "1",
+                  "--state-dir", state]
+    p = subprocess.Popen(reset, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    out["paused"] = wait_for(lambda: os.path.exists(marker) or p.poll() is not None, 120)
+    out["paused_at"] = open(marker).read() if os.path.exists(marker) else None
+    p.kill()
+    p.wait()
+    out["killed_rc"] = p.returncode
+    out["alive_after_kill"] = [q for q in out["orphans"] if not is_gone(q)]
+    out["shm_after_kill"] = root.shm()
+    log = os.path.join(state, "audit.jsonl")
+    out["audit_after_kill"] = open(log).read() if os.path.exists(log) else ""
+    out["doctor"] = run("doctor", "--json", "--state-dir", state)
+    # processes exit and files go by themselves while doctor runs: what it reports must lie
+    # between what was there just before it and what is there just after it
+    out["alive_after_doctor"] = [q for q in out["orphans"] if not is_gone(q)]
+    out["shm_after_doctor"] = root.shm()
+    out["reset"] = run("reset", "--yes", "--json", "--timeout", "1", "--kill-after", "1",
+                       "--state-dir", state)
+    out["alive_at_end"] = [q for q in out["orphans"] if not is_gone(q)]
+    out["held"] = holders(root.node(0)) + holders(root.node(1))
+    out["shm_at_end"] = root.shm()
+    out["doctor_end"] = run("doctor", "--json", "--state-dir", state)
+finally:
+    root.close()
+print(json.dumps(out))
+"""
+
+RESET_STEPS = [
+    "reset-execute",    # after the plan (shown and confirmed), before anything
+    "signal-sent",      # after the first signal
+    "signal-sent:2",    # between signals
+    "reset-removing",   # between the signals and the deletions
+    "file-removed",     # between deletions
+    "audit-locked",     # inside an audit append (its lock held)
+]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _pidns_available(), reason="needs unshare --pid (root)")
+@pytest.mark.parametrize("step", RESET_STEPS)
+def test_reset_killed_at_each_step(tmp_path, proc_token, step):
+    driver = tmp_path / "driver.py"
+    driver.write_text(_RESET_DRIVER)
+    state = tmp_path / "state"
+    p = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", PY, str(driver),
+                        str(TESTS_DIR), str(state), proc_token, str(tmp_path), step],
+                       capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["pid"] == 1 and out["ready"] and len(out["orphans"]) == 3, out
+    assert out["paused"] and out["paused_at"].startswith(step + " "), out
+    assert out["killed_rc"] == -signal.SIGKILL
+
+    # the audit log as the kill left it: whole lines, one per signal sent so far
+    text = out["audit_after_kill"]
+    assert text == "" or text.endswith("\n"), text[-200:]
+    lines = [json.loads(line) for line in text.splitlines()]
+    sent = [e for e in lines if e["action"] == "signal" and e["result"] == "sent"]
+    if step.startswith("signal-sent"):
+        assert len(sent) == int(step.partition(":")[2] or 1), lines
+    if step == "reset-execute":
+        assert lines == []
+
+    # the next doctor tells the truth: the orphans alive, exactly, and the files on disk
+    rc, stdout, stderr = out["doctor"]
+    assert rc in (0, 1), stderr
+    doc = json.loads(stdout)
+    orphans = {q["pid"] for q in doc["processes"] if q["orphan"] and q["state"] != "Z"}
+    assert set(out["alive_after_doctor"]) <= orphans <= set(out["alive_after_kill"]), (orphans, out)
+    if out["alive_after_doctor"]:
+        assert any(f["check"] == "orphans" and f["severity"] == "fail" for f in doc["findings"])
+    listed = {Path(a["path"]).name for a in doc["artifacts"] if a["path"].startswith("/dev/shm/")}
+    assert set(out["shm_after_doctor"]) <= listed <= set(out["shm_after_kill"]), (listed, out)
+    if "psm_deadbeef" in out["shm_after_kill"]:  # never open: stale, and said so
+        assert any(a["path"] == "/dev/shm/psm_deadbeef" and a["stale"] for a in doc["artifacts"])
+
+    # the next reset finishes the job
+    rc, stdout, stderr = out["reset"]
+    assert rc == 0, (stdout, stderr)
+    assert out["alive_at_end"] == [] and out["held"] == [], out
+    assert out["shm_at_end"] == [], out
+    end = json.loads(out["doctor_end"][1])
+    assert not [q for q in end["processes"] if q["orphan"] and q["state"] != "Z"], end
+    assert not [a for a in end["artifacts"] if a["stale"]], end
+    assert_audit_whole(state / "audit.jsonl")
