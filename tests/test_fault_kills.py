@@ -167,3 +167,72 @@ def test_reset_killed_at_each_step(tmp_path, proc_token, step):
     assert not [q for q in end["processes"] if q["orphan"] and q["state"] != "Z"], end
     assert not [a for a in end["artifacts"] if a["stale"]], end
     assert_audit_whole(state / "audit.jsonl")
+
+
+# ---------------------------------------------------------------------------------------------
+# shutdown
+
+
+SHUTDOWN_STEPS = [
+    "shutdown-found",   # the trees found and the record says "stopping"; nothing signalled
+    "record-rename",    # the "stopping" record written to its temporary file, not renamed
+    "signal-sent",      # after the SIGTERM to the API server
+    "audit-locked",     # the SIGTERM sent, its audit line about to be written
+    "record-rename:2",  # the final record update ("stopped") half done
+]
+
+
+def _mine(rig, doc: dict) -> dict[int, dict]:
+    started = {e["pid"] for e in rig.events() if e["event"] == "start"}
+    return {q["pid"]: q for q in doc["processes"] if q["pid"] in started and q["state"] != "Z"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("step", SHUTDOWN_STEPS)
+def test_shutdown_killed_at_each_step(rig, step):
+    res = rig.serve(name="victim")
+    assert res.rc == 0, str(res)
+    rec = rig.record("victim")
+    marker = rig.tmp / "paused"
+    cmd = [*XPUCTL, "--root", rig.root.root, "shutdown", "victim", "--json", "--kill-after", "1",
+           "--release-timeout", "5", "--state-dir", rig.state]
+    env = rig.env(XPUCTL_TEST_PAUSE_AT=step, XPUCTL_TEST_PAUSE_FILE=str(marker))
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         stdin=subprocess.DEVNULL)
+    try:
+        assert wait_for(lambda: marker.exists() or p.poll() is not None, 120), "never paused"
+        assert marker.read_text().startswith(step + " "), marker.read_text()
+    finally:
+        p.kill()
+        p.wait()
+
+    # records stay whole: the record parses, the temporary file is not a run
+    runs_dir = Path(rig.state, "runs")
+    after = rig.record("victim")
+    assert after["run_id"] == rec["run_id"] and after["pid"] == rec["pid"], after
+    leftovers = [n for n in os.listdir(runs_dir) if n.endswith(".tmp")]
+    assert leftovers == ([] if not step.startswith("record-rename") else leftovers)
+    ps = rig.xpuctl("ps", "--json", "--state-dir", rig.state)
+    assert ps.rc == 0, str(ps)
+    assert [r["name"] for r in ps.json["runs"] if r["name"] == "victim"] in ([], ["victim"])
+    assert_audit_whole(Path(rig.state, "audit.jsonl"))
+
+    # the next doctor tells the truth about this run's processes
+    vllm = lambda: set(rig.alive()) - {rec["supervisor_pid"]}  # noqa: E731 (doctor lists vLLM)
+    before = vllm()
+    doc = rig.xpuctl("doctor", "--json", "--state-dir", rig.state)
+    after_doc = vllm()
+    assert doc.rc in (0, 1), str(doc)
+    mine = _mine(rig, doc.json)
+    assert after_doc <= set(mine) <= before, (mine.keys(), before, after_doc)
+    if not is_gone(rec["pid"]):  # the API server lives: a server, not orphans
+        assert not [q for q in mine.values() if q["orphan"]], mine
+
+    # the next shutdown finishes the job (or finds nothing left to stop)
+    nxt = rig.shutdown("victim", "--json", "--kill-after", "1", "--release-timeout", "5")
+    assert nxt.rc in (0, 3), str(nxt)
+    rig.assert_clean()
+    assert wait_for(lambda: is_gone(rec["supervisor_pid"]), 60)
+    final = rig.record("victim")
+    assert final["state"] == "stopped", final
+    assert_audit_whole(Path(rig.state, "audit.jsonl"))
