@@ -95,6 +95,12 @@ class Target(NamedTuple):
         audit.signal(self.pid, self.start_ticks, self.label, sig, result)
 
 
+def own_identity() -> list[int]:
+    """[pid, start ticks] of this process: how a run record names who is stopping it."""
+    st = stat_of(Host(), os.getpid())
+    return [os.getpid(), st.start_ticks if st is not None else 0]
+
+
 def target_of(host: Host, pid: int, label: str = "", start_ticks: int | None = None) -> Target | None:
     """`pid` as a Target while it runs (and, given `start_ticks`, is still that process)."""
     st = same_process(host, pid, start_ticks)

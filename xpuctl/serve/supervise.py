@@ -15,7 +15,15 @@ import threading
 import time
 from collections.abc import Callable
 
-from xpuctl.actions.signals import EXITED, become_subreaper, reap_children, set_parent_death_signal, target_of
+from xpuctl.actions.signals import (
+    EXITED,
+    Target,
+    become_subreaper,
+    own_identity,
+    reap_children,
+    set_parent_death_signal,
+    target_of,
+)
 from xpuctl.errors import ExitCode, XpuctlError
 from xpuctl.host import http
 from xpuctl.host.seam import Host
@@ -23,7 +31,7 @@ from xpuctl.output import progress
 from xpuctl.output.safetext import safe
 from xpuctl.output.lines import event_line
 from xpuctl.serve.launch import LaunchPlan, ServeOptions
-from xpuctl.state.runs import RunRecord, update_record
+from xpuctl.state.runs import RunRecord, stop_abandoned, update_record
 
 READY_POLL = 0.1  # seconds between readiness probes
 READY_PROBE_TIMEOUT = 0.3  # one probe of /health (and /v1/models)
@@ -209,7 +217,6 @@ class RunSupervisor:
 
     def _tree(self):
         from xpuctl.shutdown.targets import ServerTree
-        from xpuctl.actions.signals import Target
 
         assert self.proc is not None
         top = Target(self.proc.pid, self.rec.start_ticks or 0, "api-server")
@@ -227,7 +234,7 @@ class RunSupervisor:
         drain: the tree gets the teardown budget only (ServerTree.never_ready)."""
         from xpuctl.shutdown.ladder import stop
 
-        self._set(state="stopping")
+        self._set(state="stopping", stopping_by=own_identity())
         try:
             return stop(self.host, [self._tree()], kill_after=self.opts.kill_after,
                         release_timeout=self.opts.teardown_timeout, on_event=self._show)
@@ -286,6 +293,9 @@ class RunSupervisor:
         self.say(f"xpuctl: stopped: {result.verdict}")
         return ExitCode.PROBLEMS if leftovers else ExitCode.OK
 
+    def _alive(self, pid: int, ticks: int) -> bool:
+        return Target(pid, ticks).alive(self.host)
+
     def _after_exit(self, code: int, requested: bool, ready: bool) -> int:
         from xpuctl.shutdown.ladder import stop
 
@@ -296,9 +306,13 @@ class RunSupervisor:
         # When `xpuctl shutdown` is stopping the run, it owns the ladder: only watch.
         from xpuctl.state.runs import read_record
 
+        me = own_identity()
+
         def someone_else() -> bool:
             disk = read_record(self.state_dir, self.rec.name)
-            return bool(disk and disk.run_id == self.rec.run_id and disk.state == "stopping")
+            return bool(disk and disk.run_id == self.rec.run_id and disk.state == "stopping"
+                        and disk.stopping_by != me
+                        and not stop_abandoned(disk, lambda pid, ticks: self._alive(pid, ticks)))
 
         passive = someone_else()
 

@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 from xpuctl.host.processes import same_process
 from xpuctl.host.seam import Host
-from xpuctl.state.runs import ACTIVE_STATES, RunRecord, list_records
+from xpuctl.state.runs import ACTIVE_STATES, RunRecord, list_records, state_shown
 
 
 def active_records(state_dir: str) -> list[RunRecord]:
@@ -39,5 +39,6 @@ def live_runs(host: Host, state_dir: str) -> list[RunRow]:
         if not (alive(r.pid, r.start_ticks) or alive(r.supervisor_pid)):
             continue
         age = now - r.started_at if r.started_at else None
-        out.append(RunRow(r.name, r.state, age, r.pid, r.port, tuple(r.devices), r.run_id))
+        shown = state_shown(r, lambda pid, ticks: alive(pid, ticks))  # an abandoned stop is not one
+        out.append(RunRow(r.name, shown, age, r.pid, r.port, tuple(r.devices), r.run_id))
     return out

@@ -14,6 +14,7 @@ import json
 import os
 import stat
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -76,6 +77,9 @@ class RunRecord:
     ready_at: float | None = None  # when /health and /v1/models first answered
     stopped_at: float | None = None
     notes: list[str] = field(default_factory=list)
+    # [pid, start ticks] of the process that set state "stopping" (a shutdown, or the
+    # supervisor itself): a stopper that died (SIGKILL) is stopping nothing (stop_abandoned)
+    stopping_by: list[int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -84,6 +88,23 @@ class RunRecord:
     def from_dict(cls, data: dict[str, Any]) -> RunRecord:
         known = {f for f in cls.__dataclass_fields__}
         return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def stop_abandoned(rec: RunRecord, alive: Callable[[int, int], bool]) -> bool:
+    """The record says "stopping" but the process that said so is gone: nobody is stopping
+    the run. `alive(pid, start_ticks)` says whether that very process still runs. A record
+    without `stopping_by` (written before it existed) is believed."""
+    if rec.state != "stopping" or not rec.stopping_by or len(rec.stopping_by) != 2:
+        return False
+    pid, ticks = rec.stopping_by
+    return not alive(int(pid), int(ticks))
+
+
+def state_shown(rec: RunRecord, alive: Callable[[int, int], bool]) -> str:
+    """The state to report: an abandoned "stopping" is the state it interrupted."""
+    if stop_abandoned(rec, alive):
+        return "ready" if rec.ready_at is not None else "starting"
+    return rec.state
 
 
 def _record_path(state_dir: str, name: str) -> str:
