@@ -236,3 +236,35 @@ def test_shutdown_killed_at_each_step(rig, step):
     final = rig.record("victim")
     assert final["state"] == "stopped", final
     assert_audit_whole(Path(rig.state, "audit.jsonl"))
+
+
+@pytest.mark.slow
+def test_a_killed_shutdown_does_not_leave_its_stopping_state_to_be_believed(rig):
+    """A shutdown SIGKILLed after it marked the run "stopping" is stopping nothing. ps must
+    not keep saying "stopping", and when vLLM later crashes by itself the supervisor must
+    not take the crash for a requested stop (it would record "stopped", not "failed")."""
+    crash = rig.tmp / "crash-now"
+    res = rig.serve(name="orphaned-stop", env={"FAKE_VLLM_FAULTS": "crash-engine",
+                                               "FAKE_VLLM_CRASH_FILE": str(crash),
+                                               "FAKE_VLLM_ENGINE_DEAD_EXIT_S": "0.5"})
+    assert res.rc == 0, str(res)
+    rec = rig.record("orphaned-stop")
+    marker = rig.tmp / "paused"
+    cmd = [*XPUCTL, "--root", rig.root.root, "shutdown", "orphaned-stop", "--state-dir", rig.state]
+    env = rig.env(XPUCTL_TEST_PAUSE_AT="shutdown-found", XPUCTL_TEST_PAUSE_FILE=str(marker))
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         stdin=subprocess.DEVNULL)
+    try:
+        assert wait_for(lambda: marker.exists() or p.poll() is not None, 120), "never paused"
+    finally:
+        p.kill()
+        p.wait()
+    assert rig.record("orphaned-stop")["state"] == "stopping"  # what the killed run wrote
+    ps = rig.xpuctl("ps", "--json", "--state-dir", rig.state)
+    assert [r["state"] for r in ps.json["runs"] if r["name"] == "orphaned-stop"] == ["ready"], ps.out
+
+    crash.touch()  # vLLM now fails on its own
+    assert wait_for(lambda: is_gone(rec["supervisor_pid"]), 60)
+    rig.assert_clean()
+    final = rig.record("orphaned-stop")
+    assert final["state"] == "failed" and final["exit_code"] == 1, final
