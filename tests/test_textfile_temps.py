@@ -93,3 +93,23 @@ def test_files_of_another_owner_are_kept_unless_root(tmp_path):
     removed = cleanup.remove_stale_temps(str(tmp_path), pattern, 60)  # its owner (or root)
     assert [r.removed for r in removed] == [True]
     assert not (tmp_path / ".xpuctl.prom.abcdefgh.tmp").exists()
+
+
+def test_doctor_textfile_removes_them_and_audits_it(tmp_path):
+    """Through the command line, as node_exporter's timer runs it."""
+    import fakehost
+    from typer.testing import CliRunner
+
+    from xpuctl.cli import app
+
+    host = fakehost.clean_host(tmp_path / "root")
+    d = tmp_path / "textfile"
+    d.mkdir()
+    stale = _make(d / ".xpuctl.prom.k1llm3d_.tmp")
+    state = tmp_path / "state"
+    res = CliRunner().invoke(app, ["--root", str(host.root), "doctor", "--textfile",
+                                   str(d / "xpuctl.prom"), "--state-dir", str(state)])
+    assert res.exit_code in (0, 1), res.output
+    assert sorted(os.listdir(d)) == ["xpuctl.prom"] and not stale.exists()
+    (line,) = [json.loads(x) for x in (state / "audit.jsonl").read_text().splitlines()]
+    assert (line["command"], line["target"]["path"], line["result"]) == ("doctor", str(stale), "removed")

@@ -87,7 +87,7 @@ def doctor(
     clean = not doctor_core.blocking(report, strict)
     if wait_clean is not None and not clean:
         report, clean = _wait(a, report, run, wait_clean, strict, out_fmt is Format.table)
-    _render(a, report, out_fmt, textfile)
+    _render(a, report, out_fmt, textfile, state_dir)
     if out_fmt is Format.table and wait_clean is not None and not clean:
         a.err.print(f"still not clean after {wait_clean:g}s", style="red")
     raise typer.Exit(ExitCode.OK if clean else ExitCode.PROBLEMS)
@@ -119,7 +119,8 @@ def _wait(a: AppContext, report: Any, run: Any, seconds: float, strict: bool, ta
         return wait_clean(report, run, seconds, strict, tick=tick)
 
 
-def _render(a: AppContext, report: Any, out_fmt: Format, textfile: str | None) -> None:
+def _render(a: AppContext, report: Any, out_fmt: Format, textfile: str | None,
+            state_dir: str | None) -> None:
     if out_fmt is Format.json:
         from xpuctl.output.documents import doctor_dict, to_json
 
@@ -130,9 +131,11 @@ def _render(a: AppContext, report: Any, out_fmt: Format, textfile: str | None) -
         if textfile is None:
             sys.stdout.write(prometheus(report))
         else:
-            from xpuctl.state.textfile import write_atomic
+            from xpuctl.doctor import write_textfile
+            from xpuctl.state.runs import default_state_dir
 
-            write_atomic(textfile, prometheus(report))
+            # our own stale temporary files beside it are removed first, in the audit log
+            write_textfile(textfile, prometheus(report), state_dir or default_state_dir(a.environ))
     else:
         from xpuctl.output.tables import print_doctor
 

@@ -1,7 +1,7 @@
 """Errors become exit codes here, and only here.
 
 Inside a command (`guard`): an `XpuctlError` prints one line on stderr and exits with its
-code; Ctrl-C exits 130; a closed stdout (`xpuctl ps | head`) exits 1 quietly; anything
+code; Ctrl-C exits 130 (also at a prompt: `group_exit_code`); a closed stdout (`xpuctl ps | head`) exits 1 quietly; anything
 unexpected prints one line and exits 70, unless `--debug` (or XPUCTL_DEBUG=1) asks for the
 traceback. Around the whole command line (`group_exit_code`): every usage error (an unknown
 option or command, a bad value, a missing argument) is one line on stderr and exit 2, never
@@ -18,7 +18,7 @@ from typing import Any, Callable, TypeVar
 import typer
 
 from xpuctl.errors import ExitCode, XpuctlError
-from xpuctl.output.safetext import emit, safe
+from xpuctl.output.safetext import emit, neutral, safe
 
 F = TypeVar("F", bound=Callable[..., Any])
 INTERNAL_ERROR = 70
@@ -30,8 +30,9 @@ def debug_requested(ctx: Any = None) -> bool:
 
 
 def fail(message: str, code: int) -> typer.Exit:
-    # one line: a path or device spec in the message is the user's or the host's text
-    emit(sys.stderr, f"xpuctl: error: {safe(message)}")
+    # one line, control characters escaped; the host text inside went through `safe` where
+    # the message was made (escaping its backslashes again would double them)
+    emit(sys.stderr, f"xpuctl: error: {neutral(message)}")
     return typer.Exit(int(code))
 
 
@@ -99,8 +100,13 @@ def group_exit_code(run: Callable[[], Any]) -> Any:
     except click_errors.UsageError as exc:
         emit(sys.stderr, usage_line(exc))
         return int(ExitCode.USAGE)
-    except typer.Abort:
-        sys.stderr.write("xpuctl: aborted\n")
+    except typer.Abort as exc:
+        # click turns both a Ctrl-C and an end of input at a prompt into Abort; the
+        # KeyboardInterrupt it replaced is still its __context__
+        if isinstance(exc.__context__, KeyboardInterrupt):
+            sys.stderr.write("\nxpuctl: interrupted\n")
+            return int(ExitCode.INTERRUPTED)
+        sys.stderr.write("\nxpuctl: aborted (no answer)\n")
         return int(ExitCode.PROBLEMS)
     except click_errors.ClickException as exc:
         emit(sys.stderr, f"xpuctl: error: {one_line(exc.format_message())}")

@@ -74,7 +74,7 @@ def reset_plan_lines(plan: Any, kill_holders: bool, advice: list[Finding]) -> li
     for f in plan.files:
         out.append(f"remove {safe(f.path)} ({f.kind}, uid {f.owner_uid}, {f.size_bytes} bytes): {safe(f.reason)}")
     for f in plan.pending_files:
-        out.append(f"remove {safe(f.path)} ({f.kind}) once the orphans holding it are gone")
+        out.append(f"remove {safe(f.path)} ({f.kind}) once the orphans keeping it are gone")
     for f, why in plan.skipped_files:
         out.append(f"skip {safe(f.path)}: {safe(why)}")
     for b in plan.device_reset:

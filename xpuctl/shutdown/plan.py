@@ -38,6 +38,10 @@ def mark_records(state_dir: str | None, trees: list[Any], **changes: Any) -> Non
 
     if "state" in changes and changes["state"] != "stopping":
         changes.setdefault("stopped_at", time.time())
+    if changes.get("state") == "stopping":  # who: a stopper SIGKILLed midway stops nothing
+        from xpuctl.actions.signals import own_identity
+
+        changes.setdefault("stopping_by", own_identity())
     for t in trees:
         if t.record is not None:
             try:
