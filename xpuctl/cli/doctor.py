@@ -132,9 +132,10 @@ def _render(a: AppContext, report: Any, out_fmt: Format, textfile: str | None,
             sys.stdout.write(prometheus(report))
         else:
             from xpuctl.doctor import write_textfile
-            from xpuctl.state.runs import default_state_dir
+            from xpuctl.state.statedir import default_state_dir
 
-            # our own stale temporary files beside it are removed first, in the audit log
+            # our own stale temporary files beside it (the textfile is on this machine, never
+            # under --root) are removed first, in this machine's audit log
             write_textfile(textfile, prometheus(report), state_dir or default_state_dir(a.environ))
     else:
         from xpuctl.output.tables import print_doctor
