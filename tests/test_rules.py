@@ -41,11 +41,11 @@ def test_a_trailing_newline_is_not_part_of_a_known_name(directory, name):
 def test_a_fake_host_file_ending_in_newline_is_not_listed(tmp_path):
     from fakehost import clean_host
 
-    from xpuctl.host.scan import take_snapshot
+    from xpuctl.host.scan import take_scan
     from xpuctl.host.seam import Host
 
     h = clean_host(tmp_path)
     h.add_file("/dev/shm/psm_abc", uid=0, size=8, mtime=h.at(0), mode=0o600)
     h.add_file("/dev/shm/psm_abc\n", uid=0, size=8, mtime=h.at(0), mode=0o600)
-    paths = {a.path for a in take_snapshot(Host(str(h.root)), port=None).artifacts}
+    paths = {a.path for a in take_scan(Host(str(h.root)), port=None).artifacts}
     assert "/dev/shm/psm_abc" in paths and "/dev/shm/psm_abc\n" not in paths
