@@ -790,7 +790,7 @@ def test_ready_timeout_hang_startup(rig):
     assert sent[0] == ("SIGTERM", rec["pid"]), lines  # the top first
     assert {pid for sig, pid in sent if sig == "SIGKILL"} >= set(workers), lines
     shown = [(ph.split("-")[0].upper(), pid) for ph, detail in
-             re.findall(r"^xpuctl: +\d+\.\d+s (sigterm|sigterm-survivors|sigkill) +(.*)$", log, re.M)
+             re.findall(r"^xpuctl: +\d+\.\d+s +(sigterm|sigterm-survivors|sigkill) +(.*)$", log, re.M)
              for pid in pids_in(detail)]
     assert sorted(sent) == sorted(shown), (sent, shown)  # one line per signal shown
 
