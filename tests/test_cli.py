@@ -266,7 +266,7 @@ def test_prometheus_output(tmp_path):
             float(line.rsplit(" ", 1)[1])
 
 
-BANNED = ("torch", "intel_extension_for_pytorch", "pyzes", "vllm")
+BANNED = ("torch", "intel_extension_for_pytorch", "pyzes", "vllm", "ray")
 
 
 # the deep probe modules import the GPU stacks: only their child processes may load them
@@ -278,7 +278,8 @@ PROBE_MODULES = ("xpuctl.probes.children.sysman", "xpuctl.probes.children.torch_
     [["--version"], ["doctor", "--json"], ["doctor"], ["ps", "--json"], ["devices", "--json"],
      ["shutdown", "--all", "--dry-run"], ["reset", "--dry-run"], ["completion", "bash"],
      ["doctor", "--deep", "--json"], ["devices", "--deep", "--record-baseline"],
-     ["doctor", "--deep", "--format", "prometheus"]],
+     ["doctor", "--deep", "--format", "prometheus"], ["doctor", "--ray", "127.0.0.1:1", "--json"],
+     ["ps", "--ray"], ["devices", "--ray", "127.0.0.1:1"]],
 )
 def test_no_command_imports_gpu_libraries(tmp_path, args):
     """Trap modules named like the GPU stacks: importing one leaves a marker file named by the
@@ -309,6 +310,10 @@ def test_no_command_imports_gpu_libraries(tmp_path, args):
     assert not list(tmp_path.glob(f"imported-*-{cli_pid}"))
     if "--deep" in args:  # the probes did run, in other processes, and met the traps
         assert list(tmp_path.glob("imported-torch-*")) and list(tmp_path.glob("imported-pyzes-*"))
+    elif "--ray" in args:  # the Ray child met the trap (and reported no ray: exit 6)
+        assert [p.name for p in tmp_path.glob("imported-*")] == [
+            p.name for p in tmp_path.glob("imported-ray-*")]
+        assert list(tmp_path.glob("imported-ray-*")) and "XPUCTL_RAY_PYTHON" in out.stderr
     else:
         assert not list(tmp_path.glob("imported-*"))
 

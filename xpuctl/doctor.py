@@ -80,8 +80,12 @@ def diagnose(
     caller_env: dict[str, str] | None = None,
     deep: DeepOptions | None = None,
     state_dir: str | None = None,
+    ray_address: str | None = None,
+    ray_fetch: object | None = None,
 ) -> Report:
-    """Scan and judge. `state_dir`: also read its newest run for the relaunch advice."""
+    """Scan and judge. `state_dir`: also read its newest run for the relaunch advice.
+    Ray actors holding devices are tied to their run through Ray's state (`ray_address`, or
+    `ray_fetch`, a function returning that state: a Ray node's own)."""
     bdfs = resolve_device_specs(host, devices or [])
     opts = Options(
         devices=bdfs,
@@ -95,6 +99,10 @@ def diagnose(
         snap = deep_scan(host, env, deep, port=opts.port, caller_env=caller_env)
     else:
         snap = take_scan(host, port=opts.port, caller_env=caller_env)
+    from xpuctl.ray.actors import with_ray
+
+    env = dict(os.environ) if caller_env is None else caller_env
+    snap = with_ray(host, snap, env, ray_address, ray_fetch)  # type: ignore[arg-type]
     ns = pid_namespace_issue(host)
     if ns is not None:
         snap = snap._replace(issues=snap.issues + (ns,))

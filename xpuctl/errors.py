@@ -7,6 +7,8 @@ Exit codes (stable, documented in the README):
   3  NOT_FOUND: a named server, pid or port matches nothing
   4  NOT_READY: serve gave up waiting for readiness (the tree was stopped)
   5  LOCKED: a device is already claimed by another xpuctl run
+  6  RAY: Ray could not be asked (no Python with ray, an unreachable address, a missing or
+     rejected token, or a Ray call past its deadline)
   130 INTERRUPTED: Ctrl-C
 """
 
@@ -22,6 +24,7 @@ class ExitCode(IntEnum):
     NOT_FOUND = 3
     NOT_READY = 4
     LOCKED = 5
+    RAY = 6
     INTERRUPTED = 130
 
 
@@ -46,3 +49,9 @@ class NotFoundError(XpuctlError):
 
 class LockedError(XpuctlError):
     exit_code = ExitCode.LOCKED
+
+
+class RayError(XpuctlError):
+    """Ray could not be asked; the message carries the fix."""
+
+    exit_code = ExitCode.RAY

@@ -15,15 +15,18 @@ class ProcessListing(NamedTuple):
     snap: Scan  # the scan, for the device labels
 
 
-def list_processes(host: Host, specs: list[str], show_all: bool, state_dir: str | None) -> ProcessListing:
+def list_processes(host: Host, specs: list[str], show_all: bool, state_dir: str | None,
+                   environ: dict[str, str] | None = None) -> ProcessListing:
     """vLLM processes (every device holder with `show_all`), narrowed to the trees that hold
-    the devices in `specs` (a tree's members without a device stay with it)."""
+    the devices in `specs` (a tree's members without a device stay with it). Ray actors
+    holding devices are tied to their run through Ray's state (`environ`: where Ray is)."""
     from xpuctl.host.devices import resolve_device_specs
     from xpuctl.host.scan import take_scan
+    from xpuctl.ray.actors import with_ray
     from xpuctl.state.live import live_runs
 
     bdfs = set(resolve_device_specs(host, specs))
-    snap = take_scan(host, port=None, artifacts=False)
+    snap = with_ray(host, take_scan(host, port=None, artifacts=False), dict(environ or {}))
     procs = [
         p
         for p in snap.processes
@@ -44,8 +47,9 @@ def list_devices(host: Host, environ: dict[str, str], deep: Any, record_baseline
     scan = {"port": None, "want_env": False, "artifacts": False}
     if deep is None and replayed is None:
         from xpuctl.host.scan import take_scan
+        from xpuctl.ray.actors import with_ray
 
-        return take_scan(host, **scan), None
+        return with_ray(host, take_scan(host, **scan), environ), None
     from xpuctl.doctor import DeepOptions, deep_scan
 
     if deep is not None and record_baseline:

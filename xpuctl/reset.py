@@ -107,6 +107,9 @@ def find_holders(host: Host, snap: Scan, wanted: set[str]) -> list[Holder]:
     for p in held:
         why = ("this root's /proc is not the live one" if foreign
                else _why_not(p, parents, serving, live_runs, mine))
+        if why is None and p.cmdline and p.cmdline[0].startswith("ray::"):
+            # another Ray job's actor (or one Ray could not name): its job owns it, never reset
+            why = "a Ray actor: stop it through its Ray job"
         tree = None
         if why is None:
             t = target_of(host, p.pid, p.cmdline[0] if p.cmdline else p.comm, p.start_ticks)
@@ -161,7 +164,10 @@ def _kept_only_by(a: Artifact, snap: Scan, orphans: set[int]) -> bool:
 
 def make_plan(host: Host, bdfs: tuple[str, ...], port: int | None, device_reset: bool,
               kill_holders: bool = False) -> Plan:
-    snap = take_scan(host, port=port or DEFAULT_PORT)
+    from xpuctl.ray.actors import with_ray
+
+    # Ray actors of an orphaned driver are orphans of its tree (Ray's state ties them)
+    snap = with_ray(host, take_scan(host, port=port or DEFAULT_PORT), dict(os.environ))
     wanted = set(bdfs)
     notes: list[str] = []
     orphans = [

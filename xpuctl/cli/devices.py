@@ -10,7 +10,8 @@ import typer
 from xpuctl.cli.group import command_app
 from xpuctl.cli.context import app_context, open_source
 from xpuctl.cli.guard import guard
-from xpuctl.cli.options import DeepOpt, FromOpt, JsonOpt, ProbeTimeoutOpt, StateDirOpt, deep_options
+from xpuctl.cli.options import (DeepOpt, Format, FromOpt, JsonOpt, ProbeTimeoutOpt, RayOpt,
+                                StateDirOpt, deep_options, on_cluster)
 from xpuctl.errors import UsageError
 
 app = command_app()
@@ -30,11 +31,17 @@ def devices(
     ] = False,
     state_dir: StateDirOpt = None,
     from_: FromOpt = None,
+    ray: RayOpt = None,
 ) -> None:
     """Intel GPUs (Level Zero order) and other DRM devices, with holders and memory."""
     from xpuctl.listing import list_devices
 
     a = app_context(ctx)
+    if ray is not None:
+        if from_ is not None or deep or record_baseline:
+            raise UsageError("--ray lists every node of a cluster: drop --from, --deep and "
+                             "--record-baseline")
+        on_cluster(a, "devices", ray, {}, Format.json if as_json else Format.table)
     if from_ is not None and (deep or record_baseline):
         raise UsageError("--deep and --record-baseline ask this host's devices, not a snapshot")
     host, _, replayed = open_source(ctx, from_)

@@ -11,7 +11,8 @@ from xpuctl.cli.group import command_app
 from xpuctl.cli.context import AppContext, app_context, open_source
 from xpuctl.cli.guard import guard
 from xpuctl.cli.options import (DeepOpt, DeviceOpt, Format, FromOpt, JsonOpt, ProbeTimeoutOpt,
-                                StateDirOpt, deep_options, output_format, parse_size, port_option)
+                                RayOpt, StateDirOpt, deep_options, on_cluster, output_format,
+                                parse_size, port_option)
 from xpuctl.errors import ExitCode, UsageError
 
 app = command_app()
@@ -50,12 +51,16 @@ def doctor(
     ] = "1GiB",
     state_dir: StateDirOpt = None,
     from_: FromOpt = None,
+    ray: RayOpt = None,
 ) -> None:
     """Read-only health check: who holds the GPU, orphans, memory, stale IPC/shm, ports.
 
     With --deep the devices are asked too (unattributed memory, lost devices, hung runtimes);
     the probes briefly open the devices. The state directory gives the last run's advice and,
     with --deep, the idle baseline of `devices --deep --record-baseline`.
+
+    With --ray [ADDRESS], doctor runs on every alive node of that Ray cluster (one section per
+    node, the worst node's exit code).
 
     Exit 0: nothing fails. 1: failing findings (warnings too with --strict; also when
     --wait-clean runs out; also when --textfile cannot be written). 2: usage error (also an
@@ -66,6 +71,12 @@ def doctor(
 
     a = app_context(ctx)
     out_fmt = _format(fmt, as_json, textfile)
+    if ray is not None:
+        if from_ is not None or deep or wait_clean is not None:
+            raise UsageError("--ray checks the live nodes of a cluster: drop --from, --deep and "
+                             "--wait-clean")
+        on_cluster(a, "doctor", ray, {"devices": list(device or []), "port": port,
+                                      "strict": strict, "expect_idle": expect_idle}, out_fmt, textfile)
     if from_ is not None and wait_clean is not None:
         raise UsageError("--wait-clean needs a live host; a snapshot does not change")
     if from_ is not None and deep:
@@ -81,7 +92,7 @@ def doctor(
 
     def run() -> Any:
         return doctor_core.diagnose(host, list(device or []), port, expect_idle, environ,
-                                    deep=deep_opts, state_dir=sdir)
+                                    deep=deep_opts, state_dir=sdir, ray_address=ray)
 
     report = run()
     clean = not doctor_core.blocking(report, strict)

@@ -82,6 +82,9 @@ class Group(TyperGroup):
             from typer.completion import completion_init
 
             completion_init()
+        from xpuctl.cli.options import ray_value_optional
+
+        args = ray_value_optional(list(sys.argv[1:] if args is None else args))
         rv = group_exit_code(lambda: super(Group, self).main(
             args=args, prog_name=prog_name, complete_var=complete_var, standalone_mode=False, **extra))
         if not standalone_mode:

@@ -9,6 +9,7 @@ Defaults that are not plain values are shown through `show_default="..."` (click
 from __future__ import annotations
 
 import os
+import sys
 import time
 from enum import Enum
 from typing import Annotated, Any, Optional
@@ -73,6 +74,50 @@ def port_option(help: str, default: str | None = None, short: bool = True) -> An
     vLLM's own), its parsing and range do not. serve has no -p (vLLM's options follow MODEL)."""
     names = ("--port", "-p") if short else ("--port",)
     return typer.Option(*names, min=1, max=65535, metavar="PORT", help=help, show_default=default or False)
+
+
+RayOpt = Annotated[
+    Optional[str],
+    typer.Option("--ray", metavar="[ADDRESS]", show_default=False,
+                 help="Every alive node of a Ray cluster, as a Ray task on each (ADDRESS, else "
+                 "RAY_ADDRESS, else auto); Ray runs in XPUCTL_RAY_PYTHON or this Python."),
+]
+
+
+def on_cluster(a: Any, command: str, address: str, options: dict[str, Any], out_fmt: Format,
+               textfile: str | None = None) -> None:
+    """`--ray`: the command on every node of the cluster (xpuctl.ray.cluster), rendered by
+    output.cluster; the exit code is the worst node's."""
+    from xpuctl.output import cluster as cluster_output
+    from xpuctl.ray.cluster import gather
+
+    result = gather(command, options, address, a.environ)
+    if out_fmt is Format.json:
+        from xpuctl.output.documents import to_json
+
+        sys.stdout.write(to_json(cluster_output.cluster_dict(result)) + "\n")
+    elif out_fmt is Format.prometheus and textfile is not None:
+        from xpuctl.state.textfile import write_atomic
+
+        write_atomic(textfile, cluster_output.prometheus(result))
+    elif out_fmt is Format.prometheus:
+        sys.stdout.write(cluster_output.prometheus(result))
+    else:
+        cluster_output.print_cluster(a.out, result)
+    raise typer.Exit(result.exit_code)
+
+
+def ray_value_optional(args: list[str]) -> list[str]:
+    """`--ray` alone (last, or before another option) means RAY_ADDRESS or auto: click has no
+    option with an optional value, so it gets an empty one."""
+    out: list[str] = []
+    for i, arg in enumerate(args):
+        out.append(arg)
+        if arg == "--":
+            return out + args[i + 1:]
+        if arg == "--ray" and (i + 1 == len(args) or args[i + 1].startswith("-")):
+            out.append("")
+    return out
 
 
 DeviceOpt = Annotated[

@@ -10,7 +10,8 @@ import typer
 from xpuctl.cli.group import command_app
 from xpuctl.cli.context import app_context, open_source
 from xpuctl.cli.guard import guard
-from xpuctl.cli.options import DeviceOpt, FromOpt, JsonOpt, StateDirOpt
+from xpuctl.cli.options import DeviceOpt, Format, FromOpt, JsonOpt, RayOpt, StateDirOpt, on_cluster
+from xpuctl.errors import UsageError
 
 app = command_app()
 
@@ -24,6 +25,7 @@ def ps(
     as_json: JsonOpt = False,
     from_: FromOpt = None,
     state_dir: StateDirOpt = None,
+    ray: RayOpt = None,
 ) -> None:
     """xpuctl's runs and the vLLM process trees on this host.
 
@@ -34,8 +36,13 @@ def ps(
     from xpuctl.listing import list_processes
 
     a = app_context(ctx)
+    if ray is not None:
+        if from_ is not None or device:
+            raise UsageError("--ray lists every node of a cluster: drop --from and --device")
+        on_cluster(a, "ps", ray, {"all": show_all}, Format.json if as_json else Format.table)
     host, _, _ = open_source(ctx, from_)
-    listing = list_processes(host, list(device or []), show_all, resolve_state_dir(host, state_dir, a.environ))
+    listing = list_processes(host, list(device or []), show_all, resolve_state_dir(host, state_dir, a.environ),
+                             a.environ)
     if as_json:
         from xpuctl.output.documents import ps_document, to_json
 

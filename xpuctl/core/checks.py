@@ -117,7 +117,7 @@ def device_holders(c: Ctx) -> list[Finding]:
     out = []
     for dev in c.devices():
         holders = _holders(c, dev.bdf)
-        serving = [p for p in holders if p.role is not None and not p.orphan]
+        serving = [p for p in holders if p.role not in (None, roles.RAY) and not p.orphan]
         if serving:
             tops = sorted({p.top or p.pid for p in serving})
             out.append(
@@ -137,12 +137,15 @@ def device_holders(c: Ctx) -> list[Finding]:
             has_mem = bool(p.memory_bytes)
             sev = "fail" if c.opts.expect_idle else ("warn" if has_mem else "info")
             mem = f" with {human_bytes(p.memory_bytes)} of device memory" if has_mem else ""
+            what = f"pid {p.pid} ({shorten(p.command)})"
+            if p.ray is not None:  # another Ray job's actor: named by Ray, never vLLM's
+                label = f"{p.ray.class_name or '?'}" + (f" '{p.ray.name}'" if p.ray.name else "")
+                what = f"Ray actor {label} of job {p.ray.job_id or '?'} (pid {p.pid})"
             out.append(
                 Finding(
                     "device-holders",
                     sev,
-                    f"{dev.bdf} is held by pid {p.pid} ({shorten(p.command)}), not part of a vLLM "
-                    f"server{mem}",
+                    f"{dev.bdf} is held by {what}, not part of a vLLM server{mem}",
                     f"check what pid {p.pid} is doing; stop it before serving on {dev.bdf}"
                     if sev != "info"
                     else None,
@@ -366,6 +369,8 @@ def env(c: Ctx) -> list[Finding]:
 _REMEDY_BY_SOURCE = {
     "/proc": "run as root to see every process",
     "pid-namespace": "run doctor on the host (or in a pod with hostPID: true), or add --deep",
+    "ray": "make Ray reachable: XPUCTL_RAY_PYTHON (a Python with ray), RAY_ADDRESS or "
+    "--ray ADDRESS (the cluster), RAY_AUTH_TOKEN (its token)",
 }
 
 
@@ -376,7 +381,7 @@ def inspection(c: Ctx) -> list[Finding]:
     out = [
         Finding(
             "inspection",
-            "warn" if issue.source == "/proc" else "info",
+            "warn" if issue.source in ("/proc", "ray") else "info",
             issue.reason if issue.source == "pid-namespace" else f"{issue.source}: {issue.reason}",
             _REMEDY_BY_SOURCE.get(issue.source),
         )

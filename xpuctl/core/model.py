@@ -69,6 +69,19 @@ class DmabufHold(NamedTuple):
     bdf: str | None
 
 
+class RayActor(NamedTuple):
+    """The Ray actor a process runs, from Ray's state API (xpuctl.ray.actors)."""
+
+    actor_id: str
+    name: str | None
+    class_name: str | None
+    job_id: str | None
+    node_id: str | None
+    namespace: str | None = None
+    driver_pid: int | None = None  # its job's driver (for vLLM, the EngineCore)
+    driver_gone: bool = False  # the job ended or its driver is not alive
+
+
 class Process(NamedTuple):
     pid: int
     ppid: int
@@ -90,6 +103,7 @@ class Process(NamedTuple):
     memory_bytes: int | None = None
     wchan: str | None = None
     env: dict[str, str] | None = None  # read only when asked for (doctor's env check)
+    ray: RayActor | None = None  # the Ray actor it runs, when Ray's state was asked
 
     @property
     def is_vllm(self) -> bool:

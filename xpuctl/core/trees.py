@@ -6,13 +6,21 @@ An engine-core, worker, coordinator or resource tracker whose launching API serv
 is an **orphan**: it keeps the GPU and its memory, and nothing will ever stop it.
 Processes tagged with the same XPUCTL_RUN_ID belong to the same run even when they left the
 process tree (double fork, setsid).
+
+Ray (reference/ray.md): the path from a Ray actor up to its run goes through Ray's own
+processes (actor -> raylet -> EngineCore when the run started its own Ray). Ray's processes are
+part of a run only under one of its vLLM processes (then they go with its tree, orphaned with
+it); a cluster's own (top-most is a Ray process) are never orphans. A `ray::RayWorkerProc`
+actor whose way up ends in a cluster's raylet is left unplaced here: only Ray's state can tie
+it to its driver (xpuctl.ray.actors).
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-from xpuctl.parse.roles import API_SERVER, ENGINE_CORE, RESOURCE_TRACKER, SPAWN_CANDIDATE, TRACKER_CANDIDATE, WORKER
+from xpuctl.parse.roles import (API_SERVER, ENGINE_CORE, RAY, RAY_WORKER_CANDIDATE, RESOURCE_TRACKER,
+                                SPAWN_CANDIDATE, TRACKER_CANDIDATE, WORKER)
 
 
 class Member(NamedTuple):
@@ -33,12 +41,12 @@ class Placement(NamedTuple):
 def resolve(members: dict[int, Member]) -> dict[int, Placement]:
     """Role, tree top and orphan flag of every vLLM process among `members`."""
     roles: dict[int, str] = {
-        pid: m.role
+        pid: WORKER if m.role == RAY_WORKER_CANDIDATE else m.role
         for pid, m in members.items()
         if m.role is not None and m.role not in (TRACKER_CANDIDATE, SPAWN_CANDIDATE)
     }
-    vllm_sessions = {members[p].session for p in roles}
-    vllm_runs = {members[p].run_id for p in roles if members[p].run_id}
+    vllm_sessions = {members[p].session for p, r in roles.items() if r != RAY}
+    vllm_runs = {members[p].run_id for p, r in roles.items() if members[p].run_id and r != RAY}
     # Generic multiprocessing children are vLLM's when their parent, run or session is.
     changed = True
     while changed:
@@ -47,6 +55,8 @@ def resolve(members: dict[int, Member]) -> dict[int, Placement]:
             if pid in roles or m.role not in (TRACKER_CANDIDATE, SPAWN_CANDIDATE):
                 continue
             parent_role = roles.get(m.ppid)
+            if parent_role == RAY:
+                parent_role = None  # Ray's dashboard has multiprocessing children of its own
             related = (
                 parent_role is not None
                 or (m.run_id is not None and m.run_id in vllm_runs)
@@ -86,7 +96,7 @@ def resolve(members: dict[int, Member]) -> dict[int, Placement]:
             tops[o]
             for o, r in roles.items()
             if o != pid
-            and r != RESOURCE_TRACKER
+            and r not in (RESOURCE_TRACKER, RAY)
             and (
                 (m.run_id is not None and members[o].run_id == m.run_id)
                 or members[o].session == m.session
@@ -102,6 +112,15 @@ def resolve(members: dict[int, Member]) -> dict[int, Placement]:
     out: dict[int, Placement] = {}
     for pid, role in roles.items():
         top = tops[pid]
+        untied = roles[top] == RAY or top == pid
+        if role != RAY and roles[top] == RAY or (
+            members[pid].role == RAY_WORKER_CANDIDATE and untied
+            and members[pid].run_id not in live_tops
+        ):
+            continue  # a cluster's actor: tied through Ray's state, if at all
+        if role == RAY and roles[top] == RAY:
+            out[pid] = Placement(role=RAY, top=top, orphan=False)  # a cluster's own
+            continue
         live = roles[top] == API_SERVER and not members[top].zombie
         if not live and members[pid].run_id in live_tops:
             top = live_tops[members[pid].run_id]  # left the tree, but its server is alive

@@ -90,7 +90,8 @@ def _maybe_vllm(comm: str) -> bool:
     """Could a process with this kernel `comm` be vLLM? Only used on a live /proc, where
     comm is what the kernel keeps: setproctitle also sets it (`VLLM::EngineCor`), the API
     server runs as python or `vllm`, torch may rename the main thread `pt_main_thread`."""
-    return "::" in comm or comm.startswith(("python", "vllm", "pt_", "pypy", "uv"))
+    return "::" in comm or comm.startswith(("python", "vllm", "pt_", "pypy", "uv")) or comm in (
+        "raylet", "gcs_server")  # Ray's own: the path from a Ray actor up to its run
 
 
 def stat_of(host: Host, pid: int) -> ProcStat | None:

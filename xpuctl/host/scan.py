@@ -16,7 +16,7 @@ from xpuctl.host.devices import DRM_MAJOR, scan_devices
 from xpuctl.host.processes import FdScan, RawProcess, fill_cmdline, scan_processes
 from xpuctl.host.split import in_two
 from xpuctl.core.rules import Facts, judge, match
-from xpuctl.parse.roles import API_SERVER
+from xpuctl.parse.roles import API_SERVER, RAY
 from xpuctl.core.trees import Member, resolve
 
 RUN_ID_VAR = "XPUCTL_RUN_ID"
@@ -275,13 +275,15 @@ def _ports(host: Host, fds: FdScan, procs: dict[int, Process], port: int | None)
     for sock in listeners:
         pids = fds.sockets.get(sock.inode, [])
         owners = [procs.get(pid) for pid in pids]
-        vllm_owners = [p for p in owners if p is not None and p.role is not None]
+        # Ray's own listeners (GCS, dashboard, agents) are not the run's ports, even when the
+        # run started that Ray
+        vllm_owners = [p for p in owners if p is not None and p.role not in (None, RAY)]
         is_serving = port is not None and sock.port == port
         if not is_serving and not vllm_owners:
             continue
         for pid in pids or [None]:
             p = procs.get(pid) if pid is not None else None
-            if not is_serving and (p is None or p.role is None):
+            if not is_serving and (p is None or p.role in (None, RAY)):
                 continue
             key = (sock.port, pid)
             if key in seen:
@@ -364,6 +366,9 @@ def take_scan(
         place = placements.get(pid)
         if place is None and pid not in held:
             continue  # an unrelated multiprocessing helper
+        if place is not None and place.role == RAY and placements[place.top].role == RAY \
+                and pid not in held:
+            continue  # a Ray cluster's own process, no run's: nothing to report
         st = raw.stat
         uid, env = details[pid]
         wchan = None

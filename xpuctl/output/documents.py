@@ -79,7 +79,17 @@ def process_dict(p: Process) -> dict[str, Any]:
         "session": p.session,
         "start_time": p.start_time,
         "wchan": p.wchan,
+        "ray": ray_dict(p.ray),
     }
+
+
+def ray_dict(actor: Any) -> dict[str, Any] | None:
+    """The Ray actor a process runs (null when it is none, or Ray was not asked)."""
+    if actor is None:
+        return None
+    return {"actor_id": actor.actor_id, "name": actor.name, "class_name": actor.class_name,
+            "job_id": actor.job_id, "node_id": actor.node_id, "driver_pid": actor.driver_pid,
+            "driver_gone": actor.driver_gone}
 
 
 def artifact_dict(a: Artifact) -> dict[str, Any]:

@@ -21,6 +21,23 @@ RESOURCE_TRACKER = "resource-tracker"
 # parent (or run) is vLLM. Resolved in probes.vllm.
 TRACKER_CANDIDATE = "tracker?"
 SPAWN_CANDIDATE = "spawn?"
+# Ray (reference/ray.md). Ray's own processes: raylet, gcs_server, the dashboard and its
+# agents, log monitor, autoscaler monitor, pooled `ray::IDLE` workers. Never holders to fix;
+# part of a run only when the run started them (a local Ray under its EngineCore).
+RAY = "ray"
+# A Ray worker process running vLLM's worker actor (`ray::RayWorkerProc.run` for the V2
+# executor, `ray::RayWorkerWrapper…` for the older one): a vLLM worker once tied to its run,
+# through the process tree (its raylet under the EngineCore) or Ray's state (trees, ray/).
+RAY_WORKER_CANDIDATE = "ray-worker?"
+_RAY_WORKER_CLASSES = ("RayWorkerProc", "RayWorkerWrapper")
+_RAY_OWN_TITLES = ("IDLE", "DashboardAgent", "RuntimeEnvAgent", "JobSupervisor")
+_RAY_BINARIES = ("raylet", "gcs_server")
+# Ray's Python daemons, by the tail of their script path under the ray package
+_RAY_SCRIPTS = (
+    "/ray/dashboard/dashboard.py", "/ray/dashboard/agent.py", "/ray/_private/log_monitor.py",
+    "/ray/autoscaler/_private/monitor.py", "/ray/_private/runtime_env/agent/main.py",
+    "/ray/_private/workers/default_worker.py", "/ray/_private/workers/setup_worker.py",
+)
 
 _TITLES = {
     "EngineCore": ENGINE_CORE,
@@ -47,12 +64,16 @@ def classify(argv: list[str]) -> tuple[str | None, str | None]:
     if not argv:
         return None, None
     first = argv[0]
+    if first.startswith("ray::"):
+        return ray_title_role(first), None
     if "::" in first:
         m = _TITLE_RE.match(first.split(" ", 1)[0] if len(argv) == 1 else first)
         if m:
             return _TITLES[m.group("name")], m.group("suffix")
         return None, None
     prog = os.path.basename(first)
+    if prog in _RAY_BINARIES:
+        return RAY, None
     if prog == "vllm":
         return (API_SERVER, None) if len(argv) > 1 and argv[1] == "serve" else (None, None)
     if not _PYTHON_RE.match(prog):
@@ -86,5 +107,35 @@ def classify(argv: list[str]) -> tuple[str | None, str | None]:
         # the script
         if os.path.basename(arg) == "vllm" and argv[i + 1 : i + 2] == ["serve"]:
             return API_SERVER, None
+        if arg.endswith(_RAY_SCRIPTS):
+            return RAY, None
         return None, None
     return None, None
+
+
+def ray_title_role(title: str) -> str | None:
+    """Role of a process Ray titled `ray::<Class>[.<method>]`: Ray's own (RAY), vLLM's worker
+    actor (a candidate until tied to its run), or None (another actor or task: a plain holder).
+    """
+    name = title[len("ray::"):].split(" ", 1)[0]
+    cls = name.split(".", 1)[0]
+    if cls in _RAY_OWN_TITLES:
+        return RAY
+    if cls.startswith(_RAY_WORKER_CLASSES):
+        return RAY_WORKER_CANDIDATE
+    return None
+
+
+def ray_actor_class(argv: list[str] | tuple[str, ...]) -> str | None:
+    """`RayWorkerProc` for `ray::RayWorkerProc.run`; None when Ray did not title it."""
+    if not argv or not argv[0].startswith("ray::"):
+        return None
+    return argv[0][len("ray::"):].split(" ", 1)[0].split(".", 1)[0] or None
+
+
+def is_vllm_actor(class_name: str | None, name: str | None) -> bool:
+    """vLLM's Ray worker actor, by class (V1 and V2 executors) or by V2's actor name."""
+    return bool(
+        (class_name and class_name.startswith(_RAY_WORKER_CLASSES))
+        or (name and name.startswith("vllm_Worker_"))
+    )

@@ -187,3 +187,11 @@ def plan_launch(opts: ServeOptions, host: Host, environ: dict[str, str], run_id:
     port, bind = port_from_argv(args)
     env, bdfs = _environment(opts, host, environ, run_id)
     return LaunchPlan(argv, env, notes, port or 8000, bind, bdfs, shutdown_timeout, version)
+
+
+def ray_python(plan: LaunchPlan) -> str:
+    """The Python a Ray child runs for this launch: XPUCTL_RAY_PYTHON, else vLLM's own (it
+    has ray)."""
+    from xpuctl.ray import bridge
+
+    return bridge.ray_python(plan.env, bridge.interpreter_of(plan.argv))

@@ -16,7 +16,7 @@ from xpuctl.host.seam import Host
 from xpuctl.output import progress
 from xpuctl.output.lines import audit_warning
 from xpuctl.output.safetext import safe
-from xpuctl.serve.launch import LaunchPlan, ServeOptions, plan_launch
+from xpuctl.serve.launch import LaunchPlan, ServeOptions, plan_launch, ray_python
 from xpuctl.serve.supervise import RunSupervisor
 from xpuctl.state import audit
 from xpuctl.state.runs import Locks, RunRecord, ensure_state_dir
@@ -59,6 +59,21 @@ def _last_run_advice(state_dir: str, out: Callable[[str], None]) -> None:
             out(f"xpuctl:   - {line}")
 
 
+def _ray_preflight(plan: LaunchPlan, opts: ServeOptions, out: Callable[[str], None]) -> str | None:
+    """A Ray launch: its cluster (None when vLLM does not use Ray); onto an existing cluster,
+    doctor on every alive node first (a failing node blocks unless --force)."""
+    from xpuctl.ray import launch
+
+    if not launch.uses_ray(plan.argv):
+        return None
+    cluster = launch.cluster_of(plan.env)
+    if cluster != launch.LOCAL and not opts.force:
+        result = launch.preflight(cluster, plan.env, ray_python(plan))
+        out(f"xpuctl: preflight: the {len(result.nodes)} node(s) of Ray cluster {cluster} "
+            "are clean")
+    return cluster
+
+
 def _prepare(host: Host, opts: ServeOptions, environ: dict[str, str], out: Callable[[str], None],
              show_findings: Callable[[object], None]) -> _Prepared:
     """Plan the launch, check the name, run the preflight doctor; the record to write."""
@@ -74,6 +89,7 @@ def _prepare(host: Host, opts: ServeOptions, environ: dict[str, str], out: Calla
     if not re.match(r"^[A-Za-z0-9_.-]{1,64}$", name):
         raise UsageError(f"--name {name!r}: use letters, digits, '.', '_' or '-'")
     _last_run_advice(state_dir, out)  # also with --force: advice only, it refuses nothing
+    cluster = _ray_preflight(plan, opts, out)
     if not opts.force:
         _preflight(host, opts, plan, show_findings)
     log_path = os.path.join(state_dir, "logs", f"{name}.log")
@@ -81,7 +97,7 @@ def _prepare(host: Host, opts: ServeOptions, environ: dict[str, str], out: Calla
                     command=plan.argv, devices=plan.bdfs, port=plan.port, host=plan.bind or "127.0.0.1",
                     shutdown_timeout=plan.shutdown_timeout, drain_timeout=opts.drain_timeout,
                     teardown_timeout=opts.teardown_timeout, log_path=log_path,
-                    notes=list(plan.notes))
+                    notes=list(plan.notes), ray_cluster=cluster)
     keys = [f"run-{name}", f"port-{plan.port}"] + [f"device-{b}" for b in plan.bdfs]
     return _Prepared(state_dir, plan, rec, keys)
 

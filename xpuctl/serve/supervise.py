@@ -30,7 +30,7 @@ from xpuctl.host.seam import Host
 from xpuctl.output import progress
 from xpuctl.output.safetext import safe
 from xpuctl.output.lines import event_line
-from xpuctl.serve.launch import LaunchPlan, ServeOptions
+from xpuctl.serve.launch import LaunchPlan, ServeOptions, ray_python
 from xpuctl.state.runs import RunRecord, stop_abandoned, update_record
 
 READY_POLL = 0.1  # seconds between readiness probes
@@ -157,7 +157,25 @@ class RunSupervisor:
             self.view.tick()
             time.sleep(READY_POLL)
 
+    def _note_ray_nodes(self) -> None:
+        """A Ray run: the nodes its actors landed on, in the record (a Ray that cannot be
+        asked is a note, never a failed start)."""
+        from xpuctl.errors import RayError
+        from xpuctl.ray.launch import run_nodes
+        from xpuctl.shutdown.ladder import members
+
+        if not self.rec.ray_cluster:
+            return
+        drivers = {t.pid for t in members(self.host, self._tree())}
+        try:
+            nodes = run_nodes(self.rec.ray_cluster, self.plan.env, ray_python(self.plan), drivers)
+        except RayError as exc:
+            self._set(notes=[*self.rec.notes, f"Ray nodes unknown: {exc}"])
+            return
+        self._set(ray_nodes=nodes)
+
     def became_ready(self) -> None:
+        self._note_ray_nodes()
         now = time.monotonic()
         with self.track_lock:
             self.tracker.ready(now)

@@ -9,10 +9,18 @@ the GPU is free.
    ready has nothing to drain: it gets its teardown timeout only (`exit_budget`).
 4. SIGTERM to survivors, then after `kill_after` SIGKILL (identity re-checked every time).
 5. Wait until no process holds the tree's devices and its port is free.
+
+A run on an existing Ray cluster (its record names the cluster): its actors are children of
+the cluster's raylets, not of the run. They are listed before the first signal; the driver
+(EngineCore) is stopped first, in the steps above, and Ray reaps the actors of a dead driver;
+the Ray step then proves them gone on every node, killing through Ray by name, then by pid
+on this node, what outlived the teardown budget (xpuctl.ray.teardown). In escalation, Ray
+actor processes of the tree are signalled after everything else: the driver goes first.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -20,6 +28,7 @@ from dataclasses import dataclass
 
 from xpuctl import pausepoint
 from xpuctl.actions.signals import Target, wait_gone
+from xpuctl.host.processes import read_cmdline, stat_of
 from xpuctl.host.scan import listening_sockets, take_scan
 from xpuctl.host.seam import Host
 from xpuctl.shutdown.logtail import LogTail
@@ -67,6 +76,9 @@ class _Ladder:
         self.first_members: dict[int, list[int]] = {}
         self.pending: list[Target] = []
         self.tails = {id(tree): LogTail(tree.log_path) for tree in trees}
+        self.ray_runs: list[tuple[ServerTree, object]] = []  # (tree, ray.teardown.RayRun)
+        self.ray_targets: dict[int, Target] = {}  # the runs' actors on this node, identified
+        self.ray_left: list[int] = []  # pids (or 0) of actors that outlived everything
 
     def emit(self, phase: str, detail: str) -> None:
         ev = Event(round(time.monotonic() - self.t0, 3), phase, detail)
@@ -93,6 +105,53 @@ def _find_members(ld: _Ladder) -> None:
         for t in found:
             ld.everyone[t.pid] = t
     ld.pending = list(ld.everyone.values())
+
+
+def _find_ray_actors(ld: _Ladder) -> None:
+    """A run on an existing Ray cluster: its actors, listed before any signal (its driver's
+    pid is what ties them to it)."""
+    from xpuctl.errors import RayError
+    from xpuctl.ray import teardown
+
+    for tree in ld.trees:
+        if teardown.cluster_of_record(tree.record) is None:
+            continue
+        drivers = set(ld.first_members.get(tree.top.pid, []))
+        try:
+            run = teardown.list_run(tree.record, drivers, dict(os.environ))
+        except RayError as exc:
+            ld.emit("ray", f"cannot list the run's Ray actors: {exc}")
+            ld.ray_left.append(0)  # nothing proven
+            continue
+        if run is None:
+            continue
+        ld.ray_runs.append((tree, run))
+        nodes = sorted({f"{str(a.get('node_id'))[:8]} ({a.get('ip') or '?'})" for a in run.actors})
+        ld.emit("ray", f"{len(run.actors)} Ray actor(s) of {tree.name} on "
+                       f"{', '.join(nodes) or 'no node'} ({run.address})")
+        for a in run.actors:
+            st = stat_of(ld.host, a["pid"]) if a.get("pid") else None
+            argv = read_cmdline(ld.host, a["pid"]) if st is not None else []
+            if st is not None and argv and argv[0].startswith("ray::"):
+                ld.ray_targets[a["pid"]] = Target(a["pid"], st.start_ticks, argv[0])
+    # the Ray step owns them: through Ray by name first, by pid only after that
+    ld.pending = [t for t in ld.pending if t.pid not in ld.ray_targets]
+
+
+def _ray_settle(ld: _Ladder) -> None:
+    """5a. The runs' actors gone on every node (Ray reaps them once their driver is gone);
+    what outlives the teardown budget is killed through Ray, then by pid here."""
+    from xpuctl.ray import teardown
+
+    def kill_pid(actor: dict) -> bool:
+        target = ld.ray_targets.get(actor.get("pid") or -1)
+        return target is not None and target.send(ld.host, signal.SIGKILL)
+
+    for tree, run in ld.ray_runs:
+        budget = float(tree.record.teardown_timeout) if tree.record else float(DEFAULT_SHUTDOWN_TIMEOUT)
+        left = teardown.settle(run, budget, kill_pid, ld.emit,  # type: ignore[arg-type]
+                               passive=ld.passive)
+        ld.ray_left.extend(a.get("pid") or 0 for a in left)
 
 
 def _sigterm_tops(ld: _Ladder) -> None:
@@ -173,6 +232,7 @@ def _escalate(ld: _Ladder, kill_after: float, skip_drain: bool) -> None:
     ld.check_yield()
     if ld.passive:
         return
+    _driver_first(ld, kill_after)
     if ld.pending and kill_after > 0 and not skip_drain:
         ld.escalated = True
         sent = [t for t in reversed(ld.pending) if t.send(ld.host, signal.SIGTERM)]
@@ -185,6 +245,26 @@ def _escalate(ld: _Ladder, kill_after: float, skip_drain: bool) -> None:
         if sent:
             ld.emit("sigkill", "SIGKILL to " + ", ".join(f"{t.pid} ({t.label})" for t in sent))
         ld.pending = wait_gone(ld.host, ld.pending, KILL_WAIT, ld.poll)
+
+
+def _driver_first(ld: _Ladder, kill_after: float) -> None:
+    """Ray actors among the survivors wait: their driver goes first (SIGTERM, then SIGKILL),
+    and Ray reaps a dead driver's actors; only those left after that are signalled."""
+    actors = [t for t in ld.pending if t.label.startswith("ray::")]
+    others = [t for t in ld.pending if not t.label.startswith("ray::")]
+    if not actors or not others:
+        return
+    ld.escalated = True
+    for sig, wait in ((signal.SIGTERM, kill_after), (signal.SIGKILL, KILL_WAIT)):
+        sent = [t for t in reversed(others) if t.send(ld.host, sig)]
+        if sent:
+            ld.emit("sigterm-survivors" if sig == signal.SIGTERM else "sigkill",
+                    f"{signal.Signals(sig).name} to " + ", ".join(f"{t.pid} ({t.label})" for t in sent)
+                    + " first (Ray reaps a dead driver's actors)")
+        others = wait_gone(ld.host, others, wait, ld.poll)
+        if not others:
+            break
+    ld.pending = others + wait_gone(ld.host, actors, KILL_WAIT, ld.poll)
 
 
 def _verify_release(ld: _Ladder, release_timeout: float) -> StopResult:
@@ -212,8 +292,8 @@ def _verify_release(ld: _Ladder, release_timeout: float) -> StopResult:
         ld.emit("port", f"port(s) {', '.join(map(str, busy_ports))} still in use")
     for pid, wchan in stuck:
         ld.emit("stuck", f"{pid} is in D state in {wchan or '?'}")
-    survivors = [t.pid for t in ld.pending if t.alive(ld.host)]
-    leftovers = bool(survivors or holders or busy_ports)
+    survivors = [t.pid for t in ld.pending if t.alive(ld.host)] + [p for p in ld.ray_left if p]
+    leftovers = bool(survivors or holders or busy_ports or ld.ray_left)
     verdict = "leftovers" if leftovers else ("escalated" if ld.escalated else "clean")
     ld.emit("verdict", verdict)
     return StopResult(ld.trees, ld.events, verdict, survivors, holders, stuck, busy_ports,
@@ -233,8 +313,9 @@ def stop(
     yield_to: Callable[[], bool] | None = None,
 ) -> StopResult:
     """Run the ladder on `trees`, step by step (each step a function named for what it
-    does; the events it emits are the timeline): `_find_members`, `_sigterm_tops`,
-    `_wait_exit`, `_late_joiners`, `_escalate`, `_verify_release`.
+    does; the events it emits are the timeline): `_find_members`, `_find_ray_actors`,
+    `_sigterm_tops`, `_wait_exit`, `_late_joiners`, `_escalate`, `_ray_settle`,
+    `_verify_release`.
 
     `timeout` overrides `exit_budget`. `passive`: send nothing, only wait and verify
     (someone else is already stopping them); `yield_to()` returning True turns passive
@@ -242,11 +323,13 @@ def stop(
     ld = _Ladder(host, trees, on_event, poll, passive, yield_to)
     _find_members(ld)
     pausepoint.reached("shutdown-found")
+    _find_ray_actors(ld)
     if not skip_drain:
         _sigterm_tops(ld)
         _wait_exit(ld, timeout)
     _late_joiners(ld)
     _escalate(ld, kill_after, skip_drain)
+    _ray_settle(ld)
     return _verify_release(ld, release_timeout)
 
 

@@ -20,7 +20,10 @@ def find_targets(host: Host, state_dir: str | None, name: str | None, pid: int |
 
     records = runs.list_records(runs.ensure_state_dir(state_dir, create=False)) if state_dir and os.path.isdir(state_dir) else []
     bdfs = resolve_device_specs(host, specs)
-    snap = take_scan(host, port=port, artifacts=False)  # finding trees needs no files
+    from xpuctl.ray.actors import with_ray
+
+    # finding trees needs no files; Ray actors on an existing cluster join their run's tree
+    snap = with_ray(host, take_scan(host, port=port, artifacts=False), dict(os.environ))
     return targets.find_trees(host, snap, records, name, pid, port, bdfs, all_)
 
 

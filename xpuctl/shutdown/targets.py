@@ -11,13 +11,13 @@ import os
 from dataclasses import dataclass, field
 
 from xpuctl.actions.signals import Target, target_of
-from xpuctl.core.model import Scan
+from xpuctl.core.model import Process, Scan
 from xpuctl.errors import NotFoundError, UsageError
 from xpuctl.host.processes import list_pids, read_cmdline, same_process
 from xpuctl.host.scan import RUN_ID_VAR
 from xpuctl.host.seam import Host
 from xpuctl.parse.procfs import parse_environ
-from xpuctl.parse.roles import API_SERVER
+from xpuctl.parse.roles import API_SERVER, RAY
 from xpuctl.parse.vllmargs import port_from_argv, shutdown_timeout_from_argv
 from xpuctl.state.runs import ACTIVE_STATES, RunRecord
 
@@ -181,6 +181,15 @@ def _named_run(host: Host, snap: Scan, records: list[RunRecord], name: str,
     return tree
 
 
+def _not_ours(snap: Scan, p: Process) -> bool:
+    """Never a tree of this host's: a Ray cluster's own process, or a vLLM Ray actor whose
+    live driver runs on another host (its run is stopped there)."""
+    top = snap.process(p.top or p.pid) or p
+    if top.role == RAY:
+        return True
+    return p.ray is not None and not p.orphan and (p.top or p.pid) == p.pid
+
+
 def _named_tops(snap: Scan, pid: int | None, port: int | None, device_bdfs: tuple[str, ...],
                 all_: bool) -> list[int]:
     """The top pids of the servers --pid, --port, --device and --all name, in that order;
@@ -206,7 +215,8 @@ def _named_tops(snap: Scan, pid: int | None, port: int | None, device_bdfs: tupl
             raise NotFoundError(f"no vLLM process holds {', '.join(device_bdfs)}")
         tops += found
     if all_:
-        tops += sorted({p.top or p.pid for p in snap.processes if p.role and not p.is_zombie})
+        tops += sorted({p.top or p.pid for p in snap.processes if p.role and not p.is_zombie
+                        and not _not_ours(snap, p)})
     return tops
 
 

@@ -80,6 +80,10 @@ class RunRecord:
     # [pid, start ticks] of the process that set state "stopping" (a shutdown, or the
     # supervisor itself): a stopper that died (SIGKILL) is stopping nothing (stop_abandoned)
     stopping_by: list[int] | None = None
+    # vLLM on Ray: the cluster (its address, or "local": a Ray of the run's own) and the nodes
+    # its actors run on ([{node_id, ip, actors}]), noted once the run is ready
+    ray_cluster: str | None = None
+    ray_nodes: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

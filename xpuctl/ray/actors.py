@@ -1,0 +1,141 @@
+"""Tie Ray actor processes that hold devices to their vLLM run, through Ray's state.
+
+On an existing cluster a vLLM worker actor is a child of the cluster's raylet, not of its run:
+only Ray knows its job, and the job its driver (vLLM's EngineCore). The path is actor pid ->
+job -> driver pid -> EngineCore -> run (reference/ray.md). Ray is asked only when a Ray actor
+process holds a device and the process tree did not tie it (a run's own local Ray is tied
+through the tree, for free). When Ray cannot be asked, the scan stays as it was and says so
+once (an inspection finding with the fix).
+
+`tie` is pure (a Scan and Ray's state in, a Scan out); `attach` asks Ray.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from xpuctl.errors import RayError
+from xpuctl.core.model import Issue, Process, RayActor, Scan
+from xpuctl.parse import roles as R
+
+StateFetch = Callable[[list[Process]], dict[str, Any]]
+
+
+def untied(snap: Scan) -> list[Process]:
+    """Processes running a Ray actor or task (titled `ray::…`, not Ray's own) that hold a
+    device and that no tree placed in a run."""
+    return [
+        p for p in snap.processes
+        if p.devices and p.role is None and R.ray_actor_class(p.cmdline) is not None
+        and not p.is_zombie
+    ]
+
+
+def _rank(name: str | None) -> str | None:
+    """`TP1` (or `TP1_PP0`) from V2's actor name `vllm_Worker_<instance>_TP1[_PP0]`."""
+    if not name or "_TP" not in name:
+        return None
+    return "TP" + name.rsplit("_TP", 1)[1]
+
+
+def _actor(a: dict[str, Any], job: dict[str, Any] | None, alive: Callable[[int], bool],
+           same_host: bool) -> RayActor:
+    driver = job.get("driver_pid") if job else None
+    status = str(job.get("status") or "") if job else ""
+    gone = job is None or status not in ("RUNNING", "PENDING", "") or (
+        same_host and driver is not None and not alive(driver))
+    return RayActor(a["actor_id"], a.get("name"), a.get("class_name"), a.get("job_id"),
+                    a.get("node_id"), a.get("namespace"), driver, gone)
+
+
+def tie(snap: Scan, state: dict[str, Any], alive: Callable[[int], bool]) -> Scan:
+    """Each untied actor process gets its Ray actor; vLLM's become workers of their run (or
+    orphans, when their driver is orphaned or gone); other actors stay holders, named."""
+    by_pid = {a.get("pid"): a for a in state.get("actors", []) if a.get("pid")}
+    jobs = {j.get("job_id"): j for j in state.get("jobs", [])}
+    node_ip = {n.get("node_id"): n.get("ip") for n in state.get("nodes", [])}
+    procs = {p.pid: p for p in snap.processes}
+    changed: dict[int, Process] = {}
+    orphan_tops: dict[str, int] = {}  # job -> the first orphaned actor's pid (one tree per job)
+    for p in untied(snap):
+        a = by_pid.get(p.pid)
+        if a is None or a.get("class_name") != R.ray_actor_class(p.cmdline):
+            continue  # not this host's actor of that pid (pids repeat across hosts)
+        job = jobs.get(a.get("job_id"))
+        same_host = bool(job) and job.get("driver_ip") == node_ip.get(a.get("node_id"))
+        actor = _actor(a, job, alive, same_host)
+        if not R.is_vllm_actor(actor.class_name, actor.name):
+            changed[p.pid] = p._replace(ray=actor)
+            continue
+        driver = procs.get(actor.driver_pid) if actor.driver_pid and same_host else None
+        rank = _rank(actor.name)
+        if driver is not None and driver.role is not None and not driver.is_zombie:
+            changed[p.pid] = p._replace(role=R.WORKER, rank=rank, top=driver.top or driver.pid,
+                                        run_id=driver.run_id, orphan=driver.orphan, ray=actor)
+        elif actor.driver_gone:
+            top = orphan_tops.setdefault(actor.job_id or "", p.pid)
+            changed[p.pid] = p._replace(role=R.WORKER, rank=rank, top=top, orphan=True, ray=actor)
+        else:  # its driver runs on another host: a worker of a run this host cannot see
+            changed[p.pid] = p._replace(role=R.WORKER, rank=rank, top=p.pid, ray=actor)
+    if not changed:
+        return snap
+    return snap._replace(processes=tuple(changed.get(p.pid, p) for p in snap.processes))
+
+
+def attach(snap: Scan, fetch: StateFetch, alive: Callable[[int], bool]) -> Scan:
+    """`tie` with Ray's state, asked only when an untied Ray actor holds a device. A Ray that
+    cannot be asked leaves the scan as it was, plus one issue with the fix."""
+    waiting = untied(snap)
+    if not waiting:
+        return snap
+    try:
+        state = fetch(waiting)
+    except RayError as exc:
+        pids = ", ".join(str(p.pid) for p in waiting[:8])
+        issue = Issue("ray", f"{len(waiting)} Ray actor process(es) hold devices (pids {pids}) and "
+                             f"could not be tied to their run or job: {exc}")
+        return snap._replace(issues=snap.issues + (issue,))
+    return tie(snap, state, alive)
+
+
+def fetcher(host: Any, environ: dict[str, str], address: str | None = None) -> StateFetch:
+    """Ask Ray's state API from a child: in XPUCTL_RAY_PYTHON, else the Python the actor
+    itself runs (it has ray), else ours."""
+    import os
+
+    from xpuctl.ray import bridge
+
+    environ = environ or dict(os.environ)  # the child needs PATH and HOME (the token)
+
+    def fetch(waiting: list[Process]) -> dict[str, Any]:
+        hint = None
+        if host.proc_is_live:
+            try:
+                hint = host.readlink(f"/proc/{waiting[0].pid}/exe")
+            except OSError:
+                hint = None
+        python = bridge.ray_python(environ, hint)
+        return bridge.call("state", {}, bridge.ray_address(address, environ), python,
+                           timeout=15.0, environ=environ)
+
+    return fetch
+
+
+def alive_on(host: Any) -> Callable[[int], bool]:
+    from xpuctl.host.processes import stat_of
+
+    def alive(pid: int) -> bool:
+        st = stat_of(host, pid)
+        return st is not None and st.state not in ("Z", "X")
+
+    return alive
+
+
+def with_ray(host: Any, snap: Scan, environ: dict[str, str], address: str | None = None,
+             fetch: StateFetch | None = None) -> Scan:
+    """The scan with its Ray actors tied (a live /proc only: a fake tree's or an archive's
+    pids are not the cluster's)."""
+    if not host.proc_is_live:
+        return snap
+    return attach(snap, fetch or fetcher(host, environ, address), alive_on(host))

@@ -1,0 +1,278 @@
+"""The child side of a Ray call: runs in a Python that has ray, answers with one JSON line.
+
+Run by path: `python .../xpuctl/ray/child.py OP PACKAGE_PARENT`, the request as JSON on stdin;
+xpuctl is loaded from PACKAGE_PARENT/xpuctl (`load_xpuctl`).
+The node's Python may have ray but not xpuctl, typer or rich: this file imports only the
+standard library and ray at the top, and xpuctl's lower layers where an operation needs them.
+Ray's own log lines go to stderr; stdout carries only the answer, `{"ok": true, ...}` or
+`{"ok": false, "kind": ..., "detail": ...}` (kind: no-ray, no-cluster, unreachable, auth,
+error). The parent kills the child's session at its deadline.
+
+Operations:
+  state    the cluster's alive actors, jobs (driver pids) and nodes, from Ray's state API
+  cluster  one task per alive node, pinned there, running xpuctl.ray.node with xpuctl's own
+           package shipped through runtime_env py_modules (the nodes need nothing but Ray)
+  kill     ray.kill named actors of one job (by name and namespace)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from typing import Any
+
+
+class Failure(Exception):
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(detail)
+        self.kind = kind
+
+
+def enable_token() -> None:
+    """Ray's own token discovery: a client that only reads the state API does not look for
+    the token unless told to (RAY_AUTH_MODE unset and a token found -> token mode)."""
+    try:
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+    except ImportError:  # an older Ray without token authentication
+        return
+    try:
+        maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    except Exception:  # noqa: BLE001 - a broken token file is reported by the call itself
+        pass
+
+
+def resolve(address: str) -> str:
+    """host:port of the cluster, checked to accept a TCP connection within 3 s (ray.init
+    retries an address where nothing listens for about 81 s)."""
+    from ray._private import services
+
+    try:
+        resolved = services.canonicalize_bootstrap_address(address)
+    except ConnectionError as exc:
+        raise Failure("no-cluster", str(exc)) from None
+    except ValueError as exc:
+        raise Failure("unreachable", str(exc)) from None
+    if not resolved:
+        raise Failure("no-cluster", "no address found")
+    target = resolved.split("://", 1)[-1].rstrip("/")
+    host, _, port = target.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=3.0):
+            pass
+    except ValueError:
+        raise Failure("unreachable", f"not HOST:PORT: {target}") from None
+    except OSError as exc:
+        raise Failure("unreachable", f"{target}: {exc.strerror or exc}") from None
+    _check_gcs(resolved)
+    return resolved
+
+
+def _check_gcs(address: str) -> None:
+    """One GCS read with a short timeout: a rejected token fails here at once (ray.init
+    retries it for 20 s and then reports a plain connection error)."""
+    from ray._raylet import GcsClient
+
+    try:
+        GcsClient(address=address).internal_kv_get(b"__xpuctl__", None, timeout=3)
+    except Exception as exc:  # noqa: BLE001
+        failure = classify(exc)
+        raise Failure("unreachable" if failure.kind == "error" else failure.kind,
+                      failure.args[0]) from None
+
+
+def classify(exc: BaseException) -> Failure:
+    if isinstance(exc, Failure):
+        return exc
+    name = type(exc).__name__
+    if isinstance(exc, ImportError) and (getattr(exc, "name", None) or "ray").startswith("ray"):
+        return Failure("no-ray", f"{name}: {exc}")
+    text = f"{name}: {exc}".splitlines()[0][:300] if str(exc) else name
+    if name == "AuthenticationError" or "InvalidAuthToken" in text or "Unauthenticated" in text:
+        return Failure("auth", text.split(". ", 1)[0])
+    if isinstance(exc, ConnectionError) or name in ("RpcError", "RayStateApiException"):
+        return Failure("unreachable", text)
+    return Failure("error", text)
+
+
+def fetch_state(address: str | None, timeout: float) -> dict[str, Any]:
+    """Alive actors (pid, name, class, job, node), jobs (driver pid) and nodes (ip)."""
+    from ray.util.state import list_actors, list_jobs, list_nodes
+
+    wait = max(1, int(timeout))
+    actors = list_actors(address=address, filters=[("state", "=", "ALIVE")], limit=10000,
+                         timeout=wait, raise_on_missing_output=False)
+    jobs = list_jobs(address=address, timeout=wait)
+    nodes = list_nodes(address=address, limit=10000, timeout=wait, raise_on_missing_output=False)
+    return {
+        "actors": [
+            {"actor_id": a.actor_id, "name": a.name or None, "class_name": a.class_name,
+             "pid": a.pid, "job_id": a.job_id, "node_id": a.node_id,
+             "namespace": getattr(a, "ray_namespace", None)}
+            for a in actors
+        ],
+        "jobs": [_job(j) for j in jobs],
+        "nodes": [{"node_id": n.node_id, "ip": n.node_ip, "alive": n.state == "ALIVE",
+                   "name": n.node_name} for n in nodes],
+    }
+
+
+def _job(job: Any) -> dict[str, Any]:
+    info = getattr(job, "driver_info", None)
+    pid = getattr(info, "pid", None)
+    status = getattr(job, "status", None)
+    return {
+        "job_id": job.job_id,
+        "driver_pid": int(pid) if pid not in (None, "") else None,
+        "driver_ip": getattr(info, "node_ip_address", None),
+        "status": getattr(status, "value", status),
+    }
+
+
+def op_state(req: dict[str, Any]) -> dict[str, Any]:
+    address = resolve(req["address"])
+    return fetch_state(address, req.get("deadline", 20) / 2)
+
+
+def _connect(req: dict[str, Any], package: str | None) -> None:
+    import logging
+
+    import ray
+
+    address = resolve(req["address"])
+    env: dict[str, Any] = {}
+    if package:
+        env = {"py_modules": [package], "excludes": ["__pycache__", "*.pyc"]}
+    ray.init(address=address, runtime_env=env or None, logging_level=logging.ERROR,
+             log_to_driver=False, namespace=req.get("namespace"))
+
+
+def _alive_nodes() -> list[dict[str, Any]]:
+    import ray
+
+    return [
+        {"node_id": n["NodeID"], "ip": n.get("NodeManagerAddress"),
+         "hostname": n.get("NodeManagerHostname")}
+        for n in ray.nodes()
+        if n.get("Alive")
+    ]
+
+
+def op_cluster(req: dict[str, Any]) -> dict[str, Any]:
+    """One pinned task per alive node; a node that fails or does not answer in time is
+    reported with its reason, the others still count."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    import importlib
+
+    # the task: a function `run(command, options)` (xpuctl.ray.node), named by the caller
+    runner = importlib.import_module(req["runner"]).run
+    t0 = time.monotonic()
+    _connect(req, os.path.join(req["package_parent"], "xpuctl"))
+    t1 = time.monotonic()
+    nodes = _alive_nodes()
+    task = ray.remote(num_cpus=0, max_retries=0)(runner)
+    refs = {}
+    for n in nodes:
+        strategy = NodeAffinitySchedulingStrategy(node_id=n["node_id"], soft=False)
+        refs[n["node_id"]] = task.options(scheduling_strategy=strategy).remote(
+            req["command"], req.get("options") or {})
+    # the nodes get what is left of the parent's deadline, less a margin for the answer
+    left = float(req.get("deadline") or 25.0) - (time.monotonic() - STARTED) - 3.0
+    budget = max(1.0, min(float(req.get("node_timeout") or 20.0), left))
+    ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=budget)
+    done = set(ready)
+    for n in nodes:
+        ref = refs[n["node_id"]]
+        if ref not in done:
+            n["error"] = f"no answer within {budget:g}s"
+            ray.cancel(ref, force=True)
+            continue
+        try:
+            n["result"] = ray.get(ref, timeout=1.0)
+        except Exception as exc:  # noqa: BLE001 - the node's failure is data
+            n["error"] = classify(exc).args[0]
+    return {"nodes": nodes, "timing": {"init": round(t1 - t0, 3),
+                                       "tasks": round(time.monotonic() - t1, 3)}}
+
+
+def op_kill(req: dict[str, Any]) -> dict[str, Any]:
+    """ray.kill each named actor; only actors of the given job (a name is not proof)."""
+    import ray
+
+    _connect(req, None)
+    out = []
+    for item in req.get("actors", []):
+        name, namespace, job = item.get("name"), item.get("namespace"), item.get("job_id")
+        try:
+            handle = ray.get_actor(name, namespace=namespace)
+        except ValueError:
+            out.append({"name": name, "killed": False, "reason": "not found"})
+            continue
+        actual = handle._actor_id.job_id.hex() if hasattr(handle, "_actor_id") else None
+        if job and actual and actual != job:
+            out.append({"name": name, "killed": False, "reason": f"belongs to job {actual}"})
+            continue
+        ray.kill(handle, no_restart=True)
+        out.append({"name": name, "killed": True, "reason": "ray.kill"})
+    return {"actors": out}
+
+
+OPS = {"state": op_state, "cluster": op_cluster, "kill": op_kill}
+STARTED = time.monotonic()
+
+
+def main(argv: list[str]) -> int:
+    answer_fd = os.dup(1)
+    os.dup2(2, 1)  # Ray's prints go to stderr; stdout carries only the answer
+    started = time.monotonic()
+    try:
+        op = OPS[argv[0]]
+        req = json.loads(sys.stdin.read() or "{}")
+        req["package_parent"] = argv[1] if len(argv) > 1 else ""
+        try:
+            import ray  # noqa: F401
+
+            req["import_seconds"] = round(time.monotonic() - started, 3)
+        except ImportError as exc:
+            raise Failure("no-ray", str(exc)) from None
+        enable_token()
+        answer: dict[str, Any] = {"ok": True, **op(req)}
+    except BaseException as exc:  # noqa: BLE001 - every failure is one JSON answer
+        failure = classify(exc)
+        answer = {"ok": False, "kind": failure.kind, "detail": failure.args[0]}
+    answer["child_seconds"] = round(time.monotonic() - started, 3)
+    os.write(answer_fd, (json.dumps(answer) + "\n").encode())
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # no ray.shutdown: the driver's exit is its disconnect, and it is faster
+
+
+def load_xpuctl(parent: str) -> None:
+    """Import xpuctl from `parent`/xpuctl without putting `parent` on sys.path: for an
+    installed xpuctl that is its venv's site-packages, whose typer, rich or compiled modules
+    must not shadow those of this Python (which may be another version)."""
+    import importlib.util
+
+    package = os.path.join(parent, "xpuctl")
+    spec = importlib.util.spec_from_file_location(
+        "xpuctl", os.path.join(package, "__init__.py"), submodule_search_locations=[package])
+    if spec is None or spec.loader is None:
+        return
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["xpuctl"] = module
+    spec.loader.exec_module(module)
+
+
+if __name__ == "__main__":
+    # run by path: our own directory (xpuctl/ray) must not shadow anything
+    if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+        sys.path.pop(0)
+    if len(sys.argv) > 2:
+        load_xpuctl(sys.argv[2])
+    main(sys.argv[1:])
