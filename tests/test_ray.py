@@ -180,6 +180,7 @@ def test_doctor_ray_nodes_see_different_hosts(rig):
     doc = doc_of(res)
     assert doc["schema"] == "xpuctl.cluster/1" and doc["exit_code"] == 1
     assert doc["status"] == "dirty"
+    assert all("doctor" in n for n in doc["nodes"]), doc["nodes"]
     by_root = {n["doctor"]["root"]: n for n in doc["nodes"]}
     assert set(by_root) == {rig.live.root, str(rig.base / "healthy"), str(rig.switch)}
     dirty = by_root[str(rig.switch)]

@@ -27,13 +27,14 @@ def _state(waiting: Any) -> dict[str, Any]:
 
 
 def _doctor(host: Any, options: dict[str, Any]) -> tuple[dict[str, Any], str, int]:
-    from xpuctl.doctor import blocking, diagnose, state_dir_for
+    from xpuctl.doctor import blocking, diagnose
+    from xpuctl.state.statedir import resolve_state_dir
     from xpuctl.output.documents import doctor_dict
     from xpuctl.output.prometheus import prometheus
 
     report = diagnose(host, list(options.get("devices") or []), options.get("port"),
                       bool(options.get("expect_idle")), {},
-                      state_dir=state_dir_for(host, None, dict(os.environ)), ray_fetch=_state)
+                      state_dir=resolve_state_dir(host, None, dict(os.environ)), ray_fetch=_state)
     code = 1 if blocking(report, bool(options.get("strict"))) else 0
     return doctor_dict(report), prometheus(report), code
 
