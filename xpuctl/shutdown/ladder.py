@@ -110,6 +110,8 @@ def _find_members(ld: _Ladder) -> None:
 def _find_ray_actors(ld: _Ladder) -> None:
     """A run on an existing Ray cluster: its actors, listed before any signal (its driver's
     pid is what ties them to it)."""
+    if not any(getattr(t.record, "ray_cluster", None) not in (None, "local") for t in ld.trees):
+        return  # the common case: no Ray run, nothing more to load
     from xpuctl.errors import RayError
     from xpuctl.ray import teardown
 
@@ -141,6 +143,8 @@ def _find_ray_actors(ld: _Ladder) -> None:
 def _ray_settle(ld: _Ladder) -> None:
     """5a. The runs' actors gone on every node (Ray reaps them once their driver is gone);
     what outlives the teardown budget is killed through Ray, then by pid here."""
+    if not ld.ray_runs:
+        return
     from xpuctl.ray import teardown
 
     def kill_pid(actor: dict) -> bool:
