@@ -249,6 +249,16 @@ class FakeHost:
             os.chmod(p, mode)
         return p
 
+    def block(self, hostpath: str) -> Path:
+        """Make one file a FIFO with no writer: opening it never returns, as a read of a
+        wedged process's cmdline or of a device in reset does not. Returns the FIFO."""
+        p = self.path(hostpath)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        if p.is_symlink() or p.exists():
+            p.unlink()
+        os.mkfifo(p)
+        return p
+
     def _symlink(self, rel: str, target: str) -> Path:
         p = self.root / rel
         p.parent.mkdir(parents=True, exist_ok=True)

@@ -32,6 +32,7 @@ CHECKS = {
     "device-lost",
     "probe-timeout",
     "last-run",
+    "blocked-reads",
     "inspection",
 }
 SEVERITIES = {"info", "warn", "fail"}

@@ -133,7 +133,7 @@ def children_left() -> list[int]:
 
 def test_split_pass_finds_what_the_plain_pass_finds(population, monkeypatch):
     root, pids, _ = population
-    host = Host(root.root)
+    host = Host(root.root, read_timeout=None)  # the split itself, in this process
     before = set(children_left())
     monkeypatch.setattr(Sp, "SPLIT_ABOVE", 10**9)
     plain = processes.scan_processes(host)
@@ -154,7 +154,7 @@ def test_split_pass_finds_what_the_plain_pass_finds(population, monkeypatch):
 
 def test_split_pass_falls_back_when_the_helper_fails(population, monkeypatch):
     root, pids, _ = population
-    host = Host(root.root)
+    host = Host(root.root, read_timeout=None)
     monkeypatch.setattr(Sp, "SPLIT_ABOVE", 0)
     monkeypatch.setattr(Sp, "can_split", lambda: True)
     plain_pids = set(processes.list_pids(host))

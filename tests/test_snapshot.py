@@ -238,7 +238,8 @@ def test_unreadable_files_are_listed_with_the_reason(tmp_path, pinned_now):
     archive = take(h.root, tmp_path / "snap.tar.gz")
     assert_same_as_live(h.root, archive)
     data = json.loads(cli("doctor", "--json", "--from", str(archive)).stdout)
-    assert data["unreadable_processes"] == 1
+    assert [(u["pid"], u["file"], u["blocked"], u["fds_known"]) for u in data["unreadable_processes"]] == [
+        (3010, "/proc/3010/fd", False, False)]
     manifest = json.loads(members(archive)["manifest.json"])
     assert {"op": "fds", "path": "/proc/3010/fd", "reason": "Not a directory"} in manifest[
         "unreadable"

@@ -30,7 +30,7 @@ from xpuctl.host.processes import list_pids, same_process
 from xpuctl.output.safetext import safe
 from xpuctl.output.lines import event_line
 from xpuctl.host.scan import DEFAULT_PORT, take_scan
-from xpuctl.shutdown.ladder import StopResult, stop
+from xpuctl.shutdown.ladder import StopResult, skipped_lines, stop
 from xpuctl.shutdown.targets import ServerTree, tree_from_scan
 from xpuctl.actions.signals import can_signal, target_of
 
@@ -110,6 +110,8 @@ def find_holders(host: Host, snap: Scan, wanted: set[str]) -> list[Holder]:
         if why is None and p.cmdline and p.cmdline[0].startswith("ray::"):
             # another Ray job's actor (or one Ray could not name): its job owns it, never reset
             why = "a Ray actor: stop it through its Ray job"
+        if p.blocked:  # never signalled on the strength of a read that did not answer
+            why = f"{p.blocked} did not answer: what it is, is unknown"
         tree = None
         if why is None:
             t = target_of(host, p.pid, p.cmdline[0] if p.cmdline else p.comm, p.start_ticks)
@@ -189,6 +191,12 @@ def make_plan(host: Host, bdfs: tuple[str, ...], port: int | None, device_reset:
     skipped = [(a, f"owned by uid {a.owner_uid}") for a in snap.artifacts if a.stale and not may_delete(a.owner_uid)]
     pending = [a for a in snap.artifacts
                if not a.stale and may_delete(a.owner_uid) and _kept_only_by(a, snap, set(orphan_pids))]
+    stuck = snap.blocked_pids()
+    if stuck and pending:
+        notes.append(f"skipped: {len(pending)} file(s) held by the orphans are kept: pid(s) "
+                     f"{', '.join(map(str, stuck))} did not answer and may use them")
+        pending = []
+    notes.extend(f"skipped: {line}" for line in skipped_lines(host))
     resets: list[str] = []
     if device_reset:
         if os.geteuid() != 0:
@@ -229,7 +237,8 @@ def execute(
             say(f"kept {safe(r.path)}: {safe(r.reason)}")
     resets: list[tuple[str, bool, str]] = []
     for bdf in plan.device_reset:
-        holders = take_scan(host, port=None, want_env=False).holders(bdf)
+        now = take_scan(host, port=None, want_env=False)
+        holders = sorted(set(now.holders(bdf)) | set(now.unknown_holders(bdf)))
         if holders:
             resets.append((bdf, False, f"still held by {', '.join(map(str, holders))}"))
             continue

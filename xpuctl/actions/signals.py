@@ -65,6 +65,9 @@ class Target(NamedTuple):
             return False
         try:
             st = stat_of(host, self.pid)
+            if st is None and any(b.path == f"/proc/{self.pid}/stat" for b in host.blocked_reads()):
+                self._audit(sig, f"not sent: /proc/{self.pid}/stat did not answer")
+                return False
             if st is None or st.start_ticks != self.start_ticks:
                 self._audit(sig, "not sent: the pid no longer names this process")
                 return False

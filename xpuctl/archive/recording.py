@@ -40,6 +40,7 @@ class RecordingHost(Host):
     """`Host` over the same root, recording each answer (see the module docstring)."""
 
     splittable = False
+    bounded = False  # the scan runs here, to be recorded; `inner` bounds each read
 
     def __init__(self, inner: Host) -> None:
         super().__init__(inner.root or "/")
@@ -68,6 +69,9 @@ class RecordingHost(Host):
     @property
     def rdev_checked(self) -> bool:
         return self.inner.rdev_checked
+
+    def blocked_reads(self) -> tuple:
+        return self.inner.blocked_reads()
 
     def now(self) -> float:
         t = self.inner.now()

@@ -28,6 +28,7 @@ from typing import NamedTuple
 from xpuctl.doctor import RecordedProbes
 from xpuctl.errors import UsageError
 from xpuctl.core.model import FileInfo
+from xpuctl.host.reader import BlockedRead
 from xpuctl.host.seam import Host
 from xpuctl.core.model import Issue
 from xpuctl.parse.archive import Index, Manifest, parse_index, parse_manifest
@@ -37,6 +38,8 @@ from xpuctl.archive.unpack import unpack
 
 class ArchiveHost(Host):
     """A Host over an unpacked snapshot (see the module docstring)."""
+
+    bounded = False  # files xpuctl unpacked itself (regular files only): nothing blocks
 
     def __init__(self, root: str, manifest: Manifest, index: Index, origin: str) -> None:
         super().__init__(root)
@@ -76,6 +79,16 @@ class ArchiveHost(Host):
         if isinstance(value, dict):
             raise_rec(value["error"])
         return value
+
+    def blocked_reads(self) -> tuple[BlockedRead, ...]:
+        """The reads that did not answer during the capture (recorded as ETIMEDOUT with the
+        reader's reason): the replayed scan judges them as the capture did."""
+        out = []
+        for path, rec in self.index.read_errors.items():
+            blocked = BlockedRead.from_error(path, rec[0], rec[1])
+            if blocked is not None:
+                out.append(blocked)
+        return tuple(out)
 
     def read_bytes(self, hostpath: str, limit: int | None = None) -> bytes:
         self._inside(hostpath)

@@ -83,7 +83,7 @@ def own_age_seconds() -> float | None:
     from xpuctl.host.processes import stat_of
     from xpuctl.host.seam import CLK_TCK
 
-    st = stat_of(Host("/"), os.getpid())
+    st = stat_of(Host("/", read_timeout=None), os.getpid())  # our own stat: it cannot block
     boottime = getattr(time, "CLOCK_BOOTTIME", None)
     if st is None or boottime is None:
         return None

@@ -60,8 +60,13 @@ def devices(
 
         sys.stdout.write(to_json(devices_document(snap, recorded)) + "\n")
         return
+    from xpuctl.output.lines import blocked_lines
+    from xpuctl.output.safetext import emit
     from xpuctl.output.tables import print_devices, probes_line
     from xpuctl.output.units import human_bytes
+
+    for warning in blocked_lines(snap):
+        emit(sys.stderr, f"xpuctl: warning: {warning}")
 
     print_devices(a.out, snap)
     line = probes_line(snap)

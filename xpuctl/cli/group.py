@@ -123,6 +123,14 @@ def _main(
             show_default=False,
         ),
     ] = None,
+    read_timeout: Annotated[
+        float,
+        typer.Option(
+            "--read-timeout", metavar="SECONDS", envvar="XPUCTL_READ_TIMEOUT",
+            help="Bound of every read of another process's files and of device sysfs: one that "
+            "does not answer in time (a wedged process or device) is reported, never waited for.",
+        ),
+    ] = 2.0,
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False,
     version: Annotated[
         bool,
@@ -136,7 +144,10 @@ def _main(
         return
     if root is not None and not os.path.isdir(root):
         raise fail(f"--root {root}: not a directory", ExitCode.USAGE)
-    ctx.obj = AppContext(host=Host(root or "/"), debug=debug)
+    if not 0 < read_timeout < float("inf"):
+        raise fail(f"--read-timeout {read_timeout:g}: must be a number of seconds above 0",
+                   ExitCode.USAGE)
+    ctx.obj = AppContext(host=Host(root or "/", read_timeout=read_timeout), debug=debug)
 
 
 def main() -> None:

@@ -46,9 +46,13 @@ def ps(
     if as_json:
         from xpuctl.output.documents import ps_document, to_json
 
-        sys.stdout.write(to_json(ps_document(listing.runs, listing.processes)) + "\n")
+        sys.stdout.write(to_json(ps_document(listing.runs, listing.processes, listing.snap)) + "\n")
         return
+    from xpuctl.output.lines import blocked_lines
     from xpuctl.output.safetext import emit
+
+    for line in blocked_lines(listing.snap):  # stderr: the table stays what it was
+        emit(sys.stderr, f"xpuctl: warning: {line}")
 
     if listing.runs:
         from xpuctl.output.tables import runs_table

@@ -12,7 +12,7 @@ from xpuctl.cli.context import app_context, own_age_seconds
 from xpuctl.cli.guard import guard
 from xpuctl.cli.options import DeviceOpt, JsonOpt, KillAfterOpt, StateDirOpt, complete_run, port_option
 from xpuctl.errors import ExitCode, UsageError
-from xpuctl.output.safetext import emit
+from xpuctl.output.safetext import emit, safe
 
 app = command_app()
 
@@ -58,11 +58,14 @@ def shutdown(
     trees = plan.find_targets(a.host, sdir, name, pid, port, list(device or []), all_)
     if dry_run or not trees:
         targets = documents.shutdown_target_dicts(trees, plan.planned_members(a.host, trees))
+        skipped = ladder.skipped_lines(a.host)
         if as_json:
-            sys.stdout.write(documents.to_json(documents.shutdown_plan_document(targets, dry_run)) + "\n")
+            sys.stdout.write(documents.to_json(documents.shutdown_plan_document(targets, dry_run, skipped)) + "\n")
         else:
             for line in lines.shutdown_plan_lines(targets):
                 emit(sys.stdout, line)
+            for line in skipped:
+                emit(sys.stdout, f"skipped: {safe(line)}")
         raise typer.Exit(ExitCode.OK)
     plan.mark_records(sdir, trees, state="stopping")
     # From our own start to the first signal: start-up plus finding the trees. On the

@@ -53,5 +53,9 @@ def snapshot(
     emit(sys.stderr,
          f"xpuctl: wrote {safe(shown)} ({taken.size_bytes / 1024:.0f} KiB, {taken.processes} "
          f"processes, {taken.unreadable} unreadable) in {taken.seconds:.2f}s")
+    from xpuctl.output.lines import blocked_lines
+
+    for line in blocked_lines(taken.report.snapshot):
+        emit(sys.stderr, f"xpuctl: warning: {line}")
     if taken.path != "-":
         emit(sys.stderr, f"xpuctl: read it with: xpuctl doctor --from {safe(taken.path)}")

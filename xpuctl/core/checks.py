@@ -134,6 +134,8 @@ def device_holders(c: Ctx) -> list[Finding]:
         for p in holders:
             if p.role is not None:
                 continue
+            if p.blocked:
+                continue  # whether it is vLLM is unknown: see blocked-reads
             has_mem = bool(p.memory_bytes)
             sev = "fail" if c.opts.expect_idle else ("warn" if has_mem else "info")
             mem = f" with {human_bytes(p.memory_bytes)} of device memory" if has_mem else ""
@@ -378,6 +380,7 @@ _REMEDY_BY_SOURCE = {
 def inspection(c: Ctx) -> list[Finding]:
     """What the scan could not see (processes of other users, unreadable files, other PID
     namespaces, deep probes that were unavailable), and that deep probes open the devices."""
+    blocked = set(c.snap.blocked)
     out = [
         Finding(
             "inspection",
@@ -386,6 +389,7 @@ def inspection(c: Ctx) -> list[Finding]:
             _REMEDY_BY_SOURCE.get(issue.source),
         )
         for issue in c.snap.issues
+        if issue not in blocked  # said by blocked-reads
     ]
     deep = c.snap.deep
     if deep is not None:
@@ -401,6 +405,39 @@ def inspection(c: Ctx) -> list[Finding]:
                 f"{', '.join(map(str, deep.probe_pids))}); their own DRM clients and memory are "
                 "left out of every figure",
             ))
+    return out
+
+
+@check("blocked-reads")
+def blocked_reads(c: Ctx) -> list[Finding]:
+    """Reads that did not answer within the bound: a process stuck in the kernel (holding its
+    mmap lock, or inside the driver), a device in reset. Nothing is judged on them."""
+    out = []
+    sev = "fail" if c.opts.expect_idle else "warn"
+    remedy = ("a process or device stuck in the kernel: check `dmesg` for GPU hang or reset "
+              "messages and the process's wchan; what it may hold is not free until it "
+              "returns; raise --read-timeout if the host is only slow")
+    for u in c.snap.unreadable_processes:
+        if not u.blocked:
+            continue
+        held = sorted(b for b in (d.bdf for d in c.snap.devices) if u.pid in c.snap.unknown_holders(b))
+        if not c.on_wanted(held):
+            continue
+        what = u.command or (f"[{u.comm}]" if u.comm else "command unknown")
+        where = f", state {u.state}" if u.state else ""
+        where += f" in {u.wchan}" if u.wchan and u.wchan != "0" else ""
+        may = (f"; it may hold {', '.join(held)}" if held else "")
+        out.append(Finding(
+            "blocked-reads", sev,
+            f"pid {u.pid} ({what}{where}): {u.file} {u.reason}; its role and what it holds "
+            f"are unknown, it is judged neither clean nor idle{may}",
+            remedy, held[0] if len(held) == 1 else None, (u.pid,), (u.file,),
+        ))
+    for issue in c.snap.blocked:
+        if issue.source.startswith("/proc/") and issue.source.split("/")[2].isdigit():
+            continue  # a process: above
+        out.append(Finding("blocked-reads", sev, f"{issue.source} {issue.reason}", remedy,
+                           paths=(issue.source,)))
     return out
 
 
@@ -543,6 +580,7 @@ CHECKS = (
     "device-lost",
     "probe-timeout",
     "last-run",
+    "blocked-reads",
     "inspection",
 )
 
@@ -564,6 +602,8 @@ def evaluate(snap: Scan, opts: Options) -> Report:
         p.pid is not None and p.port == opts.port for p in snap.ports
     )
     status = "dirty" if failed else ("busy" if busy else "clean")
+    if status == "clean" and snap.blocked:
+        status = "unknown"  # something did not answer: never judged clean
     order = {"fail": 0, "warn": 1, "info": 2}
     findings.sort(key=lambda f: (order[f.severity], CHECKS.index(f.check)))
     return Report(snap, tuple(findings), status)

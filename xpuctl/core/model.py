@@ -41,7 +41,8 @@ class Device(NamedTuple):
 
     @property
     def is_intel(self) -> bool:
-        return self.vendor_id == "0x8086"
+        # a vendor file that did not answer (a device in reset) does not hide an xe/i915 GPU
+        return self.vendor_id == "0x8086" or (self.vendor_id is None and self.driver in ("xe", "i915"))
 
     @property
     def nodes(self) -> tuple[str, ...]:
@@ -104,6 +105,7 @@ class Process(NamedTuple):
     wchan: str | None = None
     env: dict[str, str] | None = None  # read only when asked for (doctor's env check)
     ray: RayActor | None = None  # the Ray actor it runs, when Ray's state was asked
+    blocked: str | None = None  # a file of it that did not answer: its role is unknown
 
     @property
     def is_vllm(self) -> bool:
@@ -116,6 +118,22 @@ class Process(NamedTuple):
     @property
     def command(self) -> str:
         return " ".join(self.cmdline) if self.cmdline else f"[{self.comm}]"
+
+
+class Unreadable(NamedTuple):
+    """A process the scan could not read in full: a file that did not answer within the
+    bound (`blocked`: it may be stuck in the kernel, and may hold anything), or fds it may
+    not read (another user's process)."""
+
+    pid: int
+    command: str | None  # its argv, when that was read
+    comm: str | None  # from its stat, when that answered
+    state: str | None
+    wchan: str | None
+    file: str  # host path of the file that was not read
+    reason: str
+    blocked: bool
+    fds_known: bool  # its open files were read (which devices it holds is known)
 
 
 class Artifact(NamedTuple):
@@ -205,6 +223,8 @@ class Scan(NamedTuple):
     caller_env: dict[str, str] | None = None  # the environment of the command that scanned
     deep: Deep | None = None  # device-level view, only with --deep
     last_run: LastRun | None = None  # the state directory's newest run (doctor, reset)
+    unreadable_processes: tuple[Unreadable, ...] = ()
+    blocked: tuple[Issue, ...] = ()  # every read that did not answer (path, reason)
 
     def process(self, pid: int) -> Process | None:
         for p in self.processes:
@@ -220,6 +240,16 @@ class Scan(NamedTuple):
 
     def holders(self, bdf: str) -> tuple[int, ...]:
         return tuple(sorted(p.pid for p in self.processes if bdf in p.devices))
+
+    def unknown_holders(self, bdf: str) -> tuple[int, ...]:
+        """Processes that may hold the device, as far as the scan knows: those that did not
+        answer a read and hold it, or whose open files are unknown."""
+        held = set(self.holders(bdf))
+        return tuple(sorted(u.pid for u in self.unreadable_processes
+                            if u.blocked and (not u.fds_known or u.pid in held)))
+
+    def blocked_pids(self) -> tuple[int, ...]:
+        return tuple(sorted({u.pid for u in self.unreadable_processes if u.blocked}))
 
     def memory_used(self, bdf: str) -> int | None:
         """De-duplicated device memory: each DRM client's drm-total-vram*/local* counted once.

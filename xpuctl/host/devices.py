@@ -57,7 +57,17 @@ def _memory_total(host: Host, pci: str, card: str | None, driver: str | None) ->
 
 
 def scan_devices(host: Host) -> tuple[list[Device], list[Issue]]:
-    """All DRM devices, Intel ones numbered in Level Zero order (by PCI BDF)."""
+    """All DRM devices, Intel ones numbered in Level Zero order (by PCI BDF). Each read is
+    bounded (host/reader.py): an attribute that did not answer (a device in reset) is
+    unknown, and named in the issues."""
+    if host.reader is not None:
+        return host.reader.call(scan_devices, host)  # type: ignore[no-any-return]
+    devices, issues = _scan_devices(host)
+    issues.extend(Issue(b.path, b.reason) for b in host.blocked_reads() if b.pid is None)
+    return devices, issues
+
+
+def _scan_devices(host: Host) -> tuple[list[Device], list[Issue]]:
     issues: list[Issue] = []
     try:
         names = host.listdir(SYS_DRM)

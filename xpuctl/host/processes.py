@@ -217,7 +217,7 @@ def scan_processes(host: Host, skip_pids: frozenset[int] = frozenset()) -> FdSca
         _scan_some(host, some, skip_pids, part)
         return part
 
-    out, *rest = in_two(work, pids, FdScan.dumps, FdScan.loads, split=host.splittable)
+    out, *rest = in_two(work, pids, FdScan.dumps, FdScan.loads, split=host.splittable and host.reader is None)
     for part in rest:
         out.merge(part)
     return out

@@ -8,12 +8,14 @@ import re
 from collections.abc import Iterable
 
 from xpuctl.host.seam import CLK_TCK, Host  # noqa: F401 (CLK_TCK: cli's own-age check)
-from xpuctl.core.model import Artifact, Device, DmabufHold, DrmClient, Issue, Port, Process, Scan
+from xpuctl.core.model import (Artifact, Device, DmabufHold, DrmClient, Issue, Port, Process,
+                               Scan, Unreadable)
 from xpuctl.parse.fdinfo import parse_dmabuf, parse_fdinfo
 from xpuctl.parse.net import TcpSocket, parse_tcp, parse_unix_paths
 from xpuctl.parse.procfs import parse_boot_time, parse_environ, parse_maps_paths, parse_status_uid
 from xpuctl.host.devices import DRM_MAJOR, scan_devices
 from xpuctl.host.processes import FdScan, RawProcess, fill_cmdline, scan_processes
+from xpuctl.host.reader import BlockedRead
 from xpuctl.host.split import in_two
 from xpuctl.core.rules import Facts, judge, match
 from xpuctl.parse.roles import API_SERVER, RAY
@@ -53,7 +55,7 @@ class _Lazy:
         if self._maps is None:
             pids = [pid for pid, proc in self.fds.procs.items() if proc.stat.state != "Z"]
             first, *rest = in_two(self._mapped_by, pids, marshal.dumps, marshal.loads,
-                                  split=self.host.splittable)
+                                  split=self.host.splittable and self.host.reader is None)
             for part in rest:
                 for path, owners in part.items():
                     first.setdefault(path, []).extend(owners)
@@ -189,7 +191,8 @@ def _details(host: Host, pid: int, want_env: bool) -> tuple[int | None, dict[str
 
 
 def _artifacts(
-    host: Host, fds: FdScan, lazy: _Lazy, procs: list[Process], now: float
+    host: Host, fds: FdScan, lazy: _Lazy, procs: list[Process], now: float,
+    stuck: dict[int, BlockedRead],
 ) -> tuple[list[Artifact], list[Issue]]:
     issues: list[Issue] = []
     candidates: list[tuple[str, str, object]] = []
@@ -230,6 +233,11 @@ def _artifacts(
         bound = bool(info.is_socket and path in lazy.unix_bound())  # type: ignore[attr-defined]
         facts = Facts(open_by, mapped_by, bound, live, vllm_starts)
         stale, reason = judge(path, kind, info, facts)  # type: ignore[arg-type]
+        if stale and stuck:
+            # a process that did not answer may have it open or mapped, or be the vLLM
+            # process whose FileStore it is: nothing is stale on the strength of that
+            stale, reason = False, (f"not judged: pid(s) {', '.join(map(str, sorted(stuck)))} "
+                                    "did not answer, their open files and mappings are unknown")
         out.append(
             Artifact(
                 path=path,
@@ -316,6 +324,43 @@ def _tag_run_leaders(host: Host, fds: FdScan) -> None:
             proc.role = API_SERVER
 
 
+def _stuck(host: Host, fds: FdScan) -> dict[int, BlockedRead]:
+    """pid -> the first of its files that did not answer (host/reader.py)."""
+    stuck: dict[int, BlockedRead] = {}
+    for b in host.blocked_reads():
+        if b.pid is not None:
+            stuck.setdefault(b.pid, b)
+    if stuck:
+        fds.malformed[:] = [pid for pid in fds.malformed if pid not in stuck]
+    return stuck
+
+
+def _wchan(host: Host, pid: int) -> str | None:
+    w = _read_opt(host, f"/proc/{pid}/wchan", 256)
+    return (w.decode("ascii", "replace").strip() or None) if w else None
+
+
+def _unreadable(host: Host, fds: FdScan, stuck: dict[int, BlockedRead]) -> list[Unreadable]:
+    """The processes that did not answer a read, then those whose fds we may not read."""
+    out = []
+    for pid, b in sorted(stuck.items()):
+        raw = fds.procs.get(pid)
+        st = raw.stat if raw is not None else None
+        argv = raw.cmdline if raw is not None else None
+        out.append(Unreadable(
+            pid, " ".join(argv) if argv else None, st.comm if st else None,
+            st.state if st else None, _wchan(host, pid), b.path, b.reason, True,
+            raw is not None and raw.fds_readable and pid not in fds.unreadable))
+    for pid in sorted(set(fds.unreadable) - set(stuck)):
+        raw = fds.procs.get(pid)
+        st = raw.stat if raw is not None else None
+        out.append(Unreadable(pid, " ".join(raw.cmdline) if raw and raw.cmdline else None,
+                              st.comm if st else None, st.state if st else None, None,
+                              f"/proc/{pid}/fd", "its open files could not be listed", False,
+                              False))
+    return out
+
+
 def take_scan(
     host: Host,
     port: int | None = DEFAULT_PORT,
@@ -325,10 +370,19 @@ def take_scan(
     exclude_pids: frozenset[int] = frozenset(),
 ) -> Scan:
     """One scan. `artifacts=False` skips /dev/shm and /tmp (a release check needs only
-    holders and ports). `exclude_pids` (live /proc only): our own helpers, e.g. deep probes."""
+    holders and ports). `exclude_pids` (live /proc only): our own helpers, e.g. deep probes.
+
+    Every read is bounded: the scan runs in the host's reader (host/reader.py), and a
+    process with a file that did not answer is listed in `unreadable_processes`, never
+    judged: its role is unknown, a device it may hold is not free, no file is stale."""
+    if host.reader is not None:
+        mine = frozenset({os.getpid()}) if host.proc_is_live else frozenset()
+        return host.reader.call(take_scan, host, port, want_env, caller_env, artifacts,
+                               exclude_pids | mine)
     now = host.now()
     devices, issues = scan_devices(host)
     fds = scan_processes(host, own_pids(host) | (exclude_pids if host.proc_is_live else frozenset()))
+    stuck = _stuck(host, fds)
     lazy = _Lazy(host, fds)
     clients, held = _drm_clients(host, fds, devices)
     dmabufs = _dmabufs(host, fds, devices, held)
@@ -371,10 +425,7 @@ def take_scan(
             continue  # a Ray cluster's own process, no run's: nothing to report
         st = raw.stat
         uid, env = details[pid]
-        wchan = None
-        if st.state == "D":
-            w = _read_opt(host, f"/proc/{pid}/wchan", 256)
-            wchan = w.decode("ascii", "replace").strip() or None if w else None
+        wchan = _wchan(host, pid) if st.state == "D" else None
         procs[pid] = Process(
             pid=pid,
             ppid=st.ppid,
@@ -396,9 +447,10 @@ def take_scan(
             memory_bytes=mem_by_pid.get(pid),
             wchan=wchan,
             env=env,
+            blocked=stuck[pid].path if pid in stuck else None,
         )
     ordered = sorted(procs.values(), key=lambda p: (p.top or p.pid, p.pid))
-    found, art_issues = _artifacts(host, fds, lazy, ordered, now) if artifacts else ([], [])
+    found, art_issues = _artifacts(host, fds, lazy, ordered, now, stuck) if artifacts else ([], [])
     issues.extend(art_issues)
     if fds.unreadable:
         issues.append(
@@ -419,4 +471,6 @@ def take_scan(
         issues=tuple(issues),
         unreadable=len(fds.unreadable),
         caller_env=dict(caller_env) if caller_env is not None else {},
+        unreadable_processes=tuple(_unreadable(host, fds, stuck)),
+        blocked=tuple(Issue(b.path, b.reason) for b in host.blocked_reads()),
     )

@@ -13,7 +13,10 @@ from __future__ import annotations
 import os
 import stat as _stat
 import time
+from typing import Any
+
 from xpuctl.core.model import FileInfo
+from xpuctl.host import reader as _reader
 
 #: Clock ticks per second of /proc/<pid>/stat start times.
 CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -35,6 +38,14 @@ def _readall(path: str, limit: int) -> bytes:
         os.close(fd)
 
 
+def _readonce(path: str, limit: int) -> bytes:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return os.read(fd, limit)
+    finally:
+        os.close(fd)
+
+
 #: fd names tried in order before falling back to listing /proc/<pid>/fd (see fd_links).
 _FD_NAMES = tuple(map(str, range(1024)))
 
@@ -50,11 +61,40 @@ class Host:
     splittable = True
     #: Ticks per second of the start times in /proc/<pid>/stat.
     clk_tck = CLK_TCK
+    #: Reads of a real tree can block for good (a wedged host): they are made in a reader
+    #: process, each bounded (host/reader.py). A host over a snapshot's files says no.
+    bounded = True
 
-    def __init__(self, root: str | os.PathLike[str] = "/") -> None:
+    def __init__(self, root: str | os.PathLike[str] = "/",
+                 read_timeout: float | None = _reader.DEFAULT_BOUND) -> None:
         r = os.path.abspath(os.fspath(root))
         self.root = "" if r == "/" else r.rstrip("/")
         self.live = self.root == ""
+        #: This process's side of the bounded reads; None in the reader itself, and when
+        #: reads are made here (not bounded, or `read_timeout` None).
+        self.reader: _reader.Reader | None = (
+            _reader.Reader(read_timeout) if read_timeout and self.bounded else None)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["reader"] = None  # sent to the reader, which reads itself
+        return state
+
+    def bounded_call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """fn(self, *args, **kwargs) with every read bounded: in the reader when this host
+        has one, else here."""
+        reader = self.reader
+        if reader is None:
+            return fn(self, *args, **kwargs)
+        return reader.call(fn, self, *args, **kwargs)
+
+    def blocked_reads(self) -> tuple[_reader.BlockedRead, ...]:
+        """The reads that did not answer within the bound so far (in the reader: those it
+        was told of)."""
+        if self.reader is not None:
+            return tuple(self.reader.blocked_reads())
+        current = _reader.current
+        return current.reads if current is not None else ()
 
     def __repr__(self) -> str:
         return f"Host(root={self.root or '/'!r})"
@@ -98,7 +138,17 @@ class Host:
 
     # -- reads --------------------------------------------------------------------------
     def read_bytes(self, hostpath: str, limit: int | None = None) -> bytes:
-        return _readall(self.root + hostpath, limit or self.READ_LIMIT)
+        reader = self.reader
+        if reader is not None:
+            return reader.read(self.root, "all", hostpath, limit or self.READ_LIMIT)
+        progress = _reader.current
+        if progress is None:
+            return _readall(self.root + hostpath, limit or self.READ_LIMIT)
+        progress.enter(hostpath)
+        try:
+            return _readall(self.root + hostpath, limit or self.READ_LIMIT)
+        finally:
+            progress.leave()
 
     def read_text(self, hostpath: str, limit: int | None = None) -> str:
         return self.read_bytes(hostpath, limit).decode("utf-8", "surrogateescape")
@@ -112,11 +162,17 @@ class Host:
     def read_once(self, hostpath: str, limit: int = 4096) -> bytes:
         """One read(2): for kernel files the kernel renders whole on the first read
         (/proc/<pid>/stat). Saves the read that would only see the end of the file."""
-        fd = os.open(self.root + hostpath, os.O_RDONLY | os.O_CLOEXEC)
+        reader = self.reader
+        if reader is not None:
+            return reader.read(self.root, "once", hostpath, limit)
+        progress = _reader.current
+        if progress is None:
+            return _readonce(self.root + hostpath, limit)
+        progress.enter(hostpath)
         try:
-            return os.read(fd, limit)
+            return _readonce(self.root + hostpath, limit)
         finally:
-            os.close(fd)
+            progress.leave()
 
     def fd_links(self, pid: int, keep: tuple[str, ...] = ("",)) -> list[tuple[str, str]]:
         """(fd, link text) of the fds of a process whose link text starts with one of

@@ -21,6 +21,8 @@ import sys
 from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
+from xpuctl.host.reader import in_split_helper
+
 T = TypeVar("T")
 
 #: Measured on 2 cores with 35 fds per process: the split pays from about 100 processes
@@ -102,6 +104,7 @@ def in_two(work: Callable[[Iterable], T], items: list, dumps: Callable[[T], byte
         try:
             _default_signals()
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+            in_split_helper()  # in a reader: publish this helper's reads in its own slot
             os.close(r)
             view = memoryview(dumps(work(_take(q_r, chunks, []))))
             while view:

@@ -12,7 +12,8 @@ import json
 from typing import Any
 
 from xpuctl import __version__
-from xpuctl.core.model import Artifact, Device, Finding, Port, Process, Report, RuntimeView, Scan
+from xpuctl.core.model import (Artifact, Device, Finding, Port, Process, Report, RuntimeView,
+                               Scan, Unreadable)
 from xpuctl.parse.probes import ProbeResult, result_to_dict
 
 
@@ -54,6 +55,7 @@ def device_dict(d: Device, snap: Scan) -> dict[str, Any]:
         "memory_used_bytes": snap.memory_used(d.bdf),
         "memory_total_bytes": d.memory_total_bytes,
         "holders": list(snap.holders(d.bdf)),
+        "unknown_holders": list(snap.unknown_holders(d.bdf)),
         "runtime": runtime_dict(view),  # --deep only
         "unattributed_bytes": view.unattributed_bytes if view else None,
     }
@@ -80,6 +82,7 @@ def process_dict(p: Process) -> dict[str, Any]:
         "start_time": p.start_time,
         "wchan": p.wchan,
         "ray": ray_dict(p.ray),
+        "blocked": p.blocked,
     }
 
 
@@ -116,6 +119,25 @@ def port_dict(p: Port) -> dict[str, Any]:
     }
 
 
+def blocked_dicts(snap: Scan) -> list[dict[str, str]]:
+    """Every read that did not answer within the bound, processes' and sysfs' alike."""
+    return [{"path": i.source, "reason": i.reason} for i in snap.blocked]
+
+
+def unreadable_dict(u: Unreadable) -> dict[str, Any]:
+    return {
+        "pid": u.pid,
+        "command": u.command,
+        "comm": u.comm,
+        "state": u.state,
+        "wchan": u.wchan,
+        "file": u.file,
+        "reason": u.reason,
+        "blocked": u.blocked,
+        "fds_known": u.fds_known,
+    }
+
+
 def finding_dict(f: Finding) -> dict[str, Any]:
     return {
         "check": f.check,
@@ -141,7 +163,8 @@ def doctor_dict(report: Report) -> dict[str, Any]:
         "artifacts": [artifact_dict(a) for a in snap.artifacts],
         "ports": [port_dict(p) for p in snap.ports],
         "findings": [finding_dict(f) for f in report.findings],
-        "unreadable_processes": snap.unreadable,
+        "unreadable_processes": [unreadable_dict(u) for u in snap.unreadable_processes],
+        "blocked_reads": blocked_dicts(snap),
         "probes": [probe_dict(r) for r in snap.deep.probes] if snap.deep else [],
     }
 
@@ -159,15 +182,20 @@ def run_dict(r: Any) -> dict[str, Any]:
             "port": r.port, "devices": list(r.devices), "run_id": r.run_id}
 
 
-def ps_document(runs: list[Any], processes: list[Process]) -> dict[str, Any]:
+def ps_document(runs: list[Any], processes: list[Process], snap: Scan | None = None) -> dict[str, Any]:
+    """`ps --json`; `snap`: the scan, for what it could not read."""
     return {"schema": "xpuctl.ps/1", "runs": [run_dict(r) for r in runs],
-            "processes": [process_dict(p) for p in processes]}
+            "processes": [process_dict(p) for p in processes],
+            "unreadable_processes": [unreadable_dict(u) for u in snap.unreadable_processes] if snap else [],
+            "blocked_reads": blocked_dicts(snap) if snap else []}
 
 
 def devices_document(snap: Scan, baseline: list[tuple[str, int | None, str]] | None) -> dict[str, Any]:
     """`devices --json`; `baseline` is what --record-baseline recorded (None: not asked)."""
     data: dict[str, Any] = {"schema": "xpuctl.devices/1",
-                            "devices": [device_dict(d, snap) for d in snap.devices]}
+                            "devices": [device_dict(d, snap) for d in snap.devices],
+                            "unreadable_processes": [unreadable_dict(u) for u in snap.unreadable_processes],
+                            "blocked_reads": blocked_dicts(snap)}
     if snap.deep is not None:
         data["probes"] = [probe_dict(r) for r in snap.deep.probes]
     if baseline is not None:
@@ -193,9 +221,11 @@ def shutdown_target_dicts(trees: list[Any], members: dict[int, list[int]]) -> li
     ]
 
 
-def shutdown_plan_document(targets: list[dict[str, Any]], dry_run: bool) -> dict[str, Any]:
+def shutdown_plan_document(targets: list[dict[str, Any]], dry_run: bool,
+                           skipped: list[str] = ()) -> dict[str, Any]:  # type: ignore[assignment]
+    """`skipped`: what a read that did not answer kept out of the plan (ladder.skipped_lines)."""
     return {"schema": "xpuctl.shutdown/1", "dry_run": dry_run, "targets": targets, "events": [],
-            "verdict": "planned" if targets else "nothing"}
+            "verdict": "planned" if targets else "nothing", "skipped": list(skipped)}
 
 
 def shutdown_document(targets: list[dict[str, Any]], result: Any, resolve_seconds: float | None,
@@ -210,6 +240,7 @@ def shutdown_document(targets: list[dict[str, Any]], result: Any, resolve_second
         "survivors": result.survivors,
         "holders": result.holders,
         "stuck": [{"pid": p, "wchan": w} for p, w in result.stuck],
+        "skipped": [e.detail for e in result.events if e.phase == "skipped"],
         "ports_busy": result.port_busy,
         "audit": audit,
     }

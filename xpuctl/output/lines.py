@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from xpuctl.core.model import Finding
+from xpuctl.core.model import Finding, Scan
 from xpuctl.output.safetext import safe
 
 
@@ -86,3 +86,21 @@ def reset_plan_lines(plan: Any, kill_holders: bool, advice: list[Finding]) -> li
 
 def reset_result_lines(findings: list[Finding], status: str) -> list[str]:
     return [f"still failing: {f.check}: {safe(f.message)}" for f in findings] + [f"status: {status}"]
+
+
+def blocked_lines(snap: Scan) -> list[str]:
+    """One line per read that did not answer within the bound (ps, devices, snapshot): which
+    process, which file, and that nothing was judged on it."""
+    out = []
+    for u in snap.unreadable_processes:
+        if not u.blocked:
+            continue
+        what = u.command or (f"[{u.comm}]" if u.comm else "command unknown")
+        state = f", state {u.state}" if u.state else ""
+        state += f" in {u.wchan}" if u.wchan and u.wchan != "0" else ""
+        out.append(safe(f"pid {u.pid} ({what}{state}): {u.file} {u.reason}; "
+                        "its role and what it holds are unknown", 400))
+    for issue in snap.blocked:
+        if not any(u.file == issue.source for u in snap.unreadable_processes):
+            out.append(safe(f"{issue.source} {issue.reason}", 400))
+    return out

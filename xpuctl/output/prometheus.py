@@ -44,8 +44,9 @@ def prometheus(report: Report) -> str:
     metric(
         "xpuctl_doctor_status",
         "gauge",
-        "1 for the current status (clean, busy, dirty).",
-        [({"status": s}, 1.0 if report.status == s else 0.0) for s in ("clean", "busy", "dirty")],
+        "1 for the current status (clean, busy, dirty, unknown).",
+        [({"status": s}, 1.0 if report.status == s else 0.0)
+         for s in ("clean", "busy", "dirty", "unknown")],
     )
     worst: dict[str, int] = {c: 0 for c in CHECKS}
     rank = {"info": 0, "warn": 1, "fail": 2}

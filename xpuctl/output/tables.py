@@ -20,7 +20,8 @@ if TYPE_CHECKING:
     from rich.console import Console
 
 _SEV_STYLE = {"fail": "bold red", "warn": "yellow", "info": "cyan"}
-_STATUS_STYLE = {"clean": "bold green", "busy": "bold cyan", "dirty": "bold red"}
+_STATUS_STYLE = {"clean": "bold green", "busy": "bold cyan", "dirty": "bold red",
+                 "unknown": "bold yellow"}
 
 
 def _cell(value: object) -> Any:
@@ -61,7 +62,7 @@ def devices_table(snap: Scan) -> Any:
             _cell(d.bdf),
             _cell((d.render_node or d.card_node or "-").rsplit("/", 1)[-1]),
             _cell(d.driver or "?"),
-            _cell(f"{d.vendor_id}:{d.device_id}"),
+            _cell(f"{d.vendor_id or '?'}:{d.device_id or '?'}"),  # ? : not read (a device in reset)
             human_bytes(snap.memory_used(d.bdf)) if snap.memory_used(d.bdf) is not None else "-",
             human_bytes(d.memory_total_bytes) if d.memory_total_bytes else "-",
             ", ".join(map(str, holders)) or "-",

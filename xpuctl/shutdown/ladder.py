@@ -105,6 +105,18 @@ def _find_members(ld: _Ladder) -> None:
         for t in found:
             ld.everyone[t.pid] = t
     ld.pending = list(ld.everyone.values())
+    for line in skipped_lines(ld.host):
+        ld.emit("skipped", line)
+
+
+def skipped_lines(host: Host) -> list[str]:
+    """What a command did not act on because a read did not answer (host/reader.py):
+    nothing is signalled or deleted on the strength of such a read."""
+    out = []
+    for b in host.blocked_reads():
+        whose = f"pid {b.pid}: " if b.pid is not None else ""
+        out.append(f"{whose}{b.path} {b.reason}; nothing is done on the strength of it")
+    return out
 
 
 def _find_ray_actors(ld: _Ladder) -> None:
@@ -282,12 +294,17 @@ def _verify_release(ld: _Ladder, release_timeout: float) -> StopResult:
     while True:
         snap = take_scan(ld.host, port=None, want_env=False, artifacts=False)
         holders = sorted({pid for b in devices for pid in snap.holders(b)})
+        unknown = sorted({pid for b in devices for pid in snap.unknown_holders(b)})
         busy_ports = sorted({s.port for s in listening_sockets(ld.host) if s.port in ports}) if ports else []
         if (not holders and not busy_ports) or time.monotonic() >= deadline:
             break
         time.sleep(0.1)
     stuck = [(p.pid, p.wchan) for p in snap.processes if p.pid in holders and p.state == "D"]
+    holders = sorted(set(holders) | set(unknown))
     if devices:
+        if unknown:
+            ld.emit("unknown", f"{', '.join(devices)} may be held by {', '.join(map(str, unknown))}, "
+                    "which did not answer a read: release not verified")
         if holders:
             ld.emit("holders", f"{', '.join(devices)} still held by {', '.join(map(str, holders))}")
         else:

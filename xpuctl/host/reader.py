@@ -1,0 +1,546 @@
+"""Bounded reads: another process's /proc files and device sysfs are read in a reader process
+that this one can abandon.
+
+Why a process and not a thread: on a wedged host a read can sleep in the kernel for good (a
+`cmdline` waiting for the mmap lock of a process stuck in the driver, an `fdinfo` inside the
+driver, a sysfs attribute of a device in reset). A thread in uninterruptible sleep keeps its
+whole process from exiting: exit_group waits for every thread, and the shell's wait() with
+it. A child process can be left behind: this process kills it (it dies when the read
+returns, if ever), does not wait for it, and goes on with a new one.
+
+The reader is forked on first use (spawned as `python -m xpuctl.host.reader` when this
+process runs other threads: a fork copies only the calling thread, and locks the others hold
+would stay locked in the copy) and serves requests until its pipe closes. A request is a
+whole function (a scan) or one read; arguments and results travel pickled. Before each read
+the reader writes "reading PATH" into a shared page, and after it "done" (two writes into
+memory, well under a microsecond). While a request runs this process watches that page: a
+read that has not returned after `bound` seconds is *blocked*. Its group (see `group_of`:
+the mmap-bound files of one pid, the fdinfo of one pid, one sysfs directory) is recorded,
+the reader (and its split helper, probes/split.py, which has its own slot) is killed, and the
+request runs again in a fresh reader, where any read in a blocked group fails at once with
+`Blocked` (an OSError, ETIMEDOUT). So one wedged process costs about one bound, not one per
+file, and callers that already treat an unreadable file as unknown need no change.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import struct
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:  # the rest is imported where it is used: most commands never start a reader
+    import mmap
+
+#: Default bound of one read, in seconds (`--read-timeout`). A healthy procfs or sysfs read
+#: takes microseconds; two seconds leave room for a loaded machine.
+DEFAULT_BOUND = 2.0
+
+_SLOTS = 4  # 0: the reader, 1: its split helper
+_SLOT = 512
+_HEAD = struct.Struct("<QiH")  # sequence number, pid, length of the path being read (0: none)
+_PATH_MAX = _SLOT - _HEAD.size
+_LEN = struct.Struct("<Q")
+
+
+class Blocked(OSError):
+    """A read that did not answer within the bound (or whose group already did not)."""
+
+
+class BlockedRead(NamedTuple):
+    """A file that did not answer: its host path, the pid it belongs to (None for sysfs and
+    other files) and the bound it was given."""
+
+    path: str
+    pid: int | None
+    seconds: float
+
+    @property
+    def reason(self) -> str:
+        return f"did not answer within {self.seconds:g} s (the read blocked)"
+
+    @classmethod
+    def from_error(cls, path: str, err: object, text: str) -> BlockedRead | None:
+        """The blocked read an OSError recorded by a snapshot stands for, else None."""
+        import re
+
+        pattern = r"did not answer within ([0-9.e+-]+) s \(the read blocked\)"
+        found = re.fullmatch(pattern, text) if err == errno.ETIMEDOUT else None
+        return cls(path, pid_of(path), float(found.group(1))) if found else None
+
+
+#: Files of /proc/<pid> whose read takes the process's mmap lock: one that blocks means the
+#: others will too.
+_MM_FILES = frozenset({"cmdline", "environ", "maps", "smaps", "smaps_rollup", "mem", "auxv",
+                       "numa_maps", "pagemap"})
+
+
+def pid_of(path: str) -> int | None:
+    """The pid of a /proc/<pid>/... path, else None."""
+    if path.startswith("/proc/"):
+        head = path[6:].split("/", 1)[0]
+        if head.isdigit():
+            return int(head)
+    return None
+
+
+def group_of(path: str) -> str:
+    """Files that block together: /proc/<pid>/{cmdline,environ,maps,...} (the mmap lock),
+    /proc/<pid>/fdinfo/* (the driver), one sysfs directory (the device lock); any other
+    file alone."""
+    parts = path.split("/")
+    if len(parts) >= 4 and parts[1] == "proc" and parts[2].isdigit():
+        if parts[3] in _MM_FILES:
+            return f"/proc/{parts[2]}/<mm>"
+        if parts[3] == "fdinfo":
+            return f"/proc/{parts[2]}/fdinfo"
+        return path
+    if parts[1:2] == ["sys"]:
+        return path.rsplit("/", 1)[0]
+    return path
+
+
+# -- the reader's side -----------------------------------------------------------------------
+
+
+class Progress:
+    """What a reader (or its split helper) is reading, in a slot of the shared page."""
+
+    __slots__ = ("page", "offset", "seq", "pid", "blocked", "bound", "reads")
+
+    def __init__(self, page: mmap.mmap, slot: int) -> None:
+        self.page = page
+        self.offset = slot * _SLOT
+        self.seq = 0
+        self.pid = os.getpid()
+        self.blocked: frozenset[str] = frozenset()  # groups that did not answer
+        self.reads: tuple[BlockedRead, ...] = ()  # and the files that showed it
+        self.bound = DEFAULT_BOUND
+
+    def enter(self, path: str) -> None:
+        """Before a read: raise Blocked if its group did not answer before, else publish it."""
+        if self.blocked and group_of(path) in self.blocked:
+            raise Blocked(errno.ETIMEDOUT, BlockedRead(path, pid_of(path), self.bound).reason, path)
+        data = path.encode("utf-8", "surrogateescape")[:_PATH_MAX]
+        off = self.offset
+        self.page[off + _HEAD.size: off + _HEAD.size + len(data)] = data
+        self.seq += 1
+        _HEAD.pack_into(self.page, off, self.seq, self.pid, len(data) or 1)
+
+    def leave(self) -> None:
+        self.seq += 1
+        _HEAD.pack_into(self.page, self.offset, self.seq, self.pid, 0)
+
+    def move_to(self, slot: int) -> None:
+        """In a forked split helper: publish in its own slot."""
+        self.offset = slot * _SLOT
+        self.pid = os.getpid()
+        self.seq = 0
+        self.leave()
+
+
+#: Set in a reader process: every Host there publishes its reads through it.
+current: Progress | None = None
+
+
+def in_split_helper() -> None:
+    """Called by probes/split.py in its forked helper."""
+    if current is not None:
+        current.move_to(1)
+
+
+def _read_exact(fd: int, n: int) -> bytes:
+    chunks = []
+    while n:
+        chunk = os.read(fd, min(n, 1 << 20))
+        if not chunk:
+            raise EOFError
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _send(fd: int, obj: Any) -> None:
+    import pickle
+
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    _write_all(fd, _LEN.pack(len(data)) + data)
+
+
+def _isolate(keep: tuple[int, ...]) -> None:
+    """In a new reader: nothing of the caller's but the pipes. Its stdout and stderr must
+    not be held open (a `| jq` waits for their end), nor its lock files (a lock lives while
+    any copy of its descriptor does), and no handler of the caller's may run here."""
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        if fd != null:
+            os.dup2(null, fd)
+    last = 2
+    for fd in sorted(keep):
+        if fd > last + 1:
+            os.closerange(last + 1, fd)
+        last = fd
+    os.closerange(last + 1, 1 << 20)
+    for sig in signal.valid_signals():
+        try:
+            if sig in (signal.SIGINT, signal.SIGQUIT, signal.SIGTSTP):
+                signal.signal(sig, signal.SIG_IGN)  # the caller decides when this one ends
+            elif callable(signal.getsignal(sig)):
+                signal.signal(sig, signal.SIG_DFL)
+        except (OSError, ValueError):
+            continue
+
+
+def serve(requests: int, replies: int, page: mmap.mmap) -> None:
+    """The reader's loop: run each request, publish reads, reply; return when the pipe ends."""
+    import pickle
+
+    global current
+    current = Progress(page, 0)
+    current.leave()
+    while True:
+        try:
+            (size,) = _LEN.unpack(_read_exact(requests, _LEN.size))
+            fn, args, kwargs, reads, bound = pickle.loads(_read_exact(requests, size))
+        except EOFError:
+            return
+        current.reads, current.bound = reads, bound
+        current.blocked = frozenset(group_of(r.path) for r in reads)
+        try:
+            reply: tuple[bool, Any] = (True, fn(*args, **kwargs))
+        except Exception as exc:  # noqa: BLE001 (handed to the caller, who raises it)
+            reply = (False, exc)
+        try:
+            _send(replies, reply)
+        except pickle.PicklingError as exc:
+            _send(replies, (False, RuntimeError(f"reader: unpicklable result: {exc}")))
+
+
+def read(root: str, kind: str, hostpath: str, limit: int) -> bytes:
+    """One read, in the reader (see Host.read_bytes and read_once)."""
+    from xpuctl.host.seam import _readall, _readonce
+
+    progress = current
+    if progress is not None:
+        progress.enter(hostpath)
+    try:
+        if kind == "once":
+            return _readonce(root + hostpath, limit)
+        return _readall(root + hostpath, limit)
+    finally:
+        if progress is not None:
+            progress.leave()
+
+
+# -- the caller's side ------------------------------------------------------------------------
+
+#: Readers killed while blocked, not yet reaped: pidfd -> pid. Reaped without waiting, whenever
+#: we pass; through the pidfd, so a pid reaped meanwhile by someone else (serve reaps every
+#: exited child) and then reused never names the wrong process.
+_abandoned: dict[int, int] = {}
+
+
+def _reaped(pidfd: int) -> bool:
+    """Reap the child if it has exited; True when it is gone (reaped here or elsewhere)."""
+    try:
+        return os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG) is not None
+    except ChildProcessError:
+        return True
+
+
+def reap_abandoned() -> None:
+    for pidfd in list(_abandoned):
+        if _reaped(pidfd):
+            del _abandoned[pidfd]
+            os.close(pidfd)
+
+
+def _kill(pidfd: int) -> None:
+    try:
+        signal.pidfd_send_signal(pidfd, signal.SIGKILL)  # dies when its read returns, if ever
+    except OSError:
+        pass
+
+
+def _threads_running() -> bool:
+    return threading.active_count() > 1
+
+
+class _Child(NamedTuple):
+    pid: int
+    pidfd: int  # signals and waits go through it: the pid may be reaped by others
+    requests: int  # we write
+    replies: int  # we read
+    page: mmap.mmap  # its own: a helper of an abandoned reader may still write into its old one
+
+
+def _start() -> _Child:
+    import mmap
+
+    memfd = os.memfd_create("xpuctl-reads", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(memfd, _SLOTS * _SLOT)
+        page = mmap.mmap(memfd, _SLOTS * _SLOT)
+        req_r, req_w = os.pipe()
+        rep_r, rep_w = os.pipe()
+        if _threads_running():
+            pid = _spawn(req_r, rep_w, memfd)
+        else:
+            pid = _fork(req_r, rep_w, page, (req_w, rep_r, memfd))
+    finally:
+        os.close(memfd)
+    os.close(req_r)
+    os.close(rep_w)
+    return _Child(pid, os.pidfd_open(pid), req_w, rep_r, page)
+
+
+def _release(child: _Child) -> None:
+    """Close our ends of a reader we are done with."""
+    for fd in (child.requests, child.replies):
+        os.close(fd)
+    child.page.close()
+
+
+def _fork(req_r: int, rep_w: int, page: mmap.mmap, parent_ends: tuple[int, ...]) -> int:
+    import gc
+
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+    # Objects made before the fork are left out of the reader's garbage collections: a
+    # collection touches every object it visits, and each page touched is copied.
+    gc.freeze()
+    try:
+        pid = os.fork()
+    except OSError:
+        gc.unfreeze()
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        raise
+    if pid == 0:
+        code = 1
+        try:
+            for fd in parent_ends:
+                os.close(fd)
+            _isolate((req_r, rep_w))
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+            serve(req_r, rep_w, page)
+            code = 0
+        finally:
+            os._exit(code)
+    gc.unfreeze()
+    signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    return pid
+
+
+def _spawn(req_r: int, rep_w: int, memfd: int) -> int:
+    for fd in (req_r, rep_w, memfd):
+        os.set_inheritable(fd, True)
+    try:
+        return os.posix_spawn(
+            sys.executable,
+            [sys.executable, "-m", "xpuctl.host.reader", str(req_r), str(rep_w), str(memfd)],
+            dict(os.environ),
+        )
+    finally:
+        for fd in (req_r, rep_w, memfd):
+            os.set_inheritable(fd, False)
+
+
+class Reader:
+    """This process's side: runs functions and reads in a reader child, each bounded.
+
+    `blocked` keeps every read that did not answer, in order, for reports."""
+
+    def __init__(self, bound: float = DEFAULT_BOUND) -> None:
+        self.bound = float(bound)
+        self.blocked: dict[str, BlockedRead] = {}  # group -> the first file of it that blocked
+        self._child: _Child | None = None
+        self._finalizer: Any = None
+        self._owner = os.getpid()
+        self._lock = threading.Lock()  # one request at a time on the pipe (serve has threads)
+
+    def __repr__(self) -> str:
+        return f"Reader(bound={self.bound:g})"
+
+    @property
+    def pid(self) -> int | None:
+        return self._child.pid if self._child else None
+
+    def blocked_reads(self) -> list[BlockedRead]:
+        return list(self.blocked.values())
+
+    def _ensure(self) -> _Child:
+        if self._child is not None and self._owner != os.getpid():
+            # a forked copy of this process (a split helper): the reader is the parent's
+            self._child, self._finalizer = None, None
+        if self._child is None:
+            self._owner = os.getpid()
+            reap_abandoned()
+            self._child = _start()
+            if self._finalizer is None:
+                import weakref
+
+                self._finalizer = weakref.finalize(self, _close, self.__dict__)
+                self._finalizer.atexit = False  # see _at_exit
+                _live().add(self)
+        return self._child
+
+    def read(self, root: str, kind: str, hostpath: str, limit: int) -> bytes:
+        return self.call(read, root, kind, hostpath, limit)
+
+    def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """fn(*args, **kwargs) in the reader. Reads that block are recorded, and the call
+        runs again with them failing at once; an exception of fn is raised here."""
+        with self._lock:
+            return self._call(fn, args, kwargs)
+
+    def _call(self, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
+        died = 0
+        while True:
+            child = self._ensure()
+            try:
+                _send(child.requests, (fn, args, kwargs, tuple(self.blocked.values()), self.bound))
+                ok, value = self._wait(child)
+            except (EOFError, BrokenPipeError):
+                self._abandon(kill=False)  # it ended by itself
+                died += 1
+                if died < 2:
+                    continue  # killed from outside (an OOM kill, a stray signal): once more
+                raise Blocked(errno.EIO, "the reader process ended unexpectedly", None) from None
+            if ok is None:  # blocked: recorded, reader abandoned; again without them
+                continue
+            if ok:
+                return value
+            raise value
+
+    def _wait(self, child: _Child) -> tuple[bool | None, Any]:
+        """The reply, or (None, None) once a read has blocked."""
+        import pickle
+        import select
+
+        page = child.page
+        seen = [_HEAD.unpack_from(page, i * _SLOT) for i in range(_SLOTS)]
+        since = [time.monotonic()] * _SLOTS
+        tick = min(0.05, self.bound / 4)
+        while True:
+            ready, _, _ = select.select([child.replies], [], [], tick)
+            if ready:
+                (size,) = _LEN.unpack(_read_exact(child.replies, _LEN.size))
+                return pickle.loads(_read_exact(child.replies, size))
+            now = time.monotonic()
+            stuck = []
+            for i in range(_SLOTS):
+                head = _HEAD.unpack_from(page, i * _SLOT)
+                if head[0] != seen[i][0] or head[1] != seen[i][1]:
+                    seen[i], since[i] = head, now
+                elif head[2] and now - since[i] >= self.bound:
+                    stuck.append(i)
+            if stuck:
+                self._record(page, stuck)
+                self._abandon(stuck_pids=[seen[i][1] for i in stuck])
+                return None, None
+            if now - max(since) >= max(30.0, 10 * self.bound):
+                # no read in flight and no progress at all: not a read that blocks, but the
+                # command must not wait for ever either
+                self._abandon()
+                raise Blocked(errno.ETIMEDOUT, "the reader process stopped answering", None)
+
+    def _record(self, page: mmap.mmap, slots: list[int]) -> None:
+        for i in slots:
+            _, _, n = _HEAD.unpack_from(page, i * _SLOT)
+            start = i * _SLOT + _HEAD.size
+            path = bytes(page[start:start + n]).decode("utf-8", "surrogateescape")
+            self.blocked.setdefault(group_of(path), BlockedRead(path, pid_of(path), self.bound))
+
+    def _abandon(self, stuck_pids: list[int] = (), kill: bool = True) -> None:  # type: ignore[assignment]
+        """Kill the reader (and a stuck split helper) without waiting for them."""
+        child, self._child = self._child, None
+        if child is None:
+            return
+        if kill:
+            _kill(child.pidfd)
+        for pid in set(stuck_pids) - {child.pid, 0}:
+            try:  # its split helper, seen reading a moment ago: alive, so the pid is its own
+                helper = os.pidfd_open(pid)
+            except OSError:
+                continue
+            _kill(helper)
+            os.close(helper)
+        _abandoned[child.pidfd] = child.pid  # reaped later without waiting
+        _release(child)
+        reap_abandoned()
+
+    def close(self) -> None:
+        """End the reader (it is idle: it leaves when its pipe closes)."""
+        if self._finalizer is not None:
+            self._finalizer()
+
+
+_LIVE: Any = None
+
+
+def _live() -> Any:
+    """The readers with a child (a WeakSet), for _at_exit."""
+    global _LIVE
+    if _LIVE is None:
+        import atexit
+        import weakref
+
+        _LIVE = weakref.WeakSet()
+        atexit.register(_at_exit)
+    return _LIVE
+
+
+def _at_exit() -> None:
+    """At exit the idle readers are only told to leave (their pipes close), not waited for:
+    they are gone a moment later, reaped by whoever inherits them."""
+    for reader in list(_live()):
+        child, reader._child = reader._child, None
+        if child is not None:
+            _release(child)
+
+
+def _close(state: dict[str, Any]) -> None:
+    import select
+
+    child = state.get("_child")
+    state["_child"] = None
+    if child is not None:
+        _release(child)  # the idle reader reads end-of-file and leaves
+        # a pidfd is readable once its process has exited: no polling
+        select.select([child.pidfd], [], [], 0.1)
+        if _reaped(child.pidfd):
+            os.close(child.pidfd)
+        else:
+            _kill(child.pidfd)
+            _abandoned[child.pidfd] = child.pid
+    reap_abandoned()
+
+
+def _main(argv: list[str]) -> None:
+    """A spawned reader: `python -m xpuctl.host.reader REQUESTS REPLIES PAGE`."""
+    import mmap
+
+    requests, replies, memfd = (int(a) for a in argv)
+    page = mmap.mmap(memfd, _SLOTS * _SLOT)
+    _isolate((requests, replies, memfd))
+    serve(requests, replies, page)
+
+
+if __name__ == "__main__":
+    # Run as xpuctl.host.reader, not as __main__: Hosts look for `current` there.
+    from xpuctl.host import reader as _module
+
+    try:
+        _module._main(sys.argv[1:])
+    finally:
+        os._exit(0)
