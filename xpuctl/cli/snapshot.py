@@ -55,7 +55,7 @@ def snapshot(
          f"processes, {taken.unreadable} unreadable) in {taken.seconds:.2f}s")
     from xpuctl.output.lines import blocked_lines
 
-    for line in blocked_lines(taken.report.snapshot):
+    for line in blocked_lines(taken.report.scan):
         emit(sys.stderr, f"xpuctl: warning: {line}")
     if taken.path != "-":
         emit(sys.stderr, f"xpuctl: read it with: xpuctl doctor --from {safe(taken.path)}")

@@ -265,7 +265,7 @@ class Report(NamedTuple):
 
     scan: Scan
     findings: tuple[Finding, ...]
-    status: str  # clean | busy | dirty
+    status: str  # clean | busy | dirty | unknown (a read did not answer)
 
     @property
     def failed(self) -> bool:
