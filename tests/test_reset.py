@@ -165,7 +165,7 @@ def test_kill_holders_runs_the_ladder_and_audits_every_signal(proc_token, standi
     try:
         out = _reset(r.root, tmp_path / "state", "--yes", "--kill-holders", "--json",
                      "--timeout", "1", "--kill-after", "1")
-        assert out.returncode == 0, out.stdout + out.stderr
+        assert out.returncode == 0, out.stderr
         data = json.loads(out.stdout)
         assert [h["pid"] for h in data["plan"]["holders"] if h["stop"]] == [holder.pid]
         assert data["stopped"] == "escalated"

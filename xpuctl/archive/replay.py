@@ -28,7 +28,7 @@ from typing import NamedTuple
 from xpuctl.doctor import RecordedProbes
 from xpuctl.errors import UsageError
 from xpuctl.core.model import FileInfo
-from xpuctl.host.reader import BlockedRead
+from xpuctl.host.readchild import BlockedRead
 from xpuctl.host.seam import Host
 from xpuctl.core.model import Issue
 from xpuctl.parse.archive import Index, Manifest, parse_index, parse_manifest

@@ -8,15 +8,15 @@ whole process from exiting: exit_group waits for every thread, and the shell's w
 it. A child process can be left behind: this process kills it (it dies when the read
 returns, if ever), does not wait for it, and goes on with a new one.
 
-The reader is forked on first use (spawned as `python -m xpuctl.host.reader` when this
+The reader is forked on first use (spawned as `python -m xpuctl.host.readchild` when this
 process runs other threads: a fork copies only the calling thread, and locks the others hold
 would stay locked in the copy) and serves requests until its pipe closes. A request is a
 whole function (a scan) or one read; arguments and results travel pickled. Before each read
-the reader writes "reading PATH" into a shared page, and after it "done" (two writes into
-memory, well under a microsecond). While a request runs this process watches that page: a
+the reader writes "reading PATH" into a shared page, and after it "done"
+(host/readchild.py, the reader's side). While a request runs this process watches that page: a
 read that has not returned after `bound` seconds is *blocked*. Its group (see `group_of`:
 the mmap-bound files of one pid, the fdinfo of one pid, one sysfs directory) is recorded,
-the reader (and its split helper, probes/split.py, which has its own slot) is killed, and the
+the reader (and its split helper, host/split.py, which has its own slot) is killed, and the
 request runs again in a fresh reader, where any read in a blocked group fails at once with
 `Blocked` (an OSError, ETIMEDOUT). So one wedged process costs about one bound, not one per
 file, and callers that already treat an unreadable file as unknown need no change.
@@ -27,221 +27,19 @@ from __future__ import annotations
 import errno
 import os
 import signal
-import struct
 import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from xpuctl.host.readchild import (_HEAD, _LEN, _SLOT, _SLOTS, DEFAULT_BOUND, Blocked, BlockedRead,
+                                   _isolate, _read_exact, _send, group_of, pid_of, read, serve)
+
 if TYPE_CHECKING:  # the rest is imported where it is used: most commands never start a reader
     import mmap
 
-#: Default bound of one read, in seconds (`--read-timeout`). A healthy procfs or sysfs read
-#: takes microseconds; two seconds leave room for a loaded machine.
-DEFAULT_BOUND = 2.0
-
-_SLOTS = 4  # 0: the reader, 1: its split helper
-_SLOT = 512
-_HEAD = struct.Struct("<QiH")  # sequence number, pid, length of the path being read (0: none)
-_PATH_MAX = _SLOT - _HEAD.size
-_LEN = struct.Struct("<Q")
-
-
-class Blocked(OSError):
-    """A read that did not answer within the bound (or whose group already did not)."""
-
-
-class BlockedRead(NamedTuple):
-    """A file that did not answer: its host path, the pid it belongs to (None for sysfs and
-    other files) and the bound it was given."""
-
-    path: str
-    pid: int | None
-    seconds: float
-
-    @property
-    def reason(self) -> str:
-        return f"did not answer within {self.seconds:g} s (the read blocked)"
-
-    @classmethod
-    def from_error(cls, path: str, err: object, text: str) -> BlockedRead | None:
-        """The blocked read an OSError recorded by a snapshot stands for, else None."""
-        import re
-
-        pattern = r"did not answer within ([0-9.e+-]+) s \(the read blocked\)"
-        found = re.fullmatch(pattern, text) if err == errno.ETIMEDOUT else None
-        return cls(path, pid_of(path), float(found.group(1))) if found else None
-
-
-#: Files of /proc/<pid> whose read takes the process's mmap lock: one that blocks means the
-#: others will too.
-_MM_FILES = frozenset({"cmdline", "environ", "maps", "smaps", "smaps_rollup", "mem", "auxv",
-                       "numa_maps", "pagemap"})
-
-
-def pid_of(path: str) -> int | None:
-    """The pid of a /proc/<pid>/... path, else None."""
-    if path.startswith("/proc/"):
-        head = path[6:].split("/", 1)[0]
-        if head.isdigit():
-            return int(head)
-    return None
-
-
-def group_of(path: str) -> str:
-    """Files that block together: /proc/<pid>/{cmdline,environ,maps,...} (the mmap lock),
-    /proc/<pid>/fdinfo/* (the driver), one sysfs directory (the device lock); any other
-    file alone."""
-    parts = path.split("/")
-    if len(parts) >= 4 and parts[1] == "proc" and parts[2].isdigit():
-        if parts[3] in _MM_FILES:
-            return f"/proc/{parts[2]}/<mm>"
-        if parts[3] == "fdinfo":
-            return f"/proc/{parts[2]}/fdinfo"
-        return path
-    if parts[1:2] == ["sys"]:
-        return path.rsplit("/", 1)[0]
-    return path
-
-
-# -- the reader's side -----------------------------------------------------------------------
-
-
-class Progress:
-    """What a reader (or its split helper) is reading, in a slot of the shared page."""
-
-    __slots__ = ("page", "offset", "seq", "pid", "blocked", "bound", "reads")
-
-    def __init__(self, page: mmap.mmap, slot: int) -> None:
-        self.page = page
-        self.offset = slot * _SLOT
-        self.seq = 0
-        self.pid = os.getpid()
-        self.blocked: frozenset[str] = frozenset()  # groups that did not answer
-        self.reads: tuple[BlockedRead, ...] = ()  # and the files that showed it
-        self.bound = DEFAULT_BOUND
-
-    def enter(self, path: str) -> None:
-        """Before a read: raise Blocked if its group did not answer before, else publish it."""
-        if self.blocked and group_of(path) in self.blocked:
-            raise Blocked(errno.ETIMEDOUT, BlockedRead(path, pid_of(path), self.bound).reason, path)
-        data = path.encode("utf-8", "surrogateescape")[:_PATH_MAX]
-        off = self.offset
-        self.page[off + _HEAD.size: off + _HEAD.size + len(data)] = data
-        self.seq += 1
-        _HEAD.pack_into(self.page, off, self.seq, self.pid, len(data) or 1)
-
-    def leave(self) -> None:
-        self.seq += 1
-        _HEAD.pack_into(self.page, self.offset, self.seq, self.pid, 0)
-
-    def move_to(self, slot: int) -> None:
-        """In a forked split helper: publish in its own slot."""
-        self.offset = slot * _SLOT
-        self.pid = os.getpid()
-        self.seq = 0
-        self.leave()
-
-
-#: Set in a reader process: every Host there publishes its reads through it.
-current: Progress | None = None
-
-
-def in_split_helper() -> None:
-    """Called by probes/split.py in its forked helper."""
-    if current is not None:
-        current.move_to(1)
-
-
-def _read_exact(fd: int, n: int) -> bytes:
-    chunks = []
-    while n:
-        chunk = os.read(fd, min(n, 1 << 20))
-        if not chunk:
-            raise EOFError
-        chunks.append(chunk)
-        n -= len(chunk)
-    return b"".join(chunks)
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
-
-
-def _send(fd: int, obj: Any) -> None:
-    # _pickle, not pickle: the Python module costs ~2 ms more to import, on every command
-    import _pickle
-
-    data = _pickle.dumps(obj, protocol=5)
-    _write_all(fd, _LEN.pack(len(data)) + data)
-
-
-def _isolate(keep: tuple[int, ...]) -> None:
-    """In a new reader: nothing of the caller's but the pipes. Its stdout and stderr must
-    not be held open (a `| jq` waits for their end), nor its lock files (a lock lives while
-    any copy of its descriptor does), and no handler of the caller's may run here."""
-    null = os.open(os.devnull, os.O_RDWR)
-    for fd in (0, 1, 2):
-        if fd != null:
-            os.dup2(null, fd)
-    last = 2
-    for fd in sorted(keep):
-        if fd > last + 1:
-            os.closerange(last + 1, fd)
-        last = fd
-    os.closerange(last + 1, 1 << 20)
-    for sig in signal.valid_signals():
-        try:
-            if sig in (signal.SIGINT, signal.SIGQUIT, signal.SIGTSTP):
-                signal.signal(sig, signal.SIG_IGN)  # the caller decides when this one ends
-            elif callable(signal.getsignal(sig)):
-                signal.signal(sig, signal.SIG_DFL)
-        except (OSError, ValueError):
-            continue
-
-
-def serve(requests: int, replies: int, page: mmap.mmap) -> None:
-    """The reader's loop: run each request, publish reads, reply; return when the pipe ends."""
-    import _pickle
-
-    global current
-    current = Progress(page, 0)
-    current.leave()
-    while True:
-        try:
-            (size,) = _LEN.unpack(_read_exact(requests, _LEN.size))
-            fn, args, kwargs, reads, bound = _pickle.loads(_read_exact(requests, size))
-        except EOFError:
-            return
-        current.reads, current.bound = reads, bound
-        current.blocked = frozenset(group_of(r.path) for r in reads)
-        try:
-            reply: tuple[bool, Any] = (True, fn(*args, **kwargs))
-        except Exception as exc:  # noqa: BLE001 (handed to the caller, who raises it)
-            reply = (False, exc)
-        try:
-            _send(replies, reply)
-        except _pickle.PicklingError as exc:
-            _send(replies, (False, RuntimeError(f"reader: unpicklable result: {exc}")))
-
-
-def read(root: str, kind: str, hostpath: str, limit: int) -> bytes:
-    """One read, in the reader (see Host.read_bytes and read_once)."""
-    from xpuctl.host.seam import _readall, _readonce
-
-    progress = current
-    if progress is not None:
-        progress.enter(hostpath)
-    try:
-        if kind == "once":
-            return _readonce(root + hostpath, limit)
-        return _readall(root + hostpath, limit)
-    finally:
-        if progress is not None:
-            progress.leave()
+__all__ = ["DEFAULT_BOUND", "Blocked", "BlockedRead", "Reader", "group_of", "pid_of", "reap_abandoned"]
 
 
 # -- the caller's side ------------------------------------------------------------------------
@@ -348,7 +146,7 @@ def _spawn(req_r: int, rep_w: int, memfd: int) -> int:
     try:
         return os.posix_spawn(
             sys.executable,
-            [sys.executable, "-m", "xpuctl.host.reader", str(req_r), str(rep_w), str(memfd)],
+            [sys.executable, "-m", "xpuctl.host.readchild", str(req_r), str(rep_w), str(memfd)],
             dict(os.environ),
         )
     finally:
@@ -428,13 +226,14 @@ class Reader:
         import _pickle
         import select
 
+        waiting = select.poll()  # not select(): it fails on descriptors above 1023
+        waiting.register(child.replies, select.POLLIN)
         page = child.page
         seen = [_HEAD.unpack_from(page, i * _SLOT) for i in range(_SLOTS)]
         since = [time.monotonic()] * _SLOTS
         tick = min(0.05, self.bound / 4)
         while True:
-            ready, _, _ = select.select([child.replies], [], [], tick)
-            if ready:
+            if waiting.poll(tick * 1000):
                 (size,) = _LEN.unpack(_read_exact(child.replies, _LEN.size))
                 return _pickle.loads(_read_exact(child.replies, size))
             now = time.monotonic()
@@ -501,6 +300,13 @@ def _live() -> Any:
     return _LIVE
 
 
+def close_all() -> None:
+    """Close every reader of this process (a long-lived caller, like a test run, whose hosts
+    may wait for a garbage collection before they go)."""
+    for reader in list(_live()):
+        reader.close()
+
+
 def _at_exit() -> None:
     """At exit the idle readers are only told to leave (their pipes close), not waited for:
     they are gone a moment later, reaped by whoever inherits them."""
@@ -518,30 +324,12 @@ def _close(state: dict[str, Any]) -> None:
     if child is not None:
         _release(child)  # the idle reader reads end-of-file and leaves
         # a pidfd is readable once its process has exited: no polling
-        select.select([child.pidfd], [], [], 0.1)
+        exited = select.poll()
+        exited.register(child.pidfd, select.POLLIN)
+        exited.poll(100)
         if _reaped(child.pidfd):
             os.close(child.pidfd)
         else:
             _kill(child.pidfd)
             _abandoned[child.pidfd] = child.pid
     reap_abandoned()
-
-
-def _main(argv: list[str]) -> None:
-    """A spawned reader: `python -m xpuctl.host.reader REQUESTS REPLIES PAGE`."""
-    import mmap
-
-    requests, replies, memfd = (int(a) for a in argv)
-    page = mmap.mmap(memfd, _SLOTS * _SLOT)
-    _isolate((requests, replies, memfd))
-    serve(requests, replies, page)
-
-
-if __name__ == "__main__":
-    # Run as xpuctl.host.reader, not as __main__: Hosts look for `current` there.
-    from xpuctl.host import reader as _module
-
-    try:
-        _module._main(sys.argv[1:])
-    finally:
-        os._exit(0)

@@ -15,7 +15,7 @@ from xpuctl.parse.net import TcpSocket, parse_tcp, parse_unix_paths
 from xpuctl.parse.procfs import parse_boot_time, parse_environ, parse_maps_paths, parse_status_uid
 from xpuctl.host.devices import DRM_MAJOR, scan_devices
 from xpuctl.host.processes import FdScan, RawProcess, fill_cmdline, scan_processes
-from xpuctl.host.reader import BlockedRead
+from xpuctl.host.readchild import BlockedRead
 from xpuctl.host.split import in_two
 from xpuctl.core.rules import Facts, judge, match
 from xpuctl.parse.roles import API_SERVER, RAY

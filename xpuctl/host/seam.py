@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 from xpuctl.core.model import FileInfo
+from xpuctl.host import readchild as _readchild
 from xpuctl.host import reader as _reader
 
 #: Clock ticks per second of /proc/<pid>/stat start times.
@@ -80,20 +81,12 @@ class Host:
         state["reader"] = None  # sent to the reader, which reads itself
         return state
 
-    def bounded_call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        """fn(self, *args, **kwargs) with every read bounded: in the reader when this host
-        has one, else here."""
-        reader = self.reader
-        if reader is None:
-            return fn(self, *args, **kwargs)
-        return reader.call(fn, self, *args, **kwargs)
-
     def blocked_reads(self) -> tuple[_reader.BlockedRead, ...]:
         """The reads that did not answer within the bound so far (in the reader: those it
         was told of)."""
         if self.reader is not None:
             return tuple(self.reader.blocked_reads())
-        current = _reader.current
+        current = _readchild.current
         return current.reads if current is not None else ()
 
     def __repr__(self) -> str:
@@ -141,7 +134,7 @@ class Host:
         reader = self.reader
         if reader is not None:
             return reader.read(self.root, "all", hostpath, limit or self.READ_LIMIT)
-        progress = _reader.current
+        progress = _readchild.current
         if progress is None:
             return _readall(self.root + hostpath, limit or self.READ_LIMIT)
         progress.enter(hostpath)
@@ -165,7 +158,7 @@ class Host:
         reader = self.reader
         if reader is not None:
             return reader.read(self.root, "once", hostpath, limit)
-        progress = _reader.current
+        progress = _readchild.current
         if progress is None:
             return _readonce(self.root + hostpath, limit)
         progress.enter(hostpath)

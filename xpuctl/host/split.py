@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
-from xpuctl.host.reader import in_split_helper
+from xpuctl.host.readchild import in_split_helper
 
 T = TypeVar("T")
 
