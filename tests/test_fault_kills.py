@@ -24,6 +24,8 @@ from proctools import is_gone, wait_for
 
 from test_serve_shutdown import XPUCTL, audit_lines, rig  # noqa: F401 (rig: fixture)
 
+from xpuctl.host.readchild import COMM
+
 PY = sys.executable
 TESTS_DIR = Path(__file__).resolve().parent
 
@@ -182,6 +184,14 @@ SHUTDOWN_STEPS = [
 ]
 
 
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as fh:
+            return fh.read().strip()
+    except OSError:
+        return ""
+
+
 def _mine(rig, doc: dict) -> dict[int, dict]:
     started = {e["pid"] for e in rig.events() if e["event"] == "start"}
     return {q["pid"]: q for q in doc["processes"] if q["pid"] in started and q["state"] != "Z"}
@@ -218,7 +228,8 @@ def test_shutdown_killed_at_each_step(rig, step):
     assert_audit_whole(Path(rig.state, "audit.jsonl"))
 
     # the next doctor tells the truth about this run's processes
-    vllm = lambda: set(rig.alive()) - {rec["supervisor_pid"]}  # noqa: E731 (doctor lists vLLM)
+    # doctor lists vLLM: not the supervisor, nor its readers (xpuctl/host/reader.py)
+    vllm = lambda: {p for p in rig.alive() if _comm(p) != COMM} - {rec["supervisor_pid"]}  # noqa: E731
     before = vllm()
     doc = rig.xpuctl("doctor", "--json", "--state-dir", rig.state)
     after_doc = vllm()

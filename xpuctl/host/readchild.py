@@ -19,6 +19,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 if TYPE_CHECKING:
     import mmap
 
+#: A reader's name (/proc/PID/comm), for ps.
+COMM = "xpuctl-reader"
+
 #: Default bound of one read, in seconds (`--read-timeout`). A healthy procfs or sysfs read
 #: takes microseconds; two seconds leave room for a loaded machine.
 DEFAULT_BOUND = 2.0
@@ -170,6 +173,11 @@ def _isolate(keep: tuple[int, ...]) -> None:
     """In a new reader: nothing of the caller's but the pipes. Its stdout and stderr must
     not be held open (a `| jq` waits for their end), nor its lock files (a lock lives while
     any copy of its descriptor does), and no handler of the caller's may run here."""
+    try:  # named in ps and top (a fork keeps the caller's argv): an abandoned one is recognisable
+        with open("/proc/self/comm", "w") as comm:
+            comm.write(COMM)
+    except OSError:
+        pass
     null = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         if fd != null:
