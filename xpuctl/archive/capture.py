@@ -240,29 +240,7 @@ def take(
     contents = _contents(rec, listeners)
     state_files, state_problems = _state(state_dir)
     unreadable = _unreadable(index) + state_problems
-    manifest = {
-        "schema": SCHEMA,
-        "host": _fixed_text(host, "/proc/sys/kernel/hostname", socket.gethostname()),
-        "time": at,
-        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at)),
-        "kernel": _fixed_text(host, "/proc/sys/kernel/osrelease", os.uname().release),
-        "xpuctl_version": __version__,
-        "uid": os.geteuid(),
-        "root": host.origin,
-        "clk_tck": host.clk_tck,
-        "comm_trusted": rec.comm_trusted,
-        "rdev_checked": rec.rdev_checked,
-        "tcp_listeners": "netlink" if rec.proc_is_live else "/proc/net/tcp",
-        "caller_env": redact.env_dict(environ),
-        "deep": probes is not None,
-        "unreadable": unreadable,
-        "contents": {
-            "files": len(contents),
-            "processes": sum(1 for n in index["lists"].get("/proc", []) if n.isdigit())
-            if isinstance(index["lists"].get("/proc"), list) else 0,
-            "runs": sum(1 for n in state_files if n.startswith("state/runs/")),
-        },
-    }
+    manifest = _manifest(host, rec, at, environ, probes is not None, unreadable, index, contents, state_files)
     top = default_name(host, at)
     members = 2 + (probes is not None) + len(contents) + len(state_files)
 
@@ -278,24 +256,57 @@ def take(
             for name, data in sorted(state_files.items()):
                 _add(tf, f"{top}/{name}", data, at)
 
+    path, size = _deliver(out, top, write)
+    return Taken(path, size, members, manifest["contents"]["processes"], len(unreadable),
+                 time.monotonic() - t0, report)
+
+
+def _manifest(host: Host, rec: RecordingHost, at: float, environ: dict[str, str], deep: bool,
+              unreadable: list[dict[str, Any]], index: dict[str, Any], contents: dict[str, bytes],
+              state_files: dict[str, bytes]) -> dict[str, Any]:
+    """manifest.json: where and when, what was captured, and what could not be read."""
+    listed = index["lists"].get("/proc")
+    return {
+        "schema": SCHEMA,
+        "host": _fixed_text(host, "/proc/sys/kernel/hostname", socket.gethostname()),
+        "time": at,
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at)),
+        "kernel": _fixed_text(host, "/proc/sys/kernel/osrelease", os.uname().release),
+        "xpuctl_version": __version__,
+        "uid": os.geteuid(),
+        "root": host.origin,
+        "clk_tck": host.clk_tck,
+        "comm_trusted": rec.comm_trusted,
+        "rdev_checked": rec.rdev_checked,
+        "tcp_listeners": "netlink" if rec.proc_is_live else "/proc/net/tcp",
+        "caller_env": redact.env_dict(environ),
+        "deep": deep,
+        "unreadable": unreadable,
+        "contents": {
+            "files": len(contents),
+            "processes": sum(1 for n in listed if n.isdigit()) if isinstance(listed, list) else 0,
+            "runs": sum(1 for n in state_files if n.startswith("state/runs/")),
+        },
+    }
+
+
+def _deliver(out: str | None, top: str, write: Any) -> tuple[str, int]:
+    """Write the archive to stdout ("-") or atomically to a file: (path, size)."""
     if out == "-":
         import shutil
         import sys
 
         buf = io.BytesIO()
         write(buf)
-        size, path = buf.tell(), "-"
+        size = buf.tell()
         buf.seek(0)
         # the gzip'd archive itself (binary, for a pipe): no text for a terminal passes here
         shutil.copyfileobj(buf, sys.stdout.buffer)
         sys.stdout.buffer.flush()
-    else:
-        path = os.path.abspath(out or f"{top}.tar.gz")
-        try:
-            atomic.replace(path, write)
-        except OSError as exc:
-            raise UsageError(f"cannot write {path}: {exc.strerror or exc}") from None
-        size = os.path.getsize(path)
-    return Taken(path, size, members, manifest["contents"]["processes"], len(unreadable),
-                 time.monotonic() - t0, report)
-
+        return "-", size
+    path = os.path.abspath(out or f"{top}.tar.gz")
+    try:
+        atomic.replace(path, write)
+    except OSError as exc:
+        raise UsageError(f"cannot write {path}: {exc.strerror or exc}") from None
+    return path, os.path.getsize(path)

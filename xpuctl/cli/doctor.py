@@ -67,28 +67,17 @@ def doctor(
     unsafe or unreadable --from archive).
     """
     from xpuctl import doctor as doctor_core
-    from xpuctl.doctor import DeepOptions
+    from xpuctl.state.statedir import resolve_state_dir
 
     a = app_context(ctx)
     out_fmt = _format(fmt, as_json, textfile)
+    _check_sources(ray, from_, deep, wait_clean)
     if ray is not None:
-        if from_ is not None or deep or wait_clean is not None:
-            raise UsageError("--ray checks the live nodes of a cluster: drop --from, --deep and "
-                             "--wait-clean")
         on_cluster(a, "doctor", ray, {"devices": list(device or []), "port": port,
                                       "strict": strict, "expect_idle": expect_idle}, out_fmt, textfile)
-    if from_ is not None and wait_clean is not None:
-        raise UsageError("--wait-clean needs a live host; a snapshot does not change")
-    if from_ is not None and deep:
-        raise UsageError("--deep asks this host's devices; a snapshot taken with --deep replays "
-                         "its probes by itself")
     host, environ, replayed = open_source(ctx, from_)
-    from xpuctl.state.statedir import resolve_state_dir
-
     sdir = resolve_state_dir(host, state_dir, environ)
-    deep_opts = deep_options(probe_timeout, unattributed_threshold, sdir) if deep else None
-    if replayed is not None:  # a --deep snapshot: its probes, judged as doctor --deep would
-        deep_opts = DeepOptions(unattributed_threshold=parse_size(unattributed_threshold), recorded=replayed)
+    deep_opts = _deep(deep, replayed, probe_timeout, unattributed_threshold, sdir)
 
     def run() -> Any:
         return doctor_core.diagnose(host, list(device or []), port, expect_idle, environ,
@@ -102,6 +91,27 @@ def doctor(
     if out_fmt is Format.table and wait_clean is not None and not clean:
         a.err.print(f"still not clean after {wait_clean:g}s", style="red")
     raise typer.Exit(ExitCode.OK if clean else ExitCode.PROBLEMS)
+
+
+def _check_sources(ray: str | None, from_: str | None, deep: bool, wait_clean: float | None) -> None:
+    """What the host to read (this one, a snapshot, a cluster) rules out."""
+    if ray is not None and (from_ is not None or deep or wait_clean is not None):
+        raise UsageError("--ray checks the live nodes of a cluster: drop --from, --deep and --wait-clean")
+    if from_ is not None and wait_clean is not None:
+        raise UsageError("--wait-clean needs a live host; a snapshot does not change")
+    if from_ is not None and deep:
+        raise UsageError("--deep asks this host's devices; a snapshot taken with --deep replays "
+                         "its probes by itself")
+
+
+def _deep(deep: bool, replayed: Any, timeout: float, threshold: str, state_dir: str | None) -> Any:
+    """DeepOptions for --deep, or for a --deep snapshot's recorded probes (judged as doctor
+    --deep would judge them); None for a plain doctor."""
+    from xpuctl.doctor import DeepOptions
+
+    if replayed is not None:
+        return DeepOptions(unattributed_threshold=parse_size(threshold), recorded=replayed)
+    return deep_options(timeout, threshold, state_dir) if deep else None
 
 
 def _format(fmt: Format | None, as_json: bool, textfile: str | None) -> Format:

@@ -40,6 +40,14 @@ class Placement(NamedTuple):
 
 def resolve(members: dict[int, Member]) -> dict[int, Placement]:
     """Role, tree top and orphan flag of every vLLM process among `members`."""
+    roles = _roles(members)
+    tops = _tops(members, roles)
+    return _placements(members, roles, tops)
+
+
+def _roles(members: dict[int, Member]) -> dict[int, str]:
+    """The vLLM (and Ray) roles: the recognised ones, then generic multiprocessing children
+    that are vLLM's because their parent, run or session is."""
     roles: dict[int, str] = {
         pid: WORKER if m.role == RAY_WORKER_CANDIDATE else m.role
         for pid, m in members.items()
@@ -47,7 +55,6 @@ def resolve(members: dict[int, Member]) -> dict[int, Placement]:
     }
     vllm_sessions = {members[p].session for p, r in roles.items() if r != RAY}
     vllm_runs = {members[p].run_id for p, r in roles.items() if members[p].run_id and r != RAY}
-    # Generic multiprocessing children are vLLM's when their parent, run or session is.
     changed = True
     while changed:
         changed = False
@@ -73,6 +80,12 @@ def resolve(members: dict[int, Member]) -> dict[int, Placement]:
             else:
                 roles[pid] = WORKER
             changed = True
+    return roles
+
+
+def _tops(members: dict[int, Member], roles: dict[int, str]) -> dict[int, int]:
+    """Each process's top-most vLLM ancestor; a resource tracker that outlived its API server
+    (ppid 1 or a subreaper) goes to the tree that shares its run id or session."""
 
     def top_of(pid: int) -> int:
         seen = {pid}
@@ -86,8 +99,6 @@ def resolve(members: dict[int, Member]) -> dict[int, Placement]:
                 return cur
 
     tops = {pid: top_of(pid) for pid in roles}
-    # A resource tracker outlives its API server with ppid 1 (or a subreaper): it belongs
-    # to the tree that shares its run id or session.
     for pid, role in roles.items():
         if role != RESOURCE_TRACKER or tops[pid] != pid:
             continue
@@ -104,6 +115,10 @@ def resolve(members: dict[int, Member]) -> dict[int, Placement]:
         )
         if kin:
             tops[pid] = kin[0]
+    return tops
+
+
+def _placements(members: dict[int, Member], roles: dict[int, str], tops: dict[int, int]) -> dict[int, Placement]:
     live_tops = {
         members[t].run_id: t
         for t in sorted(set(tops.values()))

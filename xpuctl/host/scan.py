@@ -384,71 +384,8 @@ def take_scan(
     fds = scan_processes(host, own_pids(host) | (exclude_pids if host.proc_is_live else frozenset()))
     stuck = _stuck(host, fds)
     lazy = _Lazy(host, fds)
-    clients, held = _drm_clients(host, fds, devices)
-    dmabufs = _dmabufs(host, fds, devices, held)
-    for b in dmabufs:
-        held.setdefault(b.pid, set())
-        if b.bdf:
-            held[b.pid].add(b.bdf)
-
-    # Which processes we describe: vLLM ones (and candidates) plus every holder.
-    _tag_run_leaders(host, fds)
-    relevant: dict[int, RawProcess] = {
-        pid: p for pid, p in fds.procs.items() if p.role is not None or pid in held
-    }
-    details = {pid: _details(host, pid, want_env) for pid in relevant}
-    members = {
-        pid: Member(
-            pid,
-            p.stat.ppid,
-            p.stat.session,
-            p.role,
-            (details[pid][1] or {}).get(RUN_ID_VAR) or None,
-            p.stat.state == "Z",
-        )
-        for pid, p in relevant.items()
-    }
-    placements = resolve(members)
-    boot = lazy.boot_time()
-    mem_by_pid: dict[int, int] = {}
-    for c in clients:
-        if c.memory_bytes is not None:
-            for pid in c.pids:
-                mem_by_pid[pid] = mem_by_pid.get(pid, 0) + c.memory_bytes
-    procs: dict[int, Process] = {}
-    for pid, raw in relevant.items():
-        place = placements.get(pid)
-        if place is None and pid not in held:
-            continue  # an unrelated multiprocessing helper
-        if place is not None and place.role == RAY and placements[place.top].role == RAY \
-                and pid not in held:
-            continue  # a Ray cluster's own process, no run's: nothing to report
-        st = raw.stat
-        uid, env = details[pid]
-        wchan = _wchan(host, pid) if st.state == "D" else None
-        procs[pid] = Process(
-            pid=pid,
-            ppid=st.ppid,
-            state=st.state,
-            comm=st.comm,
-            cmdline=tuple(fill_cmdline(host, raw)),
-            start_time=(boot + st.start_ticks / host.clk_tck) if boot is not None else None,
-            start_ticks=st.start_ticks,
-            session=st.session,
-            pgrp=st.pgrp,
-            threads=st.threads,
-            uid=uid,
-            role=place.role if place else None,
-            rank=raw.rank,
-            orphan=place.orphan if place else False,
-            top=place.top if place else None,
-            run_id=members[pid].run_id,
-            devices=tuple(sorted(held.get(pid, ()))),
-            memory_bytes=mem_by_pid.get(pid),
-            wchan=wchan,
-            env=env,
-            blocked=stuck[pid].path if pid in stuck else None,
-        )
+    clients, held, dmabufs = _holdings(host, fds, devices)
+    procs = _processes(host, fds, lazy, clients, held, stuck, want_env)
     ordered = sorted(procs.values(), key=lambda p: (p.top or p.pid, p.pid))
     found, art_issues = _artifacts(host, fds, lazy, ordered, now, stuck) if artifacts else ([], [])
     issues.extend(art_issues)
@@ -474,3 +411,66 @@ def take_scan(
         unreadable_processes=tuple(_unreadable(host, fds, stuck)),
         blocked=tuple(Issue(b.path, b.reason) for b in host.blocked_reads()),
     )
+
+
+def _holdings(host: Host, fds: FdScan, devices: list[Device]
+              ) -> tuple[list[DrmClient], dict[int, set[str]], list[DmabufHold]]:
+    """The DRM clients, each process's devices (through a DRM fd or a dma-buf), the dma-bufs."""
+    clients, held = _drm_clients(host, fds, devices)
+    dmabufs = _dmabufs(host, fds, devices, held)
+    for b in dmabufs:
+        held.setdefault(b.pid, set())
+        if b.bdf:
+            held[b.pid].add(b.bdf)
+    return clients, held, dmabufs
+
+
+def _processes(host: Host, fds: FdScan, lazy: _Lazy, clients: list[DrmClient],
+               held: dict[int, set[str]], stuck: dict, want_env: bool) -> dict[int, Process]:
+    """The processes a scan describes: vLLM ones (and candidates) plus every holder, placed
+    in their server trees."""
+    _tag_run_leaders(host, fds)
+    relevant: dict[int, RawProcess] = {
+        pid: p for pid, p in fds.procs.items() if p.role is not None or pid in held
+    }
+    details = {pid: _details(host, pid, want_env) for pid in relevant}
+    members = {
+        pid: Member(pid, p.stat.ppid, p.stat.session, p.role,
+                    (details[pid][1] or {}).get(RUN_ID_VAR) or None, p.stat.state == "Z")
+        for pid, p in relevant.items()
+    }
+    placements = resolve(members)
+    boot = lazy.boot_time()
+    mem_by_pid: dict[int, int] = {}
+    for c in clients:
+        if c.memory_bytes is not None:
+            for pid in c.pids:
+                mem_by_pid[pid] = mem_by_pid.get(pid, 0) + c.memory_bytes
+    procs: dict[int, Process] = {}
+    for pid, raw in relevant.items():
+        place = placements.get(pid)
+        if place is None and pid not in held:
+            continue  # an unrelated multiprocessing helper
+        if place is not None and place.role == RAY and placements[place.top].role == RAY \
+                and pid not in held:
+            continue  # a Ray cluster's own process, no run's: nothing to report
+        st = raw.stat
+        uid, env = details[pid]
+        procs[pid] = Process(
+            pid=pid, ppid=st.ppid, state=st.state, comm=st.comm,
+            cmdline=tuple(fill_cmdline(host, raw)),
+            start_time=(boot + st.start_ticks / host.clk_tck) if boot is not None else None,
+            start_ticks=st.start_ticks, session=st.session, pgrp=st.pgrp, threads=st.threads,
+            uid=uid,
+            role=place.role if place else None,
+            rank=raw.rank,
+            orphan=place.orphan if place else False,
+            top=place.top if place else None,
+            run_id=members[pid].run_id,
+            devices=tuple(sorted(held.get(pid, ()))),
+            memory_bytes=mem_by_pid.get(pid),
+            wchan=_wchan(host, pid) if st.state == "D" else None,
+            env=env,
+            blocked=stuck[pid].path if pid in stuck else None,
+        )
+    return procs

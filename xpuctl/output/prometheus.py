@@ -10,7 +10,7 @@ from typing import Any
 
 from xpuctl import __version__
 from xpuctl.core.checks import CHECKS
-from xpuctl.core.model import Report
+from xpuctl.core.model import Report, Scan
 from xpuctl.output.safetext import prom_label
 
 
@@ -28,98 +28,75 @@ def sample_value(value: float) -> str:
     return repr(v)
 
 
-def prometheus(report: Report) -> str:
-    snap = report.scan
-    lines: list[str] = []
+Samples = list[tuple[dict[str, Any], float]]
+# (name, help, samples): every family is a gauge
+Family = tuple[str, str, Samples]
+STATUSES = ("clean", "busy", "dirty", "unknown")
+STALE_KINDS = ("shm", "filestore", "ccl-socket", "zmq-socket")
 
-    def metric(name: str, kind: str, help_: str, samples: list[tuple[dict[str, Any], float]]) -> None:
+
+def prometheus(report: Report) -> str:
+    families = [*_doctor_families(report), *_device_families(report.scan), *_file_families(report.scan)]
+    lines: list[str] = []
+    for name, help_, samples in families:
         lines.append(f"# HELP {name} {help_}")
-        lines.append(f"# TYPE {name} {kind}")
+        lines.append(f"# TYPE {name} gauge")
         for labels, value in samples:
             lab = ",".join(f'{k}="{prom_label(v)}"' for k, v in labels.items())
             lines.append(f"{name}{{{lab}}} {sample_value(value)}" if lab else f"{name} {sample_value(value)}")
+    return "\n".join(lines) + "\n"
 
-    metric("xpuctl_build_info", "gauge", "xpuctl version.", [({"version": __version__}, 1)])
-    metric("xpuctl_doctor_last_run_timestamp_seconds", "gauge", "When doctor ran.", [({}, snap.taken_at)])
-    metric(
-        "xpuctl_doctor_status",
-        "gauge",
-        "1 for the current status (clean, busy, dirty, unknown).",
-        [({"status": s}, 1.0 if report.status == s else 0.0)
-         for s in ("clean", "busy", "dirty", "unknown")],
-    )
+
+def _doctor_families(report: Report) -> list[Family]:
     worst: dict[str, int] = {c: 0 for c in CHECKS}
     rank = {"info": 0, "warn": 1, "fail": 2}
     for f in report.findings:
         worst[f.check] = max(worst[f.check], rank[f.severity])
-    metric(
-        "xpuctl_doctor_check_ok",
-        "gauge",
-        "1 when the check found no warning or failure.",
-        [({"check": c}, 1.0 if worst[c] == 0 else 0.0) for c in CHECKS],
-    )
-    metric(
-        "xpuctl_doctor_findings",
-        "gauge",
-        "Findings by check and severity.",
-        [
-            ({"check": c, "severity": s}, float(sum(1 for f in report.findings if f.check == c and f.severity == s)))
-            for c in CHECKS
-            for s in ("warn", "fail")
-        ],
-    )
+    count = {(f.check, f.severity): 0 for f in report.findings}
+    for f in report.findings:
+        count[(f.check, f.severity)] += 1
+    return [
+        ("xpuctl_build_info", "xpuctl version.", [({"version": __version__}, 1)]),
+        ("xpuctl_doctor_last_run_timestamp_seconds", "When doctor ran.", [({}, report.scan.taken_at)]),
+        ("xpuctl_doctor_status", "1 for the current status (clean, busy, dirty, unknown).",
+         [({"status": s}, 1.0 if report.status == s else 0.0) for s in STATUSES]),
+        ("xpuctl_doctor_check_ok", "1 when the check found no warning or failure.",
+         [({"check": c}, 1.0 if worst[c] == 0 else 0.0) for c in CHECKS]),
+        ("xpuctl_doctor_findings", "Findings by check and severity.",
+         [({"check": c, "severity": s}, float(count.get((c, s), 0))) for c in CHECKS for s in ("warn", "fail")]),
+    ]
+
+
+def _device_families(snap: Scan) -> list[Family]:
     devs = [d for d in snap.devices if d.is_intel]
-    metric(
-        "xpuctl_device_holder_processes",
-        "gauge",
-        "Processes holding the device open.",
-        [({"device": d.bdf}, float(len(snap.holders(d.bdf)))) for d in devs],
-    )
-    metric(
-        "xpuctl_device_orphan_processes",
-        "gauge",
-        "Orphaned vLLM processes holding the device.",
-        [
-            ({"device": d.bdf}, float(sum(1 for p in snap.processes if p.orphan and d.bdf in p.devices)))
-            for d in devs
-        ],
-    )
-    metric(
-        "xpuctl_device_memory_used_bytes",
-        "gauge",
-        "Device memory held by clients (de-duplicated DRM fdinfo).",
-        [({"device": d.bdf}, float(snap.memory_used(d.bdf) or 0)) for d in devs],
-    )
+    out: list[Family] = [
+        ("xpuctl_device_holder_processes", "Processes holding the device open.",
+         [({"device": d.bdf}, float(len(snap.holders(d.bdf)))) for d in devs]),
+        ("xpuctl_device_orphan_processes", "Orphaned vLLM processes holding the device.",
+         [({"device": d.bdf}, float(sum(1 for p in snap.processes if p.orphan and d.bdf in p.devices)))
+          for d in devs]),
+        ("xpuctl_device_memory_used_bytes", "Device memory held by clients (de-duplicated DRM fdinfo).",
+         [({"device": d.bdf}, float(snap.memory_used(d.bdf) or 0)) for d in devs]),
+    ]
     totals = [({"device": d.bdf}, float(d.memory_total_bytes)) for d in devs if d.memory_total_bytes]
     if totals:
-        metric("xpuctl_device_memory_total_bytes", "gauge", "Device memory size.", totals)
+        out.append(("xpuctl_device_memory_total_bytes", "Device memory size.", totals))
     if snap.deep is not None:
-        metric(
-            "xpuctl_probe_available",
-            "gauge",
-            "1 when the deep probe answered (--deep).",
-            [({"probe": r.name}, 1.0 if r.available else 0.0) for r in snap.deep.probes],
-        )
-        unattributed = [
-            ({"device": v.bdf}, float(v.unattributed_bytes))
-            for v in snap.deep.devices
-            if v.unattributed_bytes is not None
-        ]
+        out.append(("xpuctl_probe_available", "1 when the deep probe answered (--deep).",
+                    [({"probe": r.name}, 1.0 if r.available else 0.0) for r in snap.deep.probes]))
         # the family is always there with --deep (alerts can name it); a device whose used
         # memory no probe reported has no sample
-        metric(
-            "xpuctl_device_unattributed_bytes",
-            "gauge",
-            "Device memory in use that no visible process holds, minus the idle baseline (--deep).",
-            unattributed,
-        )
-    stale = [a for a in snap.artifacts if a.stale]
-    metric(
-        "xpuctl_stale_files",
-        "gauge",
-        "Stale shm/IPC files by kind.",
-        [({"kind": k}, float(sum(1 for a in stale if a.kind == k))) for k in ("shm", "filestore", "ccl-socket", "zmq-socket")],
-    )
-    metric("xpuctl_stale_bytes", "gauge", "Bytes in stale files.", [({}, float(sum(a.size_bytes for a in stale)))])
-    return "\n".join(lines) + "\n"
+        out.append(("xpuctl_device_unattributed_bytes",
+                    "Device memory in use that no visible process holds, minus the idle baseline (--deep).",
+                    [({"device": v.bdf}, float(v.unattributed_bytes))
+                     for v in snap.deep.devices if v.unattributed_bytes is not None]))
+    return out
 
+
+def _file_families(snap: Scan) -> list[Family]:
+    stale = [a for a in snap.artifacts if a.stale]
+    return [
+        ("xpuctl_stale_files", "Stale shm/IPC files by kind.",
+         [({"kind": k}, float(sum(1 for a in stale if a.kind == k))) for k in STALE_KINDS]),
+        ("xpuctl_stale_bytes", "Bytes in stale files.", [({}, float(sum(a.size_bytes for a in stale)))]),
+    ]

@@ -13,7 +13,6 @@ import fcntl
 import json
 import os
 import stat
-import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any

@@ -18,9 +18,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
-import json
 import os
-import sys
 from typing import Any
 
 from xpuctl.probes.children.common import run

@@ -12,9 +12,7 @@ pointers.
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 from typing import Any
 
 from xpuctl.probes.children.common import run

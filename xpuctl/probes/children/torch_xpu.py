@@ -12,9 +12,7 @@ torch < 2.5 has no built-in XPU device: IPEX is imported first when it is instal
 
 from __future__ import annotations
 
-import json
 import re
-import sys
 from typing import Any
 
 from xpuctl.probes.children.common import run

@@ -1,0 +1,60 @@
+"""Pure judgement: Scan → findings and a status. No I/O.
+
+One small function per stable check id, registered in `registry.REGISTRY` (id → function) by
+the `@check` decorator in the module of its area (`processes`, `files`, `serving`,
+`inspection`, `deep`, `lastrun`); `evaluate` runs them all. Check ids are stable (scripts and
+alerts key on them) and `CHECKS` is their order in the output. To add a check: a function
+with `@check("id")` in the module of its area, and its id in `CHECKS`.
+"""
+
+from __future__ import annotations
+
+from xpuctl.core.checks import deep, files, inspection, lastrun, processes, serving  # noqa: F401 (they register)
+from xpuctl.core.checks.lastrun import last_run_findings, last_run_keys
+from xpuctl.core.checks.registry import REGISTRY, Ctx, Options
+from xpuctl.core.model import Process, Report, Scan
+
+__all__ = ["CHECKS", "REGISTRY", "Options", "evaluate", "last_run_findings", "last_run_keys"]
+
+# Output order of the ids; every registered check has a place here (a test holds them equal).
+CHECKS = (
+    "no-device",
+    "device-holders",
+    "orphans",
+    "device-memory",
+    "stuck-processes",
+    "stale-shm",
+    "stale-ipc",
+    "ports",
+    "env",
+    "unattributed-memory",
+    "device-lost",
+    "probe-timeout",
+    "last-run",
+    "blocked-reads",
+    "inspection",
+)
+
+
+def _context(snap: Scan, opts: Options) -> Ctx:
+    by_pid = {p.pid: p for p in snap.processes}
+    trees: dict[int, list[Process]] = {}
+    for p in snap.processes:
+        if p.orphan and not p.is_zombie:
+            trees.setdefault(p.top or p.pid, []).append(p)
+    return Ctx(snap, opts, frozenset(opts.devices), by_pid, trees)
+
+
+def evaluate(snap: Scan, opts: Options) -> Report:
+    c = _context(snap, opts)
+    findings = [f for check_id in CHECKS for f in REGISTRY[check_id](c)]
+    failed = any(f.severity == "fail" for f in findings)
+    busy = any(snap.holders(d.bdf) for d in c.devices()) or any(
+        p.pid is not None and p.port == opts.port for p in snap.ports
+    )
+    status = "dirty" if failed else ("busy" if busy else "clean")
+    if status == "clean" and snap.blocked:
+        status = "unknown"  # something did not answer: never judged clean
+    order = {"fail": 0, "warn": 1, "info": 2}
+    findings.sort(key=lambda f: (order[f.severity], CHECKS.index(f.check)))
+    return Report(snap, tuple(findings), status)

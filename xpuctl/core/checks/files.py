@@ -1,0 +1,48 @@
+"""Stale shm and IPC files left by killed processes."""
+
+from __future__ import annotations
+
+from xpuctl.core.checks.registry import Ctx, check
+from xpuctl.core.model import Finding
+from xpuctl.output.units import human_bytes
+
+
+@check("stale-shm")
+def stale_shm(c: Ctx) -> list[Finding]:
+    """Shared-memory segments in /dev/shm that no live process has open or mapped."""
+    stale = [a for a in c.snap.artifacts if a.stale and a.kind == "shm"]
+    if not stale:
+        return []
+    size = sum(a.size_bytes for a in stale)
+    return [
+        Finding(
+            "stale-shm",
+            "warn",
+            f"{len(stale)} stale shared-memory segment(s) in /dev/shm "
+            f"({human_bytes(size)}) left by killed processes",
+            "xpuctl reset",
+            None,
+            (),
+            tuple(a.path for a in stale),
+        )
+    ]
+
+
+@check("stale-ipc")
+def stale_ipc(c: Ctx) -> list[Finding]:
+    """oneCCL, vLLM FileStore and ZMQ files in /tmp that nothing uses any more."""
+    stale = [a for a in c.snap.artifacts if a.stale and a.kind != "shm"]
+    if not stale:
+        return []
+    kinds = sorted({a.kind for a in stale})
+    return [
+        Finding(
+            "stale-ipc",
+            "warn",
+            f"{len(stale)} stale IPC file(s) ({', '.join(kinds)}) in /tmp",
+            "xpuctl reset",
+            None,
+            (),
+            tuple(a.path for a in stale),
+        )
+    ]

@@ -1,0 +1,203 @@
+"""Who holds the devices: no device, orphans, holders, device memory, stuck processes."""
+
+from __future__ import annotations
+
+from xpuctl.core.checks.registry import Ctx, check, pids
+from xpuctl.core.checks.registry import holders as device_holders_of
+from xpuctl.core.model import Finding
+from xpuctl.output.units import human_bytes, shorten
+from xpuctl.parse import roles
+
+
+@check("no-device")
+def no_device(c: Ctx) -> list[Finding]:
+    """No Intel GPU on this host (or none visible here): every other check sees nothing.
+
+    A warning, not a failure: nothing is left behind that reset could clean, and a script's
+    exit 1 means "clean up"; --strict (or the JSON check id) makes it count."""
+    if any(d.is_intel for d in c.snap.devices):
+        return []
+    others = ", ".join(f"{d.bdf} ({d.driver or 'no driver'}, vendor {d.vendor_id or '?'})" for d in c.snap.devices)
+    seen = f"other DRM devices: {others}" if others else "no DRM device under /sys/class/drm"
+    return [
+        Finding(
+            "no-device",
+            "warn",
+            f"no Intel GPU found ({seen})",
+            "check that the xe or i915 driver is loaded (lsmod) and that /dev/dri is visible "
+            "here (a container needs the devices passed in)",
+        )
+    ]
+
+
+@check("orphans")
+def orphans(c: Ctx) -> list[Finding]:
+    """One finding per orphaned vLLM tree (its API server is gone)."""
+    out = []
+    for top, members in sorted(c.trees.items()):
+        devs = sorted({b for m in members for b in m.devices})
+        if not c.on_wanted(devs):
+            continue
+        # with --device, an orphaned tree that holds none of the devices is a warning
+        severity = "warn" if c.wanted and not devs else "fail"
+        head = c.by_pid.get(top) or members[0]
+        mem = sum(m.memory_bytes or 0 for m in members)
+        what = ", ".join(f"{m.cmdline[0] if m.cmdline else m.comm} ({m.pid})" for m in members)
+        held = f"; they hold {', '.join(devs)}" if devs else ""
+        if mem:
+            held += f" ({human_bytes(mem)} of device memory)"
+        out.append(
+            Finding(
+                "orphans",
+                severity,
+                f"orphaned vLLM processes whose API server is gone: {what}{held}",
+                f"xpuctl shutdown --pid {head.pid}",
+                devs[0] if len(devs) == 1 else None,
+                pids(members),
+            )
+        )
+    return out
+
+
+
+
+@check("device-holders")
+def device_holders(c: Ctx) -> list[Finding]:
+    """Who holds each device: a live server (busy), or a process that is not vLLM."""
+    out = []
+    for dev in c.devices():
+        holders = device_holders_of(c, dev.bdf)
+        serving = [p for p in holders if p.role not in (None, roles.RAY) and not p.orphan]
+        if serving:
+            tops = sorted({p.top or p.pid for p in serving})
+            out.append(
+                Finding(
+                    "device-holders",
+                    "fail" if c.opts.expect_idle else "info",
+                    f"{dev.bdf} is busy: held by the live vLLM server {', '.join(map(str, tops))} "
+                    f"({len(serving)} process(es))",
+                    f"xpuctl shutdown --pid {tops[0]}" if c.opts.expect_idle else None,
+                    dev.bdf,
+                    pids(serving),
+                )
+            )
+        for p in holders:
+            if p.role is not None:
+                continue
+            if p.blocked:
+                continue  # whether it is vLLM is unknown: see blocked-reads
+            has_mem = bool(p.memory_bytes)
+            sev = "fail" if c.opts.expect_idle else ("warn" if has_mem else "info")
+            mem = f" with {human_bytes(p.memory_bytes)} of device memory" if has_mem else ""
+            what = f"pid {p.pid} ({shorten(p.command)})"
+            if p.ray is not None:  # another Ray job's actor: named by Ray, never vLLM's
+                label = f"{p.ray.class_name or '?'}" + (f" '{p.ray.name}'" if p.ray.name else "")
+                what = f"Ray actor {label} of job {p.ray.job_id or '?'} (pid {p.pid})"
+            out.append(
+                Finding(
+                    "device-holders",
+                    sev,
+                    f"{dev.bdf} is held by {what}, not part of a vLLM server{mem}",
+                    f"check what pid {p.pid} is doing; stop it before serving on {dev.bdf}"
+                    if sev != "info"
+                    else None,
+                    dev.bdf,
+                    (p.pid,),
+                )
+            )
+    return out
+
+
+@check("device-memory")
+def device_memory(c: Ctx) -> list[Finding]:
+    """Device memory held by orphans, kept alive by exported buffers, or in use when idle is expected."""
+    out = []
+    snap = c.snap
+    for dev in c.devices():
+        holders = device_holders_of(c, dev.bdf)
+        orphaned = [p for p in holders if p.orphan]
+        orphan_mem = sum(p.memory_bytes or 0 for p in orphaned)
+        if orphan_mem:
+            out.append(
+                Finding(
+                    "device-memory",
+                    "fail",
+                    f"{human_bytes(orphan_mem)} of {dev.bdf} memory is held by orphaned vLLM "
+                    "processes; the next server on this device will run out of memory",
+                    f"xpuctl shutdown --device {dev.bdf}",
+                    dev.bdf,
+                    pids(orphaned),
+                )
+            )
+        dmabuf_only = sorted(
+            {b.pid for b in snap.dmabufs if b.bdf == dev.bdf}
+            - {pid for cl in snap.clients if cl.bdf == dev.bdf for pid in cl.pids}
+        )
+        if dmabuf_only:
+            size = sum(
+                b.size_bytes or 0 for b in snap.dmabufs if b.bdf == dev.bdf and b.pid in dmabuf_only
+            )
+            out.append(
+                Finding(
+                    "device-memory",
+                    "fail" if c.opts.expect_idle else "warn",
+                    f"{human_bytes(size)} of {dev.bdf} memory is kept alive by exported buffers "
+                    f"(dma-buf) held by pid(s) {', '.join(map(str, dmabuf_only))}",
+                    "stop the processes holding the buffers",
+                    dev.bdf,
+                    tuple(dmabuf_only),
+                )
+            )
+        used = snap.memory_used(dev.bdf)
+        if c.opts.expect_idle and used and not holders and not dmabuf_only:
+            out.append(
+                Finding("device-memory", "fail", f"{human_bytes(used)} of {dev.bdf} in use", None, dev.bdf)
+            )
+    return out
+
+
+@check("stuck-processes")
+def stuck_processes(c: Ctx) -> list[Finding]:
+    """Holders in uninterruptible sleep, stopped vLLM processes, unreaped vLLM zombies."""
+    out = []
+    for p in c.snap.processes:
+        if not c.on_wanted(p.devices):
+            continue
+        if p.state == "D" and (p.devices or p.role):
+            out.append(
+                Finding(
+                    "stuck-processes",
+                    "fail" if p.orphan or c.opts.expect_idle else "warn",
+                    f"pid {p.pid} ({shorten(p.command, 40)}) is in uninterruptible sleep (D) in "
+                    f"{p.wchan or 'an unknown kernel function'}; it cannot die until the driver "
+                    "returns",
+                    "wait for the driver; if it never returns, the device needs a reset "
+                    "(xpu-smi or a PCI reset) or the host a reboot",
+                    p.devices[0] if len(p.devices) == 1 else None,
+                    (p.pid,),
+                )
+            )
+        elif p.state == "T" and p.role:
+            out.append(
+                Finding(
+                    "stuck-processes",
+                    "warn",
+                    f"vLLM process {p.pid} ({shorten(p.command, 40)}) is stopped (T)",
+                    f"kill -CONT {p.pid}",
+                    None,
+                    (p.pid,),
+                )
+            )
+        elif p.state == "Z" and p.role in (roles.ENGINE_CORE, roles.WORKER):
+            out.append(
+                Finding(
+                    "stuck-processes",
+                    "info",
+                    f"vLLM process {p.pid} is a zombie: it holds nothing, its parent "
+                    f"{p.ppid} has not reaped it",
+                    None,
+                    None,
+                    (p.pid,),
+                )
+            )
+    return out

@@ -1,0 +1,81 @@
+"""The serving port and the device-selection environment."""
+
+from __future__ import annotations
+
+from xpuctl.core.checks.registry import Ctx, check
+from xpuctl.core.model import Finding
+from xpuctl.parse import envvars
+
+
+@check("ports")
+def ports(c: Ctx) -> list[Finding]:
+    """The serving port taken by a live server or by something else; ports kept by orphans."""
+    out = []
+    snap, opts = c.snap, c.opts
+    orphan_ports: dict[int, list[int]] = {}
+    for port in snap.ports:
+        if port.pid is None:
+            continue
+        p = c.by_pid.get(port.pid)
+        if port.orphan:
+            top = p.top if p and p.top else port.pid
+            orphan_ports.setdefault(top, []).append(port.port)
+        elif port.port == opts.port:
+            if p is not None and p.role is not None:
+                out.append(
+                    Finding(
+                        "ports",
+                        "fail" if opts.expect_idle else "info",
+                        f"port {port.port} is served by the live vLLM server {p.top or p.pid}",
+                        None,
+                        None,
+                        (port.pid,),
+                    )
+                )
+            else:
+                out.append(
+                    Finding(
+                        "ports",
+                        "fail" if opts.port_explicit or opts.expect_idle else "warn",
+                        f"port {port.port} is in use by pid {port.pid}, not a vLLM server; a "
+                        "server on it will fail with 'Address already in use'",
+                        f"pick another --port or stop pid {port.pid}",
+                        None,
+                        (port.pid,),
+                    )
+                )
+    for top, numbers in sorted(orphan_ports.items()):
+        tree_devs = sorted({b for m in c.trees.get(top, []) for b in m.devices})
+        if not c.on_wanted(tree_devs):
+            continue
+        numbers = sorted(set(numbers))
+        pids = tuple(sorted({pt.pid for pt in snap.ports if pt.orphan and pt.pid and pt.port in numbers}))
+        shown = ", ".join(map(str, numbers[:8])) + (f" and {len(numbers) - 8} more" if len(numbers) > 8 else "")
+        serving = opts.port in numbers
+        out.append(
+            Finding(
+                "ports",
+                # with --device, another device's orphans only matter if they hold our port
+                "fail" if serving or not (c.wanted and not tree_devs) else "warn",
+                f"orphaned vLLM processes of tree {top} still listen on port(s) {shown}",
+                f"xpuctl shutdown --pid {top}",
+                None,
+                pids,
+            )
+        )
+    return out
+
+
+@check("env")
+def env(c: Ctx) -> list[Finding]:
+    """Malformed device-selection variables in the caller's environment."""
+    environ = c.snap.caller_env or {}
+    intel = sum(1 for d in c.snap.devices if d.is_intel)
+    problems = []
+    if "ZE_AFFINITY_MASK" in environ:
+        problems.append(envvars.check_affinity_mask(environ["ZE_AFFINITY_MASK"], intel or None))
+    if "ONEAPI_DEVICE_SELECTOR" in environ:
+        problems.append(envvars.check_device_selector(environ["ONEAPI_DEVICE_SELECTOR"]))
+    if "ZE_FLAT_DEVICE_HIERARCHY" in environ:
+        problems.append(envvars.check_hierarchy(environ["ZE_FLAT_DEVICE_HIERARCHY"]))
+    return [Finding("env", "fail", problem, "fix or unset the variable before serving") for problem in filter(None, problems)]
