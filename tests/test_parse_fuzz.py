@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import struct
 
+import pytest
+
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -230,3 +232,16 @@ def test_merge_shared_passes_the_flag_once_or_refuses(argv, flag, before):
     else:
         assert vllmargs.strip_flag(merged, flag)[2]
 
+
+
+@pytest.mark.parametrize("spec", ["²", "١", "0²"])
+def test_a_non_ascii_digit_device_spec_is_a_usage_error_not_a_crash(spec):
+    """str.isdigit() takes "²" and Arabic-Indic digits, which int() refuses: every reader of
+    a number checks for ASCII digits (the vLLM argv fuzz found the first one)."""
+    from xpuctl.core.model import Device
+    from xpuctl.host.devices import find_device
+
+    dev = Device(bdf="0000:03:00.0", vendor_id="0x8086", device_id="0xe211", driver="xe",
+                 render_node="/dev/dri/renderD128", card_node=None, minors=(128,),
+                 memory_total_bytes=None, index=0)
+    assert find_device([dev], spec) is None

@@ -28,7 +28,7 @@ def _minor_of(host: Host, name: str, number: int) -> int | None:
     dev = _read_strip(host, f"{SYS_DRM}/{name}/dev")
     if dev:
         major, _, minor = dev.partition(":")
-        if major.strip().isdigit() and minor.strip().isdigit():
+        if major.strip().isascii() and major.strip().isdigit() and minor.strip().isascii() and minor.strip().isdigit():
             return int(minor) if int(major) == DRM_MAJOR else None
     # no `dev` file: the node name carries the minor (renderD128 -> 128, card0 -> 0)
     return number
@@ -42,16 +42,16 @@ def _memory_total(host: Host, pci: str, card: str | None, driver: str | None) ->
     except OSError:
         entries = []
     for entry in sorted(entries):
-        if entry.startswith("tile") and entry[4:].isdigit():
+        if entry.startswith("tile") and entry[4:].isascii() and entry[4:].isdigit():
             value = _read_strip(host, f"{pci}/{entry}/physical_vram_size_bytes")
-            if value and value.isdigit():
+            if value and value.isascii() and value.isdigit():
                 total += int(value)
                 found = True
     if found:
         return total
     if card:
         value = _read_strip(host, f"{SYS_DRM}/{card}/lmem_total_bytes")
-        if value and value.isdigit():
+        if value and value.isascii() and value.isdigit():
             return int(value)
     return None
 
@@ -161,7 +161,7 @@ def select_devices(devices: list[Device] | tuple[Device, ...], specs: list[str])
 
 def find_device(devices: list[Device] | tuple[Device, ...], spec: str) -> Device | None:
     s = spec.strip()
-    if s.isdigit():
+    if s.isascii() and s.isdigit():
         return next((d for d in devices if d.index == int(s)), None)
     low = s.lower()
     name = low.rsplit("/", 1)[-1]

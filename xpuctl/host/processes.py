@@ -83,7 +83,7 @@ class FdScan:
 
 
 def list_pids(host: Host) -> list[int]:
-    return [int(d) for d in host.listdir("/proc") if d.isdigit()]
+    return [int(d) for d in host.listdir("/proc") if d.isascii() and d.isdigit()]
 
 
 def _maybe_vllm(comm: str) -> bool:

@@ -69,7 +69,7 @@ def pid_of(path: str) -> int | None:
     """The pid of a /proc/<pid>/... path, else None."""
     if path.startswith("/proc/"):
         head = path[6:].split("/", 1)[0]
-        if head.isdigit():
+        if head.isascii() and head.isdigit():
             return int(head)
     return None
 
@@ -79,7 +79,7 @@ def group_of(path: str) -> str:
     /proc/<pid>/fdinfo/* (the driver), one sysfs directory (the device lock); any other
     file alone."""
     parts = path.split("/")
-    if len(parts) >= 4 and parts[1] == "proc" and parts[2].isdigit():
+    if len(parts) >= 4 and parts[1] == "proc" and parts[2].isascii() and parts[2].isdigit():
         if parts[3] in _MM_FILES:
             return f"/proc/{parts[2]}/<mm>"
         if parts[3] == "fdinfo":

@@ -132,7 +132,7 @@ def parse_index(text: str | bytes) -> Index:
     _want(isinstance(fds_raw, dict), "index fds")
     fds: dict[int, Any] = {}
     for pid, v in fds_raw.items():
-        _want(pid.isdigit() and _answer(v, _fd_list), f"index fds entry {pid!r}")
+        _want(pid.isascii() and pid.isdigit() and _answer(v, _fd_list), f"index fds entry {pid!r}")
         fds[int(pid)] = v if isinstance(v, dict) else [tuple(x) for x in v]
     rdev = _table(d, "rdev", lambda v: v is None or (
         isinstance(v, list) and len(v) == 2 and all(_int(x) for x in v)))

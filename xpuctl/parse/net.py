@@ -45,7 +45,7 @@ def parse_tcp(text: str, listen_only: bool = True) -> list[TcpSocket]:
                     port=int(port, 16),
                     state=state,
                     inode=int(parts[9]),
-                    uid=int(parts[7]) if parts[7].isdigit() else None,
+                    uid=int(parts[7]) if parts[7].isascii() and parts[7].isdigit() else None,
                 )
             )
         except ValueError:

@@ -47,7 +47,7 @@ def parse_status_uid(text: str) -> int | None:
     for line in text.splitlines():
         if line.startswith("Uid:"):
             parts = line[4:].split()
-            if parts and parts[0].isdigit():
+            if parts and parts[0].isascii() and parts[0].isdigit():
                 return int(parts[0])
             return None
     return None
@@ -109,6 +109,6 @@ def parse_boot_time(text: str) -> float | None:
     for line in text.splitlines():
         if line.startswith("btime"):
             parts = line.split()
-            if len(parts) >= 2 and parts[1].isdigit():
+            if len(parts) >= 2 and parts[1].isascii() and parts[1].isdigit():
                 return float(parts[1])
     return None

@@ -49,7 +49,7 @@ def merge_shared(args: list[str], flag: str, before: str | None) -> list[str]:
     _, after, found = strip_flag(args, flag)
     if not found:
         return [flag, before, *args]
-    same = after == before or (after or "").isdigit() and before.isdigit() and int(after or 0) == int(before)
+    same = after == before or _digits(after or "") and _digits(before) and int(after or 0) == int(before)
     if not same:
         raise UsageError(f"{flag} {before} before MODEL and {flag} {after} after it disagree: give it once")
     return args
@@ -62,9 +62,14 @@ def shutdown_timeout_from_argv(argv: Sequence[str]) -> int | None:
         if not m:
             continue
         value = m.group(1) if m.group(1) is not None else (argv[i + 1] if i + 1 < len(argv) else "")
-        if value.isdigit():
+        if _digits(value):
             return int(value)
     return None
+
+
+def _digits(text: str) -> bool:
+    """ASCII digits only: str.isdigit() also takes "²", which int() refuses."""
+    return text.isascii() and text.isdigit()
 
 
 def port_from_argv(argv: Sequence[str]) -> tuple[int | None, str | None]:
@@ -72,9 +77,9 @@ def port_from_argv(argv: Sequence[str]) -> tuple[int | None, str | None]:
     port = bind = None
     for i, arg in enumerate(argv):
         nxt = argv[i + 1] if i + 1 < len(argv) else ""
-        if arg == "--port" and nxt.isdigit():
+        if arg == "--port" and _digits(nxt):
             port = int(nxt)
-        elif arg.startswith("--port=") and arg[7:].isdigit():
+        elif arg.startswith("--port=") and _digits(arg[7:]):
             port = int(arg[7:])
         elif arg == "--host" and nxt:
             bind = nxt

@@ -120,7 +120,7 @@ def _shutdown_timeout(opts: ServeOptions, vllm_args: list[str], version: str | N
     wanted = vllm_shutdown_timeout(opts.drain_timeout, opts.teardown_timeout)
     shutdown_timeout: int | None = wanted
     if had_flag:
-        if given is None or not given.isdigit():
+        if given is None or not (given.isascii() and given.isdigit()):
             raise UsageError(f"--shutdown-timeout {given!r}: expected whole seconds")
         n = int(given)
         if n == 0 and opts.allow_abort:
