@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -33,29 +32,6 @@ DEFAULT_TIMEOUT = 25.0  # every Ray error is reported within 30 s
 def ray_address(given: str | None, environ: dict[str, str]) -> str:
     """`--ray ADDRESS`, else RAY_ADDRESS, else `auto`."""
     return (given or "").strip() or environ.get("RAY_ADDRESS", "").strip() or "auto"
-
-
-def interpreter_of(argv: list[str]) -> str | None:
-    """The Python a command runs: argv[0] when it is a python, else the `#!` line of the
-    script it names (`vllm` is a console script of the venv that has vLLM, and ray)."""
-    if not argv:
-        return None
-    prog = shutil.which(argv[0]) or argv[0]
-    if os.path.basename(prog).startswith("python"):
-        return prog
-    try:
-        with open(prog, "rb") as f:
-            first = f.readline(512)
-    except OSError:
-        return None
-    if not first.startswith(b"#!"):
-        return None
-    parts = first[2:].decode("utf-8", "replace").split()
-    if parts and os.path.basename(parts[0]) == "env" and len(parts) > 1:
-        parts = parts[1:]
-    if parts and os.path.basename(parts[0]).startswith("python"):
-        return shutil.which(parts[0]) or parts[0]
-    return None
 
 
 def ray_python(environ: dict[str, str], vllm_python: str | None = None) -> str:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from xpuctl.errors import RayError
+from xpuctl.host.programs import interpreter_of
 from xpuctl.ray import bridge
 from xpuctl.ray.launch import LOCAL, actors_of
 from xpuctl.state import audit
@@ -46,7 +47,7 @@ def list_run(record: Any, driver_pids: set[int], environ: dict[str, str]) -> Ray
     address = cluster_of_record(record)
     if address is None:
         return None
-    python = bridge.ray_python(environ, bridge.interpreter_of(list(record.command or [])))
+    python = bridge.ray_python(environ, interpreter_of(list(record.command or [])))
     state = bridge.call("state", {}, address, python, timeout=15.0, environ=environ)
     return RayRun(address, python, environ, actors_of(state, driver_pids))
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from xpuctl.errors import UsageError
 from xpuctl.host.devices import scan_devices, select_devices
+from xpuctl.host.programs import interpreter_of
 from xpuctl.host.seam import Host
 from xpuctl.parse.vllmargs import merge_shared, port_from_argv, strip_flag
 from xpuctl.serve.budget import MIN_SHUTDOWN_TIMEOUT, vllm_shutdown_timeout
@@ -64,33 +65,12 @@ def _version_tuple(v: str) -> tuple[int, ...]:
     return tuple(int(x) for x in re.findall(r"\d+", v)[:3])
 
 
-def _interpreter(cmd: list[str]) -> str | None:
-    exe = shutil.which(cmd[0]) if cmd else None
-    if exe is None:
-        return None
-    if re.match(r"^python[\d.]*$", os.path.basename(exe)):
-        return exe
-    try:
-        with open(exe, "rb") as fh:
-            first = fh.readline(512)
-    except OSError:
-        return None
-    if not first.startswith(b"#!"):
-        return None
-    parts = first[2:].decode(errors="replace").split()
-    if not parts:
-        return None
-    if os.path.basename(parts[0]) == "env" and len(parts) > 1:
-        return shutil.which(parts[1])
-    return parts[0]
-
-
 def vllm_version(cmd: list[str]) -> str | None:
     """vLLM's version from the package metadata beside the interpreter that runs `cmd`.
 
     No import of vllm (seconds, and it may initialise the GPU): just the dist-info name.
     """
-    interp = _interpreter(cmd)
+    interp = interpreter_of(cmd)
     if interp is None:
         return None
     prefix = os.path.dirname(os.path.dirname(interp))
@@ -194,4 +174,4 @@ def ray_python(plan: LaunchPlan) -> str:
     has ray)."""
     from xpuctl.ray import bridge
 
-    return bridge.ray_python(plan.env, bridge.interpreter_of(plan.argv))
+    return bridge.ray_python(plan.env, interpreter_of(plan.argv))
