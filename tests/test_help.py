@@ -76,3 +76,26 @@ def test_plain_doctor_output_has_no_trailing_spaces(tmp_path):
     assert any("FAIL" in line for line in lines)
     padded = [line for line in lines if line != line.rstrip()]
     assert not padded, padded
+
+
+@pytest.mark.parametrize("args", [["--version"], ["--help"], ["doctor", "--help"]])
+def test_start_up_loads_only_what_it_uses(args):
+    """Lazy loading is live: --version and --help load no command, a command's --help only
+    its own module, and none of them loads rich or a command's core."""
+    code = (
+        "import sys, runpy\n"
+        f"sys.argv = ['xpuctl', *{args!r}]\n"
+        "try:\n    runpy.run_module('xpuctl', run_name='__main__')\n"
+        "except SystemExit:\n    pass\n"
+        "print(' '.join(sorted(m for m in sys.modules if m.startswith(('xpuctl', 'rich')))), file=sys.stderr)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    loaded = set(out.stderr.split())
+    commands = {m for m in loaded if m.startswith("xpuctl.cli.") and m not in
+                ("xpuctl.cli.group", "xpuctl.cli.guard")}
+    assert commands == ({"xpuctl.cli.doctor", "xpuctl.cli.options", "xpuctl.cli.context"} & commands
+                        if args[0] == "doctor" else set()), commands
+    if args[0] == "doctor":
+        assert "xpuctl.cli.doctor" in commands
+    assert not any(m.startswith("rich") for m in loaded), loaded
+    assert not any(m.startswith(("xpuctl.host.scan", "xpuctl.doctor", "xpuctl.core.checks")) for m in loaded), loaded

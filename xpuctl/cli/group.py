@@ -82,14 +82,25 @@ class Group(TyperGroup):
             from typer.completion import completion_init
 
             completion_init()
-        from xpuctl.cli.options import ray_value_optional
-
         args = ray_value_optional(list(sys.argv[1:] if args is None else args))
         rv = group_exit_code(lambda: super(Group, self).main(
             args=args, prog_name=prog_name, complete_var=complete_var, standalone_mode=False, **extra))
         if not standalone_mode:
             return rv
         sys.exit(rv if isinstance(rv, int) else 0)
+
+
+def ray_value_optional(args: list[str]) -> list[str]:
+    """`--ray` alone (last, or before another option) means RAY_ADDRESS or auto: click has no
+    option with an optional value, so it gets an empty one."""
+    out: list[str] = []
+    for i, arg in enumerate(args):
+        out.append(arg)
+        if arg == "--":
+            return out + args[i + 1:]
+        if arg == "--ray" and (i + 1 == len(args) or args[i + 1].startswith("-")):
+            out.append("")
+    return out
 
 
 app = typer.Typer(

@@ -107,19 +107,6 @@ def on_cluster(a: Any, command: str, address: str, options: dict[str, Any], out_
     raise typer.Exit(result.exit_code)
 
 
-def ray_value_optional(args: list[str]) -> list[str]:
-    """`--ray` alone (last, or before another option) means RAY_ADDRESS or auto: click has no
-    option with an optional value, so it gets an empty one."""
-    out: list[str] = []
-    for i, arg in enumerate(args):
-        out.append(arg)
-        if arg == "--":
-            return out + args[i + 1:]
-        if arg == "--ray" and (i + 1 == len(args) or args[i + 1].startswith("-")):
-            out.append("")
-    return out
-
-
 DeviceOpt = Annotated[
     Optional[list[str]],
     typer.Option(
