@@ -48,6 +48,7 @@ def reset(
     from xpuctl.host.devices import resolve_device_specs
     from xpuctl.output import documents, lines
     from xpuctl.state import audit
+    from xpuctl.state.statedir import resolve_state_dir
 
     a = app_context(ctx)
     bdfs = resolve_device_specs(a.host, list(device or []))
@@ -67,12 +68,7 @@ def reset(
             sys.stdout.write(documents.to_json(documents.reset_plan_document(plan_doc, dry_run)) + "\n")
         raise typer.Exit(ExitCode.OK)
     if not yes:
-        if not sys.stdin.isatty():
-            raise UsageError("refusing to clean without confirmation: pass --yes (no terminal to ask)")
-        if not typer.confirm("Proceed?", default=False):
-            raise typer.Exit(ExitCode.PROBLEMS)
-    from xpuctl.state.statedir import resolve_state_dir
-
+        _confirm()
     with audit.recording(resolve_state_dir(a.host, state_dir, a.environ), "reset") as log:
         outcome = reset_flow.execute(a.host, plan, bdfs, port, kill_after, timeout, say)
     warning = lines.audit_warning(log)
@@ -85,3 +81,12 @@ def reset(
         for line in lines.reset_result_lines(remaining, outcome.after.status):
             say(line)
     raise typer.Exit(ExitCode.PROBLEMS if remaining else ExitCode.OK)
+
+
+def _confirm() -> None:
+    """Ask on the terminal; no terminal is a usage error, a "no" exits 1 and changes nothing
+    (Ctrl-C at the prompt: 130, in the guard)."""
+    if not sys.stdin.isatty():
+        raise UsageError("refusing to clean without confirmation: pass --yes (no terminal to ask)")
+    if not typer.confirm("Proceed?", default=False):
+        raise typer.Exit(ExitCode.PROBLEMS)
