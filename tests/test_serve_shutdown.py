@@ -531,7 +531,13 @@ def test_port_and_host_before_model_are_read_and_passed_to_vllm_once(rig):
     assert http_get(f"http://127.0.0.1:{port}/health")[0] == 200
     assert "'port': " + str(port) in rig.run_log(f"vllm-{port}")  # what vLLM parsed
 
-    assert rig.shutdown(f"vllm-{port}", "--kill-after", "1", "--release-timeout", "5").rc == 0
+    supervisor = rec["supervisor_pid"]
+    down = rig.shutdown(f"vllm-{port}", "--kill-after", "1", "--release-timeout", "5")
+    assert down.rc == 0
+    # shutdown returns once the run's supervisor is gone too: its device and port locks are
+    # free for the next serve (it used to return first, and the next serve got exit 5)
+    assert not _running(supervisor), down
+    assert f"supervisor {supervisor} exited" in down.out, down
 
     # both sides, same value: once, in the caller's place after MODEL
     port2 = free_port()
@@ -1410,3 +1416,13 @@ def test_foreground_hung_start_is_diagnosed_on_the_terminal(rig):
     assert {(e["command"], e["xpuctl_pid"]) for e in lines} == {("serve", fg.proc.pid)}, lines
     sent = [(e["signal"], e["target"]["pid"]) for e in lines if e["result"] == "sent"]
     assert sent[0] == ("SIGTERM", rig.record(fg.name)["pid"]) and {"SIGKILL"} <= {s for s, _ in sent}, lines
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (PID 1 here may never reap one: a zombie holds nothing)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2:][:1] != b"Z"

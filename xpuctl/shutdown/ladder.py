@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from xpuctl import pausepoint
 from xpuctl.actions.signals import Target, wait_gone
-from xpuctl.host.processes import read_cmdline, stat_of
+from xpuctl.host.processes import read_cmdline, same_process, stat_of
 from xpuctl.host.scan import listening_sockets, take_scan
 from xpuctl.host.seam import Host
 from xpuctl.shutdown.logtail import LogTail
@@ -283,6 +283,26 @@ def _driver_first(ld: _Ladder, kill_after: float) -> None:
     ld.pending = others + wait_gone(ld.host, actors, KILL_WAIT, ld.poll)
 
 
+def _await_supervisors(ld: _Ladder, release_timeout: float) -> None:
+    """4b. A run's supervisor (serve, or its --detach process) keeps the run's device and port
+    locks until it has checked the release itself and exited: wait for it, within the
+    release budget, so a serve started right after this shutdown finds them free. Nothing
+    is sent to it; our own supervisor (serve stopping its own run) is not waited for."""
+    pids = sorted({t.record.supervisor_pid for t in ld.trees
+                   if t.record is not None and t.record.supervisor_pid
+                   and t.record.supervisor_pid != os.getpid()})
+    deadline = time.monotonic() + release_timeout
+    waiting = [p for p in pids if same_process(ld.host, p) is not None]
+    while waiting and time.monotonic() < deadline:
+        time.sleep(ld.poll)
+        waiting = [p for p in waiting if same_process(ld.host, p) is not None]
+    for pid in pids:
+        if pid in waiting:
+            ld.emit("supervisor", f"supervisor {pid} still runs: the run's locks are still held")
+        else:
+            ld.emit("supervisor", f"supervisor {pid} exited: the run's locks are free")
+
+
 def _verify_release(ld: _Ladder, release_timeout: float) -> StopResult:
     """5. Wait until no process holds the trees' devices and their ports are free."""
     ld.vllm_lines()
@@ -336,7 +356,7 @@ def stop(
     """Run the ladder on `trees`, step by step (each step a function named for what it
     does; the events it emits are the timeline): `_find_members`, `_find_ray_actors`,
     `_sigterm_tops`, `_wait_exit`, `_late_joiners`, `_escalate`, `_ray_settle`,
-    `_verify_release`.
+    `_await_supervisors`, `_verify_release`.
 
     `timeout` overrides `exit_budget`. `passive`: send nothing, only wait and verify
     (someone else is already stopping them); `yield_to()` returning True turns passive
@@ -351,6 +371,8 @@ def stop(
     _late_joiners(ld)
     _escalate(ld, kill_after, skip_drain)
     _ray_settle(ld)
+    if not passive:
+        _await_supervisors(ld, release_timeout)
     return _verify_release(ld, release_timeout)
 
 
