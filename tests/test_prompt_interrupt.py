@@ -39,6 +39,9 @@ try:
         fh.write(b"x")
     pid, master = pty.fork()
     if pid == 0:  # xpuctl, its terminal the pty
+        # as at an operator's terminal: ^C interrupts (a suite started in the background by a
+        # non-interactive shell, as CI may be, inherits SIGINT ignored, and exec keeps that)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.execv(sys.executable, [sys.executable, "-m", "xpuctl", "--root", R, "reset",
                                   "--state-dir", state])
     seen = b""
