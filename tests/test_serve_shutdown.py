@@ -1426,3 +1426,31 @@ def _running(pid: int) -> bool:
     except OSError:
         return False
     return stat[stat.rfind(b")") + 2:][:1] != b"Z"
+
+
+def test_a_detached_serve_leaves_no_reader_behind(rig):
+    """The bounded reader of the `serve --detach` that returned goes with it: the forked
+    supervisor closes its copies of that reader's pipes (it starts its own), so no stray
+    process titled like `xpuctl serve` outlives the command (seen with real vLLM)."""
+    res = rig.serve(name="noreader")
+    assert res.rc == 0, str(res)
+    supervisor = rig.record("noreader")["supervisor_pid"]
+
+    def strays() -> list[int]:
+        out = []
+        for pid in pids_with_token(rig.token):
+            try:
+                with open(f"/proc/{pid}/comm") as fh:
+                    comm = fh.read().strip()
+                with open(f"/proc/{pid}/stat", "rb") as fh:
+                    st = fh.read()
+            except OSError:
+                continue
+            ppid = int(st[st.rfind(b")") + 2:].split()[1])
+            if comm == "xpuctl-reader" and ppid != supervisor:
+                out.append(pid)
+        return out
+
+    assert wait_for(lambda: not strays(), 15, 0.1), strays()
+    assert rig.shutdown("noreader", "--kill-after", "1", "--release-timeout", "5").rc == 0
+    rig.assert_clean()

@@ -490,12 +490,14 @@ API_ARGV_MARK = "-m vllm.entrypoints.openai.api_server"
 
 def by_title(tree: Iterable[ProcInfo]) -> dict[str, list[ProcInfo]]:
     """A tree's processes by part, from their titles and argv: the xpuctl supervisor (its
-    --vllm value names the API server, so it is tested first), the API server, EngineCore,
+    --vllm value names the API server, so it is tested first; its reader is not it), the API server, EngineCore,
     workers, the resource tracker, and anything else."""
     out: dict[str, list[ProcInfo]] = {
         "supervisor": [], "api": [], "engine": [], "worker": [], "tracker": [], "other": []}
     for p in tree:
-        if "-m xpuctl serve" in p.cmdline:
+        if p.comm == "xpuctl-reader" or "xpuctl.host.readchild" in p.cmdline:
+            out["other"].append(p)  # xpuctl's bounded reader (a fork keeps serve's argv)
+        elif "-m xpuctl serve" in p.cmdline:
             out["supervisor"].append(p)
         elif p.cmdline.startswith("VLLM::EngineCore"):
             out["engine"].append(p)

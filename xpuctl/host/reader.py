@@ -297,7 +297,23 @@ def _live() -> Any:
 
         _LIVE = weakref.WeakSet()
         atexit.register(_at_exit)
+        os.register_at_fork(after_in_child=_after_fork)
     return _LIVE
+
+
+def _after_fork() -> None:
+    """In a forked copy of this process (serve --detach's supervisor, a reader being born):
+    the readers are the parent's. Our copies of their pipes would keep them alive after the
+    parent is gone (an idle reader leaves when its pipe closes), so close them; the copy
+    starts a reader of its own when it reads."""
+    for reader in list(_LIVE or ()):
+        child, reader._child = reader._child, None
+        if child is not None:
+            _release(child)
+            os.close(child.pidfd)
+        if reader._finalizer is not None:
+            reader._finalizer.detach()
+            reader._finalizer = None
 
 
 def close_all() -> None:

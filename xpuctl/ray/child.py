@@ -60,6 +60,13 @@ def resolve(address: str) -> str:
     if not resolved:
         raise Failure("no-cluster", "no address found")
     target = resolved.split("://", 1)[-1].rstrip("/")
+    check_listening(target)
+    _check_gcs(resolved)
+    return resolved
+
+
+def check_listening(target: str) -> None:
+    """Failure("unreachable") unless HOST:PORT accepts a TCP connection within 3 s."""
     host, _, port = target.rpartition(":")
     try:
         with socket.create_connection((host.strip("[]"), int(port)), timeout=3.0):
@@ -68,8 +75,14 @@ def resolve(address: str) -> str:
         raise Failure("unreachable", f"not HOST:PORT: {target}") from None
     except OSError as exc:
         raise Failure("unreachable", f"{target}: {exc.strerror or exc}") from None
-    _check_gcs(resolved)
-    return resolved
+
+
+def _explicit(address: str) -> str | None:
+    """HOST:PORT when the address names one (not `auto`, not a `ray://` client address)."""
+    a = (address or "").strip()
+    if not a or a == "auto" or "://" in a or ":" not in a:
+        return None
+    return a
 
 
 def _check_gcs(address: str) -> None:
@@ -235,6 +248,9 @@ def main(argv: list[str]) -> int:
         op = OPS[argv[0]]
         req = json.loads(sys.stdin.read() or "{}")
         req["package_parent"] = argv[1] if len(argv) > 1 else ""
+        explicit = _explicit(req.get("address", ""))
+        if explicit is not None:
+            check_listening(explicit)  # before `import ray`: an unreachable address fails at once
         try:
             import ray  # noqa: F401
 
