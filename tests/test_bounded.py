@@ -363,3 +363,27 @@ def test_a_reader_stuck_for_good_is_abandoned_and_the_command_returns(fuse_stall
     assert (u["pid"], u["file"]) == (ENGINE, f"/proc/{ENGINE}/cmdline")
     stuck = [p for p in proctools.pids_with_token(proc_token) if proctools.proc_state(p) == "D"]
     assert stuck, "the abandoned reader should still be waiting in the kernel"
+
+
+def _busy_read(seconds: float) -> str:
+    """In the reader: publish a read, then stay on the CPU (state R) past the bound, as a
+    reader starved on a loaded machine does; then finish it."""
+    import time as _time
+
+    from xpuctl.host import readchild
+
+    readchild.current.enter("/proc/42/cmdline")
+    end = _time.monotonic() + seconds
+    while _time.monotonic() < end:
+        pass
+    readchild.current.leave()
+    return "done"
+
+
+def test_a_slow_read_that_runs_is_not_judged_blocked(tmp_path):
+    """A read past the bound whose process is running (R) is slow, not blocked: a loaded CI
+    machine once had shutdown judge live processes unreadable for 12 s this way. A read
+    that sleeps (D, or S on a FIFO) is still blocked at the bound (the tests above)."""
+    host = Host(tmp_path, read_timeout=0.3)
+    assert host.reader.call(_busy_read, 1.2) == "done"
+    assert host.blocked_reads() == ()

@@ -154,6 +154,21 @@ def _spawn(req_r: int, rep_w: int, memfd: int) -> int:
             os.set_inheritable(fd, False)
 
 
+def _runnable(pid: int) -> bool:
+    """The reading process is on a run queue (state R): a loaded machine starves it, a read
+    that blocks sleeps (D, or S for a FIFO). Our own child's stat is read directly: its
+    stat takes no lock a wedged read could hold."""
+    try:
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            data = os.read(fd, 512)
+        finally:
+            os.close(fd)
+    except OSError:
+        return False
+    return data[data.rfind(b")") + 2:][:1] == b"R"
+
+
 class Reader:
     """This process's side: runs functions and reads in a reader child, each bounded.
 
@@ -231,6 +246,8 @@ class Reader:
         page = child.page
         seen = [_HEAD.unpack_from(page, i * _SLOT) for i in range(_SLOTS)]
         since = [time.monotonic()] * _SLOTS
+        began = list(since)  # when each slot's current read began
+        cap = max(30.0, 10 * self.bound)
         tick = min(0.05, self.bound / 4)
         while True:
             if waiting.poll(tick * 1000):
@@ -241,9 +258,12 @@ class Reader:
             for i in range(_SLOTS):
                 head = _HEAD.unpack_from(page, i * _SLOT)
                 if head[0] != seen[i][0] or head[1] != seen[i][1]:
-                    seen[i], since[i] = head, now
+                    seen[i], since[i], began[i] = head, now, now
                 elif head[2] and now - since[i] >= self.bound:
-                    stuck.append(i)
+                    if now - began[i] < cap and _runnable(head[1]):
+                        since[i] = now  # starved of CPU (state R), not blocked: another bound
+                    else:
+                        stuck.append(i)
             if stuck:
                 self._record(page, stuck)
                 self._abandon(stuck_pids=[seen[i][1] for i in stuck])

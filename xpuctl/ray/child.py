@@ -248,15 +248,18 @@ def main(argv: list[str]) -> int:
         op = OPS[argv[0]]
         req = json.loads(sys.stdin.read() or "{}")
         req["package_parent"] = argv[1] if len(argv) > 1 else ""
-        explicit = _explicit(req.get("address", ""))
-        if explicit is not None:
-            check_listening(explicit)  # before `import ray`: an unreachable address fails at once
         try:
             import ray  # noqa: F401
+            from ray._private import services  # noqa: F401 (a ray that is Ray)
 
             req["import_seconds"] = round(time.monotonic() - started, 3)
         except ImportError as exc:
             raise Failure("no-ray", str(exc)) from None
+        explicit = _explicit(req.get("address", ""))
+        if explicit is not None:
+            # before Ray's address resolution and token (which may look up this host's own
+            # address): an address where nothing listens is refused at once
+            check_listening(explicit)
         enable_token()
         answer: dict[str, Any] = {"ok": True, **op(req)}
     except BaseException as exc:  # noqa: BLE001 - every failure is one JSON answer
