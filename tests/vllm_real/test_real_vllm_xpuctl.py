@@ -31,7 +31,7 @@ pytestmark = pytest.mark.vllm
 # The drain test sizes its in-flight work from the server under test (workload.py): a
 # calibration completion of one full batch gives the decode rate, a `shutdown --dry-run`
 # timed while that batch runs gives xpuctl's own time to a decision under load, and two
-# requests of n x MAX_TOKENS sequences are sized to last max(12 s, 4 x that) at the
+# requests of n x MAX_TOKENS sequences are sized to last max(40 s, 4 x that) at the
 # measured rate (at most DRAIN_S / 4). The drain budget is several times the work, so
 # vLLM's own deadline (drain + teardown) never cuts the drain: with a fixed n=384 and a
 # 40 s deadline, a machine twice as slow lost its requests (issue 8).

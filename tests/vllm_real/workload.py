@@ -28,7 +28,8 @@ from typing import NamedTuple
 
 from . import realvllm
 
-MIN_WORK_S = 12.0  # the in-flight work lasts at least this long at the measured rate
+MIN_WORK_S = 40.0  # the in-flight work lasts at least this long at the measured rate (a busy
+# 2-core machine has taken 12 s from `xpuctl shutdown` to its first SIGTERM: see the notes)
 LEAD_FACTOR = 4.0  # ... and at least this many times xpuctl's own time to a decision
 BUDGET_FACTOR = 4.0  # the drain budget is at least this many times the planned work
 MAX_SEQS = 8192  # a sanity cap on n (the response of one request holds n texts)
