@@ -487,3 +487,19 @@ def wait_log(fv_or_path, text: str, timeout: float = 30.0) -> bool:
         p = Path(fv_or_path)
         get = lambda: p.read_text(errors="replace") if p.exists() else ""  # noqa: E731
     return wait_for(lambda: text in get(), timeout, 0.05)
+
+
+def pidns_available() -> bool:
+    """`unshare --pid --fork --mount-proc` works here (root, or user namespaces): tests that
+    need a private PID namespace skip without it."""
+    import shutil
+    import subprocess
+
+    if shutil.which("unshare") is None:
+        return False
+    try:
+        p = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"],
+                           capture_output=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return p.returncode == 0

@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from proctools import is_gone, wait_for
+from proctools import is_gone, pidns_available, wait_for
 
 from test_serve_shutdown import XPUCTL, audit_lines, rig  # noqa: F401 (rig: fixture)
 
@@ -30,15 +28,6 @@ PY = sys.executable
 TESTS_DIR = Path(__file__).resolve().parent
 
 
-def _pidns_available() -> bool:
-    if shutil.which("unshare") is None:
-        return False
-    try:
-        p = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"],
-                           capture_output=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return False
-    return p.returncode == 0
 
 
 def assert_audit_whole(path: Path) -> list[dict]:
@@ -122,7 +111,7 @@ RESET_STEPS = [
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _pidns_available(), reason="needs unshare --pid (root)")
+@pytest.mark.skipif(not pidns_available(), reason="needs unshare --pid (root)")
 @pytest.mark.parametrize("step", RESET_STEPS)
 def test_reset_killed_at_each_step(tmp_path, proc_token, step):
     driver = tmp_path / "driver.py"

@@ -9,12 +9,12 @@ no signal reached the orphans, the file is still there, the audit log is empty.
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from proctools import pidns_available
 
 PY = sys.executable
 TESTS_DIR = Path(__file__).resolve().parent
@@ -78,15 +78,6 @@ print(json.dumps(out))
 """
 
 
-def _pidns_available() -> bool:
-    if shutil.which("unshare") is None:
-        return False
-    try:
-        p = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"],
-                           capture_output=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return False
-    return p.returncode == 0
 
 
 def _at_the_prompt(tmp_path: Path, token: str, keys: str) -> dict:
@@ -102,7 +93,7 @@ def _at_the_prompt(tmp_path: Path, token: str, keys: str) -> dict:
     return out
 
 
-@pytest.mark.skipif(not _pidns_available(), reason="needs unshare --pid (root)")
+@pytest.mark.skipif(not pidns_available(), reason="needs unshare --pid (root)")
 def test_ctrl_c_at_resets_prompt_exits_130_and_changes_nothing(tmp_path, proc_token):
     out = _at_the_prompt(tmp_path, proc_token, "\x03")
     assert out["code"] == 130, out["output"]
@@ -114,7 +105,7 @@ def test_ctrl_c_at_resets_prompt_exits_130_and_changes_nothing(tmp_path, proc_to
     assert out["stale_there"] and out["audit"] == "", out
 
 
-@pytest.mark.skipif(not _pidns_available(), reason="needs unshare --pid (root)")
+@pytest.mark.skipif(not pidns_available(), reason="needs unshare --pid (root)")
 def test_answering_no_or_eof_at_the_prompt_changes_nothing_either(tmp_path, proc_token):
     """The other ways out of the prompt: "n" (exit 1, as before) and end of input (^D: the
     operator gave no answer; exit 1 with one line), never 130."""

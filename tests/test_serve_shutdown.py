@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import stat
 import subprocess
@@ -30,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from proctools import (
+    pidns_available,
     FAKE_VLLM,
     TOKEN_VAR,
     StandInRoot,
@@ -1089,15 +1089,6 @@ def test_shutdown_keeps_the_exit_code_the_supervisor_recorded(rig):
     assert rec["exit_code"] == 0, rec  # vLLM exited 0; the supervisor recorded it
 
 
-def _pidns_available() -> bool:
-    if shutil.which("unshare") is None:
-        return False
-    try:
-        p = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"],
-                           capture_output=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return p.returncode == 0
 
 
 _DRIVER = r"""
@@ -1128,7 +1119,7 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.skipif(not _pidns_available(), reason="needs unshare --pid (root)")
+@pytest.mark.skipif(not pidns_available(), reason="needs unshare --pid (root)")
 def test_shutdown_all_in_a_private_pid_namespace(rig):
     """`--all` sees every vLLM on the host, so it runs where only our processes exist: with
     nothing running it exits 0; after a SIGKILLed API server it finds and stops the orphans."""
