@@ -29,8 +29,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
-from proctools import StandInRoot, new_token, reap_token  # noqa: E402
-from raytools import RayCluster, ray_env  # noqa: E402
+from proctools import StandInRoot, new_token, reap_token
+from raytools import RayCluster, ray_env
 
 TARGET_MARGIN = 1.5
 

@@ -105,9 +105,9 @@ def main() -> int:
             ret.append(t1 - t_api)
             shutdown(root, state, name, token)
             # the supervisor keeps the device locks until it has seen its tree go
-            pt.wait_for(lambda: pt.is_gone(rec["supervisor_pid"]), 30, 0.05)
+            pt.wait_for(lambda pid=rec["supervisor_pid"]: pt.is_gone(pid), 30, 0.05)
         R, T, K = 6, 4, 2
-        for i in range(args.hung):
+        for _ in range(args.hung):
             rc, t0, t1, err, port = serve(root, state, token, events,
                                           {"FAKE_VLLM_FAULTS": "hang-startup"},
                                           ["--ready-timeout", str(R), "--teardown-timeout", str(T),

@@ -39,20 +39,20 @@ import sys
 import tempfile
 import time
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO / "tests"))
 try:  # tests/proctools.py defines pytest fixtures; the benchmark does not need pytest itself
-    import pytest  # noqa: F401
+    import pytest  # noqa: F401 (is pytest importable?)
 except ImportError:  # pragma: no cover
     _stub = types.ModuleType("pytest")
-    _stub.fixture = lambda *a, **k: a[0] if a and callable(a[0]) else (lambda f: f)  # type: ignore[attr-defined]
+    _stub.fixture = lambda *a, **k: a[0] if a and callable(a[0]) else (lambda f: f)  # type: ignore[attr-defined]  # a stand-in module
     sys.modules["pytest"] = _stub
-import proctools as pt  # noqa: E402  (StandInRoot, start_fake_vllm, reap_token)
+import proctools as pt
 
 FORBIDDEN = ("torch", "intel_extension_for_pytorch", "pyzes", "vllm")
 MIB = 1 << 20
@@ -186,8 +186,8 @@ def run(cmd: Cmd, timeout: float = 600) -> tuple[float, subprocess.CompletedProc
         cmd.before()
     try:
         t0 = time.perf_counter()
-        r = subprocess.run(cmd.argv, env=cmd.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, timeout=timeout)
+        r = subprocess.run(cmd.argv, env=cmd.env, stdin=subprocess.DEVNULL, capture_output=True,
+                           timeout=timeout)
         dt = time.perf_counter() - t0
     finally:
         if cmd.after:
@@ -295,7 +295,7 @@ class Population:
             raise
 
     def _readline(self, timeout: float) -> str:
-        fd = self.proc.stdout.fileno()  # type: ignore[union-attr]
+        fd = self.proc.stdout.fileno()  # type: ignore[union-attr]  # started with stdout=PIPE
         buf = b""
         deadline = time.monotonic() + timeout
         while not buf.endswith(b"\n"):
@@ -449,7 +449,7 @@ def scan_cmds(c: Ctx, root: str, node: str, expected: list[int], min_fds: int) -
     ]
 
 
-def scenario_scan(c: Ctx, n: int, root: "pt.StandInRoot") -> dict:
+def scenario_scan(c: Ctx, n: int, root: pt.StandInRoot) -> dict:
     a = c.args
     node = root.node(0)
     n_hold = min(10, n)
@@ -560,7 +560,7 @@ def scenario_shutdown(c: Ctx) -> dict:
     fake_env = {"FAKE_VLLM_TEARDOWN_S": "0", "FAKE_VLLM_STARTUP_S": "0.1"}
     imports: dict = {}
 
-    def start() -> "pt.FakeVllm":
+    def start() -> pt.FakeVllm:
         fv = pt.start_fake_vllm(token, root.root, shutdown_timeout=5, env=fake_env, python=c.py)
         if not fv.wait_ready(60):
             raise BenchError(f"fake vLLM not ready: {fv.log()[-600:]}")
@@ -568,7 +568,7 @@ def scenario_shutdown(c: Ctx) -> dict:
             raise BenchError("fake vLLM worker does not hold the stand-in node")
         return fv
 
-    def alone(fv: "pt.FakeVllm") -> float:
+    def alone(fv: pt.FakeVllm) -> float:
         pids = [fv.pid] + fv.tree()
         fds = [os.pidfd_open(p) for p in pids]
         try:
@@ -581,7 +581,7 @@ def scenario_shutdown(c: Ctx) -> dict:
             for fd in fds:
                 os.close(fd)
 
-    def via_xpuctl(fv: "pt.FakeVllm") -> float:
+    def via_xpuctl(fv: pt.FakeVllm) -> float:
         cmd = Cmd("shutdown", "xpuctl shutdown", [c.xpuctl, "--root", root.root, "shutdown", "--pid",
                                                   str(fv.pid), "--json", "--state-dir", state], c.env)
         dt, r = run(cmd, timeout=120)
@@ -644,7 +644,7 @@ def import_check(c: Ctx, root: str, state: str) -> dict:
             r = subprocess.run([c.py, "-c", MODULES_PROBE, *argv], env=e, stdin=subprocess.DEVNULL,
                                capture_output=True, timeout=300)
             try:
-                mods = open(path).read().split()
+                mods = Path(path).read_text().split()
             except OSError:
                 raise BenchError(f"import probe for {name} wrote nothing (exit {r.returncode}): "
                                  f"{r.stderr.decode(errors='replace')[-400:]}") from None
@@ -682,7 +682,8 @@ def build_report(c: Ctx) -> tuple[str, list[dict]]:
     if a.rounds < 5:
         L.append("NOTE: fewer than 5 rounds (--quick?): figures are indicative only")
     L.append("")
-    L.append(f"  {'scenario':<11} {'measurement (wall seconds unless noted)':<44} {'median':>8} {'min':>8} {'max':>8} {'n':>3}")
+    what = "measurement (wall seconds unless noted)"
+    L.append(f"  {'scenario':<11} {what:<44} {'median':>8} {'min':>8} {'max':>8} {'n':>3}")
     L.append("  " + "-" * 86)
     scans = res.get("scan", {})
     for n, s in sorted(scans.items()):
@@ -725,11 +726,12 @@ def build_report(c: Ctx) -> tuple[str, list[dict]]:
                  "the table pools them; each N's figures above idle use the idle right before and after it")
     growth = growth_figure(scans)
     if growth:
-        lo, hi, g, lim = growth
+        lo, hi, g, _lim = growth
         others = "   ".join(f"{k} {v:.2f}" for k, v in
-                            ((k, growth_figure(scans, k)[2]) for k in ("fuser", "lsof", "floor")))  # type: ignore[index]
-        L.append(f"  growth above idle, N={hi} / N={lo} ({hi / lo:g} x the processes and fds): doctor {g:.2f}   {others}")
-        mins = "   ".join(f"{k} {growth_figure(scans, k, min)[2]:.2f}"  # type: ignore[index]
+                            ((k, growth_figure(scans, k)[2]) for k in ("fuser", "lsof", "floor")))  # type: ignore[index]  # a figure, not None, once both sizes ran
+        L.append(f"  growth above idle, N={hi} / N={lo} ({hi / lo:g} x the processes and fds): "
+                 f"doctor {g:.2f}   {others}")
+        mins = "   ".join(f"{k} {growth_figure(scans, k, min)[2]:.2f}"  # type: ignore[index]  # as above
                            for k in ("doctor", "fuser", "lsof", "floor"))
         L.append(f"  the same from the fastest runs (less sensitive to other work on the host): {mins}")
     if st:
@@ -873,10 +875,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="xpuctl performance benchmark (see bench/README.md)")
     p.add_argument("--rounds", type=int, default=5, help="timed rounds for scan and shutdown (default 5)")
     p.add_argument("--start-rounds", type=int, help="timed rounds for start-up commands (default 3 x --rounds)")
-    p.add_argument("--sizes", default="250,1000,4000", help="process counts N (default 250,1000,4000; N=0 is always run)")
+    p.add_argument("--sizes", default="250,1000,4000",
+                   help="process counts N (default 250,1000,4000; N=0 is always run)")
     p.add_argument("--fds", type=int, default=35, help="open fds per process, 0-2 included (default 35)")
     p.add_argument("--holder-mode", choices=("exec", "fork"), default="exec",
-                   help="holders exec `sleep infinity` (default, ~0.2 MiB each) or stay forked Python copies (~0.6 MiB)")
+                   help="holders exec `sleep infinity` (default, ~0.2 MiB each) "
+                        "or stay forked Python copies (~0.6 MiB)")
     p.add_argument("--rss-runs", type=int, default=3, help="runs under /usr/bin/time -v per N (default 3)")
     p.add_argument("--quick", action="store_true", help="smoke run: 3 rounds, sizes 250,1000")
     p.add_argument("--only", default="scan,start,shutdown", help="scenarios to run (comma list)")

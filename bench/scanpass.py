@@ -26,12 +26,14 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import run as bench  # noqa: E402  (Population, StandInRoot via proctools)
+import run as bench
 
-from xpuctl.host import seam  # noqa: E402
-from xpuctl.host.seam import Host  # noqa: E402
-from xpuctl.host import processes  # noqa: E402
-from xpuctl.host import split as Sp  # noqa: E402
+from xpuctl.host import (
+    processes,
+    seam,
+)
+from xpuctl.host import split as Sp
+from xpuctl.host.seam import Host
 
 
 def plain(host: Host) -> processes.FdScan:

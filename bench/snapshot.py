@@ -69,7 +69,7 @@ def main() -> int:
             def check(r: subprocess.CompletedProcess) -> str | None:
                 sizes[key].append(os.path.getsize(archive))
                 back = subprocess.run([a.xpuctl, "doctor", "--json", "--from", archive],
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                                      capture_output=True)
                 if back.returncode not in (0, 1):
                     return f"doctor --from exited {back.returncode}: {back.stderr[-300:]!r}"
                 return doctor_check(back)

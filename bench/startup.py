@@ -62,7 +62,7 @@ def main() -> None:
     base = times["import typer"]
     print(f"{args.rounds} rounds; python {sys.version.split()[0]}; median ms and median paired ratio to import typer")
     for k, ts in times.items():
-        ratios = [t / b for t, b in zip(ts, base)]
+        ratios = [t / b for t, b in zip(ts, base, strict=True)]
         print(f"  {k:32s} {statistics.median(ts) * 1000:7.1f} ms   {statistics.median(ratios):5.2f}x")
 
 

@@ -7,9 +7,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from proctools import proc_token, standin_root  # noqa: E402,F401
-
-import pytest  # noqa: E402
+import pytest
+from proctools import proc_token, standin_root  # noqa: F401 (fixtures for every test module)
 
 
 @pytest.fixture(autouse=True)

@@ -535,10 +535,7 @@ class FakeHost:
         (self.root / d / "fdinfo").mkdir(parents=True, exist_ok=True)
         for fd, link in fds.items():
             self._symlink(f"{d}/fd/{fd}", link)
-            if fd in fdinfo:
-                text = fdinfo[fd]
-            else:
-                text = self._default_fdinfo(link, fd, pid)
+            text = fdinfo[fd] if fd in fdinfo else self._default_fdinfo(link, fd, pid)
             if text is not None:
                 self._write(f"{d}/fdinfo/{fd}", text)
         # tasks: the main thread always; extra tids share the same stat
@@ -920,7 +917,7 @@ def _vllm_tp2(h: FakeHost, api_alive: bool) -> None:
         h.add_tcp_listen(8000, 40001)
         # a client connected to the API server
         h.add_tcp(8000, 40002, addr="127.0.0.1", st=0x01, rem_addr="127.0.0.1", rem_port=51234)
-        for uuid, inode in zip(UUIDS_API, (40021, 40022)):
+        for uuid, inode in zip(UUIDS_API, (40021, 40022), strict=True):
             h.add_unix_socket(f"/tmp/{uuid}", inode)
     else:
         # the HTTP port is free at once; only a TIME_WAIT row of an old connection is left
@@ -959,7 +956,7 @@ def _vllm_tp2(h: FakeHost, api_alive: bool) -> None:
         7: xe_fdinfo(11, BDF0, [ENGINE_VRAM0], ino=685),
         8: xe_fdinfo(11, BDF1, [ENGINE_VRAM1], ino=686),
     }  # same id, other device
-    for n, (uuid, inode) in enumerate(zip(UUIDS_ENGINE, (40011, 40012, 40013))):
+    for n, (uuid, inode) in enumerate(zip(UUIDS_ENGINE, (40011, 40012, 40013), strict=True)):
         engine_fds[21 + n] = f"socket:[{inode}]"
         h.add_unix_socket(f"/tmp/{uuid}", inode)
         h.add_file(f"/tmp/{uuid}", uid=1000, kind="socket", mtime=h.at(3006))

@@ -26,8 +26,8 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
 import pytest
 
@@ -243,7 +243,7 @@ def reap_token(token: str, timeout: float = 30.0) -> list[int]:
             _signal_if_token(p, needle, signal.SIGCONT)
             if _signal_if_token(p, needle, signal.SIGKILL) and p not in killed:
                 killed.append(p)
-        wait_for(lambda: all(is_gone(p) for p in pids), 2.0, 0.02)
+        wait_for(lambda left=pids: all(is_gone(p) for p in left), 2.0, 0.02)
         if time.monotonic() > end:
             left = pids_with_token(token)
             if left:
@@ -325,7 +325,7 @@ class StandInRoot:
     def close(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
 
-    def __enter__(self) -> "StandInRoot":
+    def __enter__(self) -> StandInRoot:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -395,7 +395,7 @@ def metric(text: str, name: str) -> float | None:
     """Sum of a Prometheus sample over all label sets (None if absent)."""
     total, seen = 0.0, False
     for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
+        if line.startswith((name + "{", name + " ")):
             total += float(line.rsplit(None, 1)[1])
             seen = True
     return total if seen else None
@@ -485,7 +485,8 @@ def wait_log(fv_or_path, text: str, timeout: float = 30.0) -> bool:
         get = fv_or_path.log
     else:
         p = Path(fv_or_path)
-        get = lambda: p.read_text(errors="replace") if p.exists() else ""  # noqa: E731
+        def get() -> str:
+            return p.read_text(errors="replace") if p.exists() else ""
     return wait_for(lambda: text in get(), timeout, 0.05)
 
 

@@ -15,10 +15,10 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 import fakehost as fh
 import proctools
+import pytest
+
 from xpuctl.host import reader as R
 from xpuctl.host.seam import Host
 
@@ -290,7 +290,7 @@ def fuse_stall(tmp_path, proc_token):
     mnt.mkdir()
     server = subprocess.Popen([sys.executable, str(FUSE_SERVER), str(mnt)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=proctools.token_env(proc_token),
-                              preexec_fn=lambda: proctools_deathsig())
+                              preexec_fn=proctools_deathsig)  # noqa: PLW1509 (no threads yet)
     try:
         line = server.stdout.readline().strip()
         if line != "ready":

@@ -8,10 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import fakehost
 import pytest
 from typer.testing import CliRunner
 
-import fakehost
 from xpuctl import __version__
 from xpuctl.cli import app
 
@@ -90,10 +90,8 @@ def test_serve_options_after_the_model_are_refused(tmp_path):
 )
 def test_click_usage_errors_are_one_line_without_a_box(tmp_path, args, needle):
     """Through the real entry point (a subprocess): one line on stderr, exit 2, no panel."""
-    if args[0] == "serve" and "--port" in args:  # serve reaches its own checks: a live root
-        root = ["--root", "/"]
-    else:
-        root = []
+    # serve reaches its own checks: a live root
+    root = ["--root", "/"] if args[0] == "serve" and "--port" in args else []
     out = run(*root, *args, env={"XPUCTL_STATE_DIR": str(tmp_path / "state"), "COLUMNS": "80"})
     assert out.returncode == 2, out
     lines = out.stderr.splitlines()
@@ -261,7 +259,7 @@ def test_prometheus_output(tmp_path):
     assert 'xpuctl_doctor_status{status="dirty"} 1' in text
     assert 'xpuctl_device_orphan_processes{device="0000:03:00.0"}' in text
     for line in text.splitlines():
-        assert line.startswith("#") or line.startswith("xpuctl_"), line
+        assert line.startswith(("#", "xpuctl_")), line
         if not line.startswith("#"):
             float(line.rsplit(" ", 1)[1])
 

@@ -18,12 +18,12 @@ import pytest
 from fakehost import GiB, MiB
 from typer.testing import CliRunner
 
-from xpuctl.parse import probes
-from xpuctl.probes import baseline, reconcile, runner
 from xpuctl.cli import app
-from xpuctl.host.seam import Host
-from xpuctl.parse.probes import ProbeDevice, ProbeProcess, ProbeResult
 from xpuctl.host.scan import take_scan
+from xpuctl.host.seam import Host
+from xpuctl.parse import probes
+from xpuctl.parse.probes import ProbeDevice, ProbeProcess, ProbeResult
+from xpuctl.probes import baseline, reconcile, runner
 
 STANDINS = Path(__file__).resolve().parent / "standins"
 BDF0, BDF1 = "0000:03:00.0", "0000:04:00.0"
@@ -223,7 +223,7 @@ def test_lost_device_from_sysman_and_torch(tmp_path):
 def test_requires_reset_is_lost_too(tmp_path):
     scen = base_scenario()
     scen["pyzes"]["devices"][0]["lost"] = "reset"
-    code, data = deep_json(tmp_path, standin_env(tmp_path, scen, torch="absent", xpusmi=False),
+    _code, data = deep_json(tmp_path, standin_env(tmp_path, scen, torch="absent", xpusmi=False),
                            "--probe-timeout", "60")
     (f,) = findings(data, "device-lost")
     assert f["device"] == BDF0 and "REQUIRES_RESET" in f["message"]
@@ -243,7 +243,7 @@ def test_hung_init_times_out_and_leaves_nothing(tmp_path):
     scen["pyzes"].update({"hang": True, "pidfile": str(pidfile)})
     env = standin_env(tmp_path, scen, xpusmi=False)
     t0 = time.monotonic()
-    code, data = deep_json(tmp_path, env, "--probe-timeout", "8")
+    _code, data = deep_json(tmp_path, env, "--probe-timeout", "8")
     took = time.monotonic() - t0
     sysman = probe(data, "sysman")
     assert sysman["available"] is False and sysman["timed_out"] is True and "8 s" in sysman["reason"]
@@ -264,7 +264,7 @@ def test_hung_init_times_out_and_leaves_nothing(tmp_path):
 def test_missing_loader_and_missing_packages(tmp_path):
     scen = base_scenario()
     scen["pyzes"]["loader"] = str(tmp_path / "nowhere" / "libze_loader.so.1")
-    code, data = deep_json(tmp_path, standin_env(tmp_path, scen, torch="absent", xpusmi=False),
+    _code, data = deep_json(tmp_path, standin_env(tmp_path, scen, torch="absent", xpusmi=False),
                            "--probe-timeout", "60")
     sysman, torch, smi = probe(data, "sysman"), probe(data, "torch"), probe(data, "xpu-smi")
     assert not sysman["available"] and "loader not found" in sysman["reason"]
@@ -279,7 +279,7 @@ def test_missing_loader_and_missing_packages(tmp_path):
 
 
 def test_pyzes_not_installed(tmp_path):
-    code, data = deep_json(tmp_path, standin_env(tmp_path, base_scenario(), pyzes=False, xpusmi=False),
+    _code, data = deep_json(tmp_path, standin_env(tmp_path, base_scenario(), pyzes=False, xpusmi=False),
                            "--probe-timeout", "60")
     assert "pyzes is not installed" in probe(data, "sysman")["reason"]
 
@@ -288,7 +288,7 @@ def test_unsupported_process_list_gives_memory_only(tmp_path):
     scen = base_scenario()
     scen["pyzes"]["devices"][0]["processes"] = "unsupported"
     scen["pyzes"]["devices"][1]["processes"] = "permissions"
-    code, data = deep_json(tmp_path, standin_env(tmp_path, scen), "--probe-timeout", "60")
+    _code, data = deep_json(tmp_path, standin_env(tmp_path, scen), "--probe-timeout", "60")
     sysman = probe(data, "sysman")
     assert sysman["available"]
     assert any("UNSUPPORTED_FEATURE" in n and "memory only" in n for n in sysman["notes"])
@@ -308,7 +308,7 @@ def test_unsupported_process_list_gives_memory_only(tmp_path):
 def test_xpusmi_garbage_or_failure_makes_it_unavailable(tmp_path, fault, needle):
     scen = base_scenario()
     scen["xpusmi"].update(fault)
-    code, data = deep_json(tmp_path, standin_env(tmp_path, scen), "--probe-timeout", "60")
+    _code, data = deep_json(tmp_path, standin_env(tmp_path, scen), "--probe-timeout", "60")
     smi = probe(data, "xpu-smi")
     assert smi["available"] is False and needle in smi["reason"], smi
 
@@ -316,7 +316,7 @@ def test_xpusmi_garbage_or_failure_makes_it_unavailable(tmp_path, fault, needle)
 def test_probe_printing_garbage_is_unavailable_with_reason(tmp_path):
     scen = base_scenario()
     scen["torch"]["garbage"] = True
-    code, data = deep_json(tmp_path, standin_env(tmp_path, scen), "--probe-timeout", "60")
+    _code, data = deep_json(tmp_path, standin_env(tmp_path, scen), "--probe-timeout", "60")
     torch = probe(data, "torch")
     assert torch["available"] is False and "exited with 3" in torch["reason"]
 
@@ -324,7 +324,7 @@ def test_probe_printing_garbage_is_unavailable_with_reason(tmp_path):
 def test_old_torch_without_ipex(tmp_path):
     scen = base_scenario()
     scen["torch"]["version"] = "2.3.1+cxx11.abi"
-    code, data = deep_json(tmp_path, standin_env(tmp_path, scen), "--probe-timeout", "60")
+    _code, data = deep_json(tmp_path, standin_env(tmp_path, scen), "--probe-timeout", "60")
     torch = probe(data, "torch")
     assert torch["available"] is False
     assert "2.5 or later" in torch["reason"] and "intel-extension-for-pytorch is not installed" in torch["reason"]
@@ -334,7 +334,7 @@ def test_old_torch_with_ipex(tmp_path):
     scen = base_scenario()
     scen["torch"]["version"] = "2.3.1+cxx11.abi"
     env = standin_env(tmp_path, scen, pyzes=False, xpusmi=False, ipex=True)
-    code, data = deep_json(tmp_path, env, "--probe-timeout", "60")
+    _code, data = deep_json(tmp_path, env, "--probe-timeout", "60")
     torch = probe(data, "torch")
     assert torch["available"] is True and torch["version"] == "2.3.1+cxx11.abi"
     assert any("end-of-life" in n and "2.5 or later" in n and "needs no IPEX" in n for n in torch["notes"])
@@ -350,7 +350,7 @@ def test_caller_affinity_mask_is_dropped_for_the_probes(tmp_path):
     env = standin_env(tmp_path, scen, pyzes=False, xpusmi=False)
     env.update({"ZE_AFFINITY_MASK": "1", "ONEAPI_DEVICE_SELECTOR": "level_zero:1",
                 "ZE_FLAT_DEVICE_HIERARCHY": "FLAT"})
-    code, data = deep_json(tmp_path, env, "--probe-timeout", "60")
+    _code, data = deep_json(tmp_path, env, "--probe-timeout", "60")
     seen = json.loads((tmp_path / "seen.torch").read_text())
     assert "ZE_AFFINITY_MASK" not in seen and "ONEAPI_DEVICE_SELECTOR" not in seen
     assert seen["ZE_ENABLE_PCI_ID_DEVICE_ORDER"] == "1"
@@ -367,7 +367,7 @@ def test_caller_affinity_mask_is_dropped_for_the_probes(tmp_path):
 def test_real_torch_cpu_build_is_installed_without_xpu(tmp_path):
     """The real torch 2.13.0 CPU wheel: importable, torch.xpu present, no device."""
     env = standin_env(tmp_path, {}, pyzes=False, torch="real", xpusmi=False)
-    code, data = deep_json(tmp_path, env, "--probe-timeout", "120")
+    _code, data = deep_json(tmp_path, env, "--probe-timeout", "120")
     torch = probe(data, "torch")
     assert torch["available"] is False and torch["timed_out"] is False, torch
     assert torch["version"].startswith("2.") and "is_available() is False" in torch["reason"]
@@ -505,7 +505,7 @@ def test_pid_namespace_inspection_finding(tmp_path):
 def test_lost_device_without_pci_address_is_still_reported(tmp_path):
     scen = base_scenario()
     scen["pyzes"]["devices"][1].update({"lost": "lost", "pci_lost": True})
-    code, data = deep_json(tmp_path, standin_env(tmp_path, scen, torch="absent", xpusmi=False),
+    _code, data = deep_json(tmp_path, standin_env(tmp_path, scen, torch="absent", xpusmi=False),
                            "--probe-timeout", "60")
     (f,) = findings(data, "device-lost")
     assert f["device"] is None and "sysman device #1" in f["message"] and "unbind" in f["remedy"]

@@ -30,8 +30,8 @@ from proctools import wait_for
 from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
-from xpuctl.core.checks import CHECKS
 from xpuctl.cli import app
+from xpuctl.core.checks import CHECKS
 from xpuctl.serve.budget import worst_stop_seconds
 
 K8S = DEPLOY / "kubernetes"
@@ -154,7 +154,7 @@ def test_serve_is_pid_1_in_the_foreground(pod):
 def test_gpu_resource_readiness_and_port(pod):
     main = serving(pod)
     gpus = {k: v for k, v in main["resources"]["limits"].items() if k in GPU_RESOURCES}
-    assert len(gpus) == 1 and list(gpus.values())[0] >= 1, main["resources"]
+    assert len(gpus) == 1 and next(iter(gpus.values())) >= 1, main["resources"]
     _, p = parse_xpuctl(main["command"][1:])
     rest = list(p["vllm_args"] or []) + p["_extra"]
     port = int(rest[rest.index("--port") + 1])

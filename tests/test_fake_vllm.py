@@ -7,9 +7,9 @@ import signal
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import pytest
-
 from proctools import (
     FAKE_VLLM,
     StandInRoot,
@@ -223,7 +223,7 @@ def test_shebang_fallback_titles_and_affinity(standin_root, proc_token):
                                  "--shutdown-timeout", "5"], env=env, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     assert wait_for(lambda: http_get(f"http://127.0.0.1:{port}/health", 0.5)[0] == 200, 60), \
-        open(log_path).read()
+        Path(log_path).read_text()
     kids = [p for p in pids_with_token(proc_token) if p != proc.pid]
     titles = sorted(title(p) for p in kids)
     assert titles == ["VLLMX::EngineCore", "VLLMX::Worker"], [cmdline(p) for p in kids]
@@ -467,11 +467,11 @@ def test_standin_root_layout(tmp_path):
         assert r.node(1) == os.path.join(R, "dev/dri/renderD129") and os.path.isfile(r.node(1))
         assert (r.bdf(0), r.bdf(1)) == ("0000:03:00.0", "0000:04:00.0")
         cls = os.path.join(R, "sys/class/drm/renderD129")
-        assert open(os.path.join(cls, "dev")).read() == "226:129\n"
+        assert Path(os.path.join(cls, "dev")).read_text() == "226:129\n"
         dev = os.path.realpath(os.path.join(cls, "device"))
         assert dev == os.path.realpath(os.path.join(R, "sys/devices/pci0000:00/0000:04:00.0"))
-        assert open(os.path.join(dev, "vendor")).read() == "0x8086\n"
-        assert open(os.path.join(dev, "device")).read() == "0xe20b\n"
+        assert Path(os.path.join(dev, "vendor")).read_text() == "0x8086\n"
+        assert Path(os.path.join(dev, "device")).read_text() == "0xe20b\n"
         drv = os.path.join(dev, "driver")
         assert os.readlink(drv) == "../../../bus/pci/drivers/xe"
         assert os.path.realpath(drv) == os.path.realpath(os.path.join(R, "sys/bus/pci/drivers/xe"))

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 from proctools import is_gone, pidns_available, wait_for
-
 from test_serve_shutdown import XPUCTL, audit_lines, rig  # noqa: F401 (rig: fixture)
 
 from xpuctl.host.readchild import COMM
@@ -218,7 +217,8 @@ def test_shutdown_killed_at_each_step(rig, step):
 
     # the next doctor tells the truth about this run's processes
     # doctor lists vLLM: not the supervisor, nor its readers (xpuctl/host/reader.py)
-    vllm = lambda: {p for p in rig.alive() if _comm(p) != COMM} - {rec["supervisor_pid"]}  # noqa: E731
+    def vllm() -> set[int]:
+        return {p for p in rig.alive() if _comm(p) != COMM} - {rec["supervisor_pid"]}
     before = vllm()
     doc = rig.xpuctl("doctor", "--json", "--state-dir", rig.state)
     after_doc = vllm()

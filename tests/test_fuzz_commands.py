@@ -121,7 +121,7 @@ def test_mutated_host_never_breaks_a_command(trees, which, command, edits):
         result = runner.invoke(app, ["--root", str(tree.root), *command])
     finally:
         tree.restore(touched)
-    what = f"{command} after {[(str(p.relative_to(tree.root)), e[1]) for p, e in zip(touched, edits)]}"
+    what = f"{command} after {[(str(p.relative_to(tree.root)), e[1]) for p, e in zip(touched, edits, strict=True)]}"
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         raise AssertionError(f"{what}: uncaught {result.exception!r}") from result.exception
     out = hostile.assert_terminal_safe(result.stdout_bytes, f"{what} stdout")

@@ -8,11 +8,11 @@ import re
 import subprocess
 import sys
 
+import fakehost
 import pytest
 import typer
 from typer.testing import CliRunner
 
-import fakehost
 from xpuctl.cli import app
 from xpuctl.cli.group import COMMANDS
 

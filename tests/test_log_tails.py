@@ -4,9 +4,9 @@ only, through `parse.vllmlog.log_lines`."""
 
 from __future__ import annotations
 
-from xpuctl.state.lastrun import log_tail
 from xpuctl.output.safetext import safe
 from xpuctl.shutdown.logtail import LogTail
+from xpuctl.state.lastrun import log_tail
 
 BAR = "Processed prompts:  50%|#####     | 1/2\rProcessed prompts: 100%|##########| 2/2"
 

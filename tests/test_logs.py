@@ -19,8 +19,8 @@ from pathlib import Path
 import proctools
 import pytest
 
-from xpuctl.state import runs
 from xpuctl.logs import start_of_last_lines
+from xpuctl.state import runs
 
 XPUCTL = [sys.executable, "-m", "xpuctl"]
 
@@ -38,6 +38,11 @@ def make_run(state: Path, name: str, content: bytes, supervisor: int | None = No
                          supervisor_pid=supervisor)
     runs.write_record(sdir, rec)
     return rec
+
+
+def _default_sigint() -> None:
+    """In the child before exec: Ctrl-C as at an operator's terminal (a background suite ignores it)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def xpuctl(state: Path, *args: str, **kw) -> subprocess.CompletedProcess:
@@ -205,7 +210,7 @@ def test_follow_interrupted_exits_130(tmp_path, proc_token):
             # ignored, and Python keeps it ignored: give the follower the default, as a terminal would
             follower = subprocess.Popen([*XPUCTL, "logs", "r", "-f"], stdout=out,
                                         stderr=subprocess.PIPE, env=env,
-                                        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                                        preexec_fn=_default_sigint)  # noqa: PLW1509 (no threads)
         try:
             assert proctools.wait_for(lambda: out_path.read_bytes() == LOG, 30)
             follower.send_signal(signal.SIGINT)

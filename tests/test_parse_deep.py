@@ -8,8 +8,7 @@ import struct
 
 import pytest
 
-from xpuctl.parse import kmd
-from xpuctl.parse import xpusmi
+from xpuctl.parse import kmd, xpusmi
 from xpuctl.parse.probes import (
     ProbeOutputError,
     parse_probe_output,
@@ -135,8 +134,8 @@ DISCOVERY_V2 = json.dumps({"device_list": [
      "number_of_tiles": 1},
     {"device_id": 1, "device_name": "Intel(R) Arc(TM) Pro B60 Graphics", "device_type": "GPU",
      "pci_bdf_address": "0000:04:00.0"}]})
-PS_V1 = '{"device_util_by_proc_list": [{"device_id": 0, "mem_size": 61865984, "process_id": 12345, ' \
-        '"process_name": "python3", "shared_mem_size": 0}]}'
+PS_V1 = ('{"device_util_by_proc_list": [{"device_id": 0, "mem_size": 61865984, "process_id": 12345, '
+         '"process_name": "python3", "shared_mem_size": 0}]}')
 PS_V2 = json.dumps({"device_util_by_proc_list": [
     {"process_id": 7, "process_name": "vllm", "device_id": 1, "engines": 2, "shared_mem_size": 1,
      "mem_size": 1048576}]})
@@ -155,7 +154,8 @@ def test_xpusmi_v1_and_v2_golden():
 
 
 @pytest.mark.parametrize("text", ["", "xpu-smi: command failed", "[]", '{"device_list": 3}',
-                                  '{"device_list": [{"device_name": "x"}]}', '{"error": "device not found", "errno": 5}'])
+                                  '{"device_list": [{"device_name": "x"}]}',
+                                  '{"error": "device not found", "errno": 5}'])
 def test_xpusmi_bad_discovery(text):
     with pytest.raises(xpusmi.XpuSmiError):
         xpusmi.parse_discovery(text)
@@ -231,7 +231,7 @@ def test_kmd_probe_two_call_protocol(monkeypatch):
     assert probe._i915(0) == I915_DG2
 
     def refuses(fd, req, buf, mutate):
-        num, _flags, items = kmd.I915_QUERY.unpack(bytes(buf))
+        _num, _flags, items = kmd.I915_QUERY.unpack(bytes(buf))
         qid, _, flags, data = kmd.I915_QUERY_ITEM.unpack(ctypes.string_at(items, kmd.I915_QUERY_ITEM.size))
         ctypes.memmove(items, kmd.I915_QUERY_ITEM.pack(qid, -22, flags, data), kmd.I915_QUERY_ITEM.size)
         return 0

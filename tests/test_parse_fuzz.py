@@ -11,12 +11,23 @@ import json
 import struct
 
 import pytest
-
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from xpuctl.parse import envvars, fdinfo, kmd, net, probes, procfs, roles, sockdiag, vllmargs, vllmlog, xpusmi
 from xpuctl.errors import UsageError
+from xpuctl.parse import (
+    envvars,
+    fdinfo,
+    kmd,
+    net,
+    probes,
+    procfs,
+    roles,
+    sockdiag,
+    vllmargs,
+    vllmlog,
+    xpusmi,
+)
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 texts = st.text(max_size=2000)

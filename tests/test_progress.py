@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from xpuctl.core import advice
-from xpuctl.output import progress
 from xpuctl.core.checks import REGISTRY, last_run_findings
+from xpuctl.output import progress
 from xpuctl.parse import vllmlog
 from xpuctl.state import lastrun
 
@@ -295,10 +295,10 @@ def test_doctor_and_reset_show_last_run_for_each_signature(tmp_path, key):
 
 
 def test_a_tree_that_never_became_ready_gets_the_teardown_budget_only():
-    from xpuctl.state.runs import RunRecord
+    from xpuctl.actions.signals import Target
     from xpuctl.shutdown.ladder import DRAIN_MARGIN, exit_budget
     from xpuctl.shutdown.targets import ServerTree
-    from xpuctl.actions.signals import Target
+    from xpuctl.state.runs import RunRecord
 
     rec = RunRecord(name="r", run_id="1" * 16, pid=10, start_ticks=1, session=10, command=[],
                     devices=[], port=8000, host="127.0.0.1", shutdown_timeout=50,

@@ -23,9 +23,8 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 import fakehost
+import pytest
 from proctools import (
     TOKEN_VAR,
     StandInRoot,

@@ -8,11 +8,11 @@ import signal
 import subprocess
 import sys
 
+import fakehost
+import proctools
 import pytest
 from typer.testing import CliRunner
 
-import fakehost
-import proctools
 from xpuctl.cli import app
 
 runner = CliRunner()

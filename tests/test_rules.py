@@ -27,7 +27,7 @@ EXAMPLES = (
 
 def test_every_pattern_has_an_example():
     assert len(EXAMPLES) == len(PATTERNS)
-    for (directory, name), (pdir, pattern, _kind, _sock) in zip(EXAMPLES, PATTERNS):
+    for (directory, name), (pdir, pattern, _kind, _sock) in zip(EXAMPLES, PATTERNS, strict=True):
         assert directory == pdir and pattern.match(name), name
 
 

@@ -9,13 +9,14 @@ the plain pass finds, and fall back to scanning everything itself when the helpe
 
 from __future__ import annotations
 
+import functools
+import operator
 import os
 import subprocess
 import sys
 import threading
 
 import pytest
-
 from proctools import (
     holders,
     proc_token,  # noqa: F401  (fixture)
@@ -23,9 +24,10 @@ from proctools import (
     token_env,
     wait_for,
 )
-from xpuctl.host.seam import Host
+
 from xpuctl.host import processes
 from xpuctl.host import split as Sp
+from xpuctl.host.seam import Host
 
 PY = sys.executable
 
@@ -255,7 +257,7 @@ def test_in_two_covers_every_item_once(monkeypatch):
 
     _split_env(monkeypatch)
     items = list(range(1000))
-    parts = Sp.in_two(lambda xs: list(xs), items, marshal.dumps, marshal.loads)
+    parts = Sp.in_two(list, items, marshal.dumps, marshal.loads)
     assert len(parts) == 2
     assert sorted(parts[0] + parts[1]) == items
 
@@ -292,8 +294,8 @@ def test_in_two_without_fork_or_helper_still_covers_everything(monkeypatch):
         raise OSError("EAGAIN")
 
     monkeypatch.setattr(Sp.os, "fork", no_fork)
-    parts = Sp.in_two(lambda xs: list(xs), items, marshal.dumps, marshal.loads)
-    assert sorted(sum(parts, [])) == items
+    parts = Sp.in_two(list, items, marshal.dumps, marshal.loads)
+    assert sorted(functools.reduce(operator.iadd, parts, [])) == items
     monkeypatch.undo()
     _split_env(monkeypatch)
     before = set(children_left())
@@ -301,8 +303,8 @@ def test_in_two_without_fork_or_helper_still_covers_everything(monkeypatch):
     def garbled(_):
         return b"\xff\xfe"  # not marshal data
 
-    parts = Sp.in_two(lambda xs: list(xs), items, garbled, marshal.loads)
-    assert sorted(sum(parts, [])) == items
+    parts = Sp.in_two(list, items, garbled, marshal.loads)
+    assert sorted(functools.reduce(operator.iadd, parts, [])) == items
     assert set(children_left()) <= before
 
 
@@ -323,7 +325,7 @@ def test_helper_runs_no_signal_handler_of_the_caller(monkeypatch, tmp_path):
 
         before = set(children_left())
         parts = Sp.in_two(work, list(range(400)), marshal.dumps, marshal.loads)
-        assert sorted(sum(parts, [])) == list(range(400))  # its chunks were redone here
+        assert sorted(functools.reduce(operator.iadd, parts, [])) == list(range(400))  # its chunks were redone here
         assert not ran.exists()
         assert set(children_left()) <= before
     finally:
@@ -336,9 +338,9 @@ def test_shutdown_members_read_environ_only_since_the_run_and_cmdline_only_of_me
     the target's mmap lock, which a process stuck in the kernel can hold for good."""
     import time
 
+    from xpuctl.actions.signals import target_of
     from xpuctl.host.processes import stat_of
     from xpuctl.shutdown import targets
-    from xpuctl.actions.signals import target_of
 
     run_id = "scan-test-" + proc_token[-8:]
     env = token_env(proc_token, XPUCTL_RUN_ID=run_id)

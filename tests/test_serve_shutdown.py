@@ -27,9 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-
 from proctools import (
-    pidns_available,
     FAKE_VLLM,
     TOKEN_VAR,
     StandInRoot,
@@ -43,6 +41,7 @@ from proctools import (
     is_gone,
     metric,
     new_token,
+    pidns_available,
     pids_with_token,
     port_listening,
     ppid_of,
@@ -200,7 +199,7 @@ class Rig:
                                         cwd=self.tmp)
             self.popens.append(proc)
             fg = Foreground(proc, port, name, out_path, err_path)
-            assert wait_for(lambda: record.exists() or proc.poll() is not None, 60, 0.05), str(fg)
+            assert wait_for(lambda p=proc: record.exists() or p.poll() is not None, 60, 0.05), str(fg)
             if (not record.exists() and "--force" not in opts
                     and self.foreign_preflight(proc.wait(), fg.err())):
                 self._warn_foreign(fg.err())
@@ -279,7 +278,7 @@ class Rig:
         the live processes our fake logged a start event for, identity pinned by a pidfd and
         a start time matching the event's."""
         try:
-            btime = next(float(line.split()[1]) for line in open("/proc/stat")
+            btime = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
                          if line.startswith("btime"))
         except (OSError, StopIteration):
             return
@@ -769,7 +768,7 @@ def test_ready_timeout_hang_startup(rig):
     rec = rig.record("hung")
     assert rec["state"] == "failed" and rec["exit_code"] == 4, rec
     assert any("oneCCL init" in n for n in rec["notes"]), rec
-    core, workers = rig.tree(rec["pid"])
+    _core, workers = rig.tree(rec["pid"])
     assert len(workers) == 2
     # the hung workers never got ready and never exited by themselves: they were SIGKILLed
     ev = rig.events()
@@ -932,7 +931,7 @@ def test_worker_ignoring_sigterm_still_stops_cleanly(rig):
     res = rig.serve(env={"FAKE_VLLM_FAULTS": "worker-ignores-sigterm"})
     assert res.rc == 0, str(res)
     name, api = res.name, rig.record(res.name)["pid"]
-    core, workers = rig.tree(api)
+    _core, workers = rig.tree(api)
     # by port this time: the server listening there, tied to its run record
     res = rig.shutdown("--port", str(res.port), "--json", "--kill-after", "1",
                        "--release-timeout", "5")
@@ -952,7 +951,7 @@ def test_slow_teardown_within_the_shutdown_timeout_is_clean(rig):
                     env={"FAKE_VLLM_FAULTS": "slow-teardown", "FAKE_VLLM_TEARDOWN_S": "2.5"})
     assert res.rc == 0, str(res)
     name, api = res.name, rig.record(res.name)["pid"]
-    core, workers = rig.tree(api)
+    _core, workers = rig.tree(api)
     # by the pid of any process of the server (a worker): the whole server is stopped
     res = rig.shutdown("--pid", str(workers[1]), "--json", "--kill-after", "1",
                        "--release-timeout", "5")
@@ -981,7 +980,7 @@ def test_slow_teardown_past_the_deadline_is_killed(rig):
                          "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "60"})
     assert res.rc == 0, str(res)
     api = rig.record(res.name)["pid"]
-    core, workers = rig.tree(api)
+    _core, workers = rig.tree(api)
     res = rig.shutdown(res.name, "--json", "--timeout", "5", "--kill-after", "1",
                        "--release-timeout", "5")
     assert res.rc == 0, str(res)
@@ -1070,8 +1069,8 @@ def test_shutdown_keeps_the_exit_code_the_supervisor_recorded(rig):
     # a non-vLLM holder of one of the run's devices: both the supervisor (release wait =
     # --teardown-timeout 2) and `shutdown` (--release-timeout 8) wait for it, then report
     # leftovers; the supervisor writes its record first, shutdown ~6 s later
-    holder = subprocess.Popen([PY, "-c", "import os,sys,time; os.open(sys.argv[1], os.O_RDWR); "
-                               "time.sleep(60)", rig.root.node(1)],
+    holder = subprocess.Popen([PY, "-c", ("import os,sys,time; os.open(sys.argv[1], os.O_RDWR); "
+                                          "time.sleep(60)"), rig.root.node(1)],
                               env=rig.env(), start_new_session=True, stdin=subprocess.DEVNULL)
     rig.popens.append(holder)
     assert wait_for(lambda: holder.pid in holders(rig.root.node(1)), 30)
@@ -1272,12 +1271,12 @@ def test_concurrent_detached_serves_on_one_device(rig):
         rig.popens.extend(procs)
         outs = [p.communicate(timeout=180) for p in procs]
         codes = [p.returncode for p in procs]
-        for name, code in zip(names, codes):
+        for name, code in zip(names, codes, strict=True):
             if code == 0:
                 assert rig.shutdown(name, "--release-timeout", "5").rc == 0
         rig.assert_clean()
         detail = "; ".join(f"{n}: rc={c} {o[1].strip().splitlines()[-1] if o[1].strip() else ''}"
-                           for n, c, o in zip(names, codes, outs))
+                           for n, c, o in zip(names, codes, outs, strict=True))
         assert sorted(codes) == [0, 5], f"round {rnd}: {detail}"
     starts = [e for e in rig.events() if e["event"] == "start" and e["role"] == "api-server"]
     assert len(starts) == 5  # exactly one server per round

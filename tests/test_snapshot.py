@@ -26,14 +26,13 @@ from proctools import start_fake_vllm, wait_for
 from test_fakehosts import MALFORMED
 from typer.testing import CliRunner
 
-from xpuctl.output import documents
-from xpuctl.archive import capture
-from xpuctl.archive import unpack
-from xpuctl.core.checks import Options, evaluate
+from xpuctl.archive import capture, unpack
+from xpuctl.archive.replay import open_snapshot
 from xpuctl.cli import app
+from xpuctl.core.checks import Options, evaluate
 from xpuctl.doctor import diagnose
 from xpuctl.host.seam import Host
-from xpuctl.archive.replay import open_snapshot
+from xpuctl.output import documents
 
 runner = CliRunner()
 NOW = 1_900_000_000.25  # a fixed "now" for the live run and the capture alike

@@ -9,7 +9,10 @@ import struct
 
 import pytest
 
+from xpuctl.host import sockdiag
+from xpuctl.host.scan import listening_sockets
 from xpuctl.host.seam import Host
+from xpuctl.parse.net import TcpSocket, parse_tcp
 from xpuctl.parse.sockdiag import (
     AF_INET,
     AF_INET6,
@@ -22,9 +25,6 @@ from xpuctl.parse.sockdiag import (
     listen_request,
     parse_listen_reply,
 )
-from xpuctl.parse.net import TcpSocket, parse_tcp
-from xpuctl.host import sockdiag
-from xpuctl.host.scan import listening_sockets
 
 
 def diag_msg(family: int, state: int, port: int, addr: bytes, uid: int, inode: int) -> bytes:

@@ -18,7 +18,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
 import xpuctl.state.atomic as atomic
-import xpuctl.state.textfile as textfile
 from xpuctl.cli import app
 
 runner = CliRunner()

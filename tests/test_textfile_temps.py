@@ -9,8 +9,8 @@ import os
 import time
 
 from xpuctl.actions import cleanup
-from xpuctl.state import atomic, textfile
 from xpuctl.doctor import write_textfile
+from xpuctl.state import atomic, textfile
 
 OLD = time.time() - textfile.STALE_TEMP_SECONDS - 60
 

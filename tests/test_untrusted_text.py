@@ -34,7 +34,15 @@ from proctools import (
 from typer.testing import CliRunner
 
 from xpuctl.cli import app
-from xpuctl.output.safetext import console, emit, neutral, neutral_lines, prom_label, safe, safe_lines
+from xpuctl.output.safetext import (
+    console,
+    emit,
+    neutral,
+    neutral_lines,
+    prom_label,
+    safe,
+    safe_lines,
+)
 
 runner = CliRunner()
 PY = sys.executable
@@ -168,9 +176,9 @@ def test_console_status_line_keeps_riches_controls_and_escapes_its_text():
 
 def test_ps_table_styles_only_its_own_words(host):
     """Header bold, ORPHAN bold red; a hostile row carries no styling at all."""
-    from xpuctl.output import tables
-    from xpuctl.host.seam import Host
     from xpuctl.host.scan import take_scan
+    from xpuctl.host.seam import Host
+    from xpuctl.output import tables
 
     snap = take_scan(Host(str(host.root)), port=None, artifacts=False)
     buf = io.StringIO()

@@ -5,15 +5,18 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from xpuctl.core.checks import Options, evaluate
-from xpuctl.host.seam import Host
 from xpuctl.core.model import Issue, Report, Scan
-from xpuctl.parse.procfs import parse_status_nspid
 from xpuctl.host.devices import resolve_device_specs
 from xpuctl.host.scan import DEFAULT_PORT, take_scan
+from xpuctl.host.seam import Host
+from xpuctl.parse.procfs import parse_status_nspid
 from xpuctl.state.statedir import resolve_state_dir
+
+if TYPE_CHECKING:  # types only: imported where used
+    from xpuctl.ray.actors import StateFetch
 
 
 class RecordedProbes(NamedTuple):
@@ -52,20 +55,20 @@ def pid_namespace_issue(host: Host) -> Issue | None:
     )
 
 
-def deep_scan(host: Host, environ: dict[str, str], deep: DeepOptions, **scan: object) -> Scan:
+def deep_scan(host: Host, environ: dict[str, str], deep: DeepOptions, **scan: Any) -> Scan:
     """The probes run while /proc is scanned; the probe children are left out of the scan."""
     from xpuctl.probes import baseline, reconcile, runner
 
     if deep.recorded is not None:
-        snap = take_scan(host, **scan)  # type: ignore[arg-type]
+        snap = take_scan(host, **scan)
         results, pids, idle, problem = deep.recorded
     else:
         running = runner.start(environ, deep.timeout, since=deep.since)
         try:
-            snap = take_scan(host, exclude_pids=running.pids, **scan)  # type: ignore[arg-type]
+            snap = take_scan(host, exclude_pids=running.pids, **scan)
         finally:
             results = running.finish()
-        pids = running.pids
+        pids = tuple(sorted(running.pids))
         idle, problem = baseline.load_baseline(deep.state_dir)
     if problem:
         snap = snap._replace(issues=snap.issues + (problem,))
@@ -81,7 +84,7 @@ def diagnose(
     deep: DeepOptions | None = None,
     state_dir: str | None = None,
     ray_address: str | None = None,
-    ray_fetch: object | None = None,
+    ray_fetch: StateFetch | None = None,
 ) -> Report:
     """Scan and judge. `state_dir`: also read its newest run for the relaunch advice.
     Ray actors holding devices are tied to their run through Ray's state (`ray_address`, or
@@ -102,7 +105,7 @@ def diagnose(
     from xpuctl.ray.actors import with_ray
 
     env = dict(os.environ) if caller_env is None else caller_env
-    snap = with_ray(host, snap, env, ray_address, ray_fetch)  # type: ignore[arg-type]
+    snap = with_ray(host, snap, env, ray_address, ray_fetch)
     ns = pid_namespace_issue(host)
     if ns is not None:
         snap = snap._replace(issues=snap.issues + (ns,))

@@ -44,7 +44,7 @@ def list_devices(host: Host, environ: dict[str, str], deep: Any, record_baseline
     """The devices scan, and with `record_baseline` what was recorded as each idle device's
     baseline (the scan is then shown against it). `deep`: DeepOptions for --deep, else None;
     `replayed`: a --deep snapshot's probes, shown as devices --deep showed them."""
-    scan = {"port": None, "want_env": False, "artifacts": False}
+    scan: dict[str, Any] = {"port": None, "want_env": False, "artifacts": False}
     if deep is None and replayed is None:
         from xpuctl.host.scan import take_scan
         from xpuctl.ray.actors import with_ray

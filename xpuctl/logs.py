@@ -14,8 +14,8 @@ import time
 from collections.abc import Callable
 from typing import BinaryIO
 
-from xpuctl.host.seam import Host
 from xpuctl.host.processes import same_process
+from xpuctl.host.seam import Host
 from xpuctl.state.runs import RunRecord
 
 CHUNK = 1 << 16
@@ -108,7 +108,7 @@ def copy(path: str, lines: int | None, follow: bool, alive: Callable[[], bool],
                 if rest:
                     emit(rest)
                 fh.close()
-                fh = open(path, "rb")  # noqa: SIM115
+                fh = open(path, "rb")  # noqa: SIM115 (the followed file, reopened on rotation; closed below)
                 note(f"{path} was replaced; following the new file")
                 continue
             if mine.st_size < fh.tell():

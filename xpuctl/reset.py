@@ -18,21 +18,21 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from xpuctl import pausepoint
-from xpuctl.state import audit
-from xpuctl.core.checks import Options, evaluate
 from xpuctl.actions.cleanup import Removal, may_delete, removable, remove
-from xpuctl.errors import UsageError
-from xpuctl.host.seam import Host
+from xpuctl.actions.signals import can_signal, target_of
+from xpuctl.core.checks import Options, evaluate
 from xpuctl.core.model import Artifact, Process, Report, Scan
 from xpuctl.core.rules import CCL_PID
-from xpuctl.parse.roles import API_SERVER
+from xpuctl.errors import UsageError
 from xpuctl.host.processes import list_pids, same_process
-from xpuctl.output.safetext import safe
-from xpuctl.output.lines import event_line
 from xpuctl.host.scan import DEFAULT_PORT, take_scan
+from xpuctl.host.seam import Host
+from xpuctl.output.lines import event_line
+from xpuctl.output.safetext import safe
+from xpuctl.parse.roles import API_SERVER
 from xpuctl.shutdown.ladder import StopResult, skipped_lines, stop
 from xpuctl.shutdown.targets import ServerTree, tree_from_scan
-from xpuctl.actions.signals import can_signal, target_of
+from xpuctl.state import audit
 
 
 class Holder(NamedTuple):
@@ -161,7 +161,7 @@ def _kept_only_by(a: Artifact, snap: Scan, orphans: set[int]) -> bool:
                    and (p.uid is None or p.uid == a.owner_uid)}
         return bool(keepers) and keepers <= orphans
     m = CCL_PID.match(a.path.rsplit("/", 1)[-1])
-    return bool(m) and int(m.group(1)) in orphans
+    return m is not None and int(m.group(1)) in orphans
 
 
 def make_plan(host: Host, bdfs: tuple[str, ...], port: int | None, device_reset: bool,

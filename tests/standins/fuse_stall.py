@@ -58,7 +58,7 @@ def serve(fd: int) -> None:
             print("op", op, node, file=sys.stderr, flush=True)
         body = data[IN_HEADER.size:]
         if op == INIT:
-            major, minor, readahead, flags = struct.unpack_from("<IIII", body)
+            _major, _minor, _readahead, _flags = struct.unpack_from("<IIII", body)
             reply(fd, unique, struct.pack("<IIIIHHIIHHII", 7, 31, 0, 0, 16, 12, 4096, 1, 1, 0, 0, 0)
                   + bytes(24))
         elif op == LOOKUP:

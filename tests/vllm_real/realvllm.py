@@ -754,7 +754,7 @@ class VllmServer:
             self.port = free_port()
         env = vllm_env({TOKEN_VAR: self.token, **(self.extra_env or {})})
         self.dist_before = glob_names("/tmp", "vllm_dist_")
-        self._log = open(self.log_path, "ab")
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 (open for the server's life, closed in stop())
         self.started_at = time.monotonic()
         self.proc = subprocess.Popen(
             self.argv(), env=env, stdout=self._log, stderr=subprocess.STDOUT,
@@ -808,9 +808,8 @@ class VllmServer:
 
     def dist_files(self) -> set[str]:
         """FileStores of this run, named in our log: distributed_init_method=file:///tmp/..."""
-        found = set(re.findall(r"distributed_init_method=file://(/tmp/vllm_dist_[0-9a-f]+)",
+        return set(re.findall(r"distributed_init_method=file://(/tmp/vllm_dist_[0-9a-f]+)",
                                self.log_text()))
-        return found
 
     def new_dist_files(self) -> set[str]:
         return glob_names("/tmp", "vllm_dist_") - self.dist_before

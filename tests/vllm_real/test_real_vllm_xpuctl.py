@@ -22,8 +22,7 @@ import time
 
 import pytest
 
-from . import realvllm
-from . import workload
+from . import realvllm, workload
 from .xpuctl_run import XpuctlRun, in_flight
 
 pytestmark = pytest.mark.vllm
@@ -178,7 +177,7 @@ def test_xpuctl_shutdown_drains_inflight(xpuctl_serve, vllm_timings, request, vl
             status, data = realvllm.http_json(run.base_url + "/v1/completions",
                                        workload.completion_body(model, plan.n_seqs, MAX_TOKENS),
                                        timeout=request_timeout)
-        except Exception as e:  # noqa: BLE001 - reported by the assertion below
+        except Exception as e:
             status, data = -1, repr(e)
         results.append((status, data, time.monotonic()))
 
@@ -309,10 +308,7 @@ def test_xpuctl_orphans_after_api_sigkill(xpuctl_serve, vllm_timings, request, v
     # every vLLM tree on the machine, and other people's test trees come and go within
     # seconds (a dry run proves nothing about the next second), so it is opt-in.
     only_ours = all(realvllm.has_token(pid, run.token) for t in targets for pid in t["processes"])
-    if os.environ.get(ALLOW_ALL_VAR) == "1" and only_ours:
-        how = ["--all"]
-    else:
-        how = ["--pid", str(engine.pid)]
+    how = ["--all"] if os.environ.get(ALLOW_ALL_VAR) == "1" and only_ours else ["--pid", str(engine.pid)]
     t_stop = time.monotonic()
     stop = run.xpuctl("shutdown", *how, "--state-dir", run.state_dir, "--json", timeout=300)
     stop_s = time.monotonic() - t_stop

@@ -105,7 +105,7 @@ def measure_under_load(base_url: str, model: str, n: int, max_tokens: int,
     def calibrate() -> None:
         try:
             out.append(measure_rate(base_url, model, n, max_tokens, timeout))
-        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+        except BaseException as e:
             out.append(e)
 
     th = threading.Thread(target=calibrate, daemon=True)

@@ -12,9 +12,9 @@ import time
 from typing import NamedTuple
 
 from xpuctl import pausepoint
-from xpuctl.state import audit
-from xpuctl.host.seam import Host
 from xpuctl.core.model import Artifact, Scan
+from xpuctl.host.seam import Host
+from xpuctl.state import audit
 
 
 def may_delete(owner_uid: int, euid: int | None = None) -> bool:

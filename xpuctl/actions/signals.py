@@ -17,9 +17,9 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 from xpuctl import pausepoint
-from xpuctl.state import audit
-from xpuctl.host.seam import Host
 from xpuctl.host.processes import same_process, stat_of
+from xpuctl.host.seam import Host
+from xpuctl.state import audit
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36

@@ -30,15 +30,15 @@ import time
 from typing import Any, NamedTuple
 
 from xpuctl import __version__
-from xpuctl.state import atomic
+from xpuctl.archive.recording import RecordingHost
+from xpuctl.core.model import Report
 from xpuctl.doctor import DeepOptions, diagnose
 from xpuctl.errors import UsageError
 from xpuctl.host.seam import Host
-from xpuctl.core.model import Report
 from xpuctl.parse import redact
-from xpuctl.parse.net import TcpSocket, format_tcp, is_v6
 from xpuctl.parse.archive import SCHEMA
-from xpuctl.archive.recording import RecordingHost
+from xpuctl.parse.net import TcpSocket, format_tcp, is_v6
+from xpuctl.state import atomic
 
 LOG_LINES = 200
 _LOG_TAIL_MAX = 4 << 20  # bytes read from the end of a log for its last lines
@@ -134,7 +134,7 @@ def _host_link(rec: RecordingHost, link: str) -> str:
 def _index(rec: RecordingHost, listeners: list[TcpSocket] | None) -> dict[str, Any]:
     lists = dict(rec.lists)
     if isinstance(lists.get("/proc"), list):  # only the pids matter
-        lists["/proc"] = [n for n in lists["/proc"] if n.isdigit()]  # type: ignore[union-attr]
+        lists["/proc"] = [n for n in lists["/proc"] if n.isdigit()]
     fds: dict[str, Any] = {}
     for pid, links in rec.fds.items():
         fds[str(pid)] = links if isinstance(links, dict) else [

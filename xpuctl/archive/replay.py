@@ -23,17 +23,16 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
-from xpuctl.doctor import RecordedProbes
-from xpuctl.errors import UsageError
-from xpuctl.core.model import FileInfo
-from xpuctl.host.readchild import BlockedRead
-from xpuctl.host.seam import Host
-from xpuctl.core.model import Issue
-from xpuctl.parse.archive import Index, Manifest, parse_index, parse_manifest
 from xpuctl.archive.recording import raise_rec
 from xpuctl.archive.unpack import unpack
+from xpuctl.core.model import FileInfo, Issue
+from xpuctl.doctor import RecordedProbes
+from xpuctl.errors import UsageError
+from xpuctl.host.readchild import BlockedRead
+from xpuctl.host.seam import Host
+from xpuctl.parse.archive import Index, Manifest, parse_index, parse_manifest
 
 
 class ArchiveHost(Host):
@@ -74,7 +73,8 @@ class ArchiveHost(Host):
             raise OSError(errno.ENOENT, os.strerror(errno.ENOENT), hostpath)
 
     @staticmethod
-    def _replay(table: dict, key: object) -> object:
+    def _replay(table: dict[Any, Any], key: object) -> Any:
+        """A recorded answer (parse/archive.py checked each value's shape), or its error raised."""
         value = table[key]
         if isinstance(value, dict):
             raise_rec(value["error"])
@@ -105,25 +105,25 @@ class ArchiveHost(Host):
     def listdir(self, hostpath: str) -> list[str]:
         self._inside(hostpath)
         if hostpath in self.index.lists:
-            return list(self._replay(self.index.lists, hostpath))  # type: ignore[call-overload]
+            return list(self._replay(self.index.lists, hostpath))
         return super().listdir(hostpath)
 
     def readlink(self, hostpath: str) -> str:
         self._inside(hostpath)
         if hostpath in self.index.links:
-            return self._replay(self.index.links, hostpath)  # type: ignore[return-value]
+            return self._replay(self.index.links, hostpath)
         return super().readlink(hostpath)
 
     def resolve(self, hostpath: str, max_links: int = 40) -> str:
         self._inside(hostpath)
         if hostpath in self.index.resolved:
-            return self._replay(self.index.resolved, hostpath)  # type: ignore[return-value]
+            return self._replay(self.index.resolved, hostpath)
         return super().resolve(hostpath, max_links)
 
     def lstat(self, hostpath: str) -> FileInfo:
         self._inside(hostpath)
         if hostpath in self.index.lstat:
-            return FileInfo(*self._replay(self.index.lstat, hostpath))  # type: ignore[misc]
+            return FileInfo(*self._replay(self.index.lstat, hostpath))
         return super().lstat(hostpath)
 
     def exists(self, hostpath: str) -> bool:
@@ -143,7 +143,7 @@ class ArchiveHost(Host):
         if pid not in self.index.fds:
             return super().fd_links(pid, keep)
         links = self._replay(self.index.fds, pid)
-        return [(fd, link) for fd, link in links if link.startswith(keep)]  # type: ignore[attr-defined]
+        return [(fd, link) for fd, link in links if link.startswith(keep)]
 
 
 class Opened(NamedTuple):
@@ -174,8 +174,8 @@ def _probes(top: str, path: str) -> RecordedProbes | None:
     problem = doc.get("baseline_problem")
     if not (isinstance(baseline, dict) and all(
             isinstance(v, int) and not isinstance(v, bool) for v in baseline.values())) or not (
-            problem is None or isinstance(problem, list) and len(problem) == 2
-            and all(isinstance(x, str) for x in problem)):
+            problem is None or (isinstance(problem, list) and len(problem) == 2
+            and all(isinstance(x, str) for x in problem))):
         raise UsageError(f"snapshot {path}: probes.json: malformed baseline")
     return RecordedProbes(results, probes.probe_pids_from_json(doc), baseline,
                           Issue(*problem) if problem else None)

@@ -76,7 +76,10 @@ def _private(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo:
     if data_filter is not None:
         member = data_filter(member, dest)
     mode = 0o700 if member.isdir() else 0o600
-    return member.replace(mode=mode, uid=None, gid=None, uname=None, gname=None, deep=False)
+    # None drops the archive's owner: extract() then leaves the files to the extracting user
+    # (typeshed types these as int and str only)
+    return member.replace(mode=mode, uid=None, gid=None, uname=None, gname=None,  # type: ignore[arg-type]
+                          deep=False)
 
 
 def unpack(path: str, dest: str) -> str:

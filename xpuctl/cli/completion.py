@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from enum import Enum
+from enum import StrEnum
 from typing import Annotated
 
 import typer
@@ -14,7 +14,7 @@ from xpuctl.cli.guard import guard
 app = command_app()
 
 
-class Shell(str, Enum):
+class Shell(StrEnum):
     bash = "bash"
     zsh = "zsh"
     fish = "fish"

@@ -14,7 +14,7 @@ from xpuctl.output.safetext import emit, safe
 
 
 class AppContext:
-    __slots__ = ("host", "debug", "environ", "_out", "_err")
+    __slots__ = ("_err", "_out", "debug", "environ", "host")
 
     def __init__(self, host: Host, debug: bool = False, environ: dict[str, str] | None = None,
                  _out: Any = None, _err: Any = None) -> None:

@@ -7,11 +7,20 @@ from typing import Annotated
 
 import typer
 
-from xpuctl.cli.group import command_app
 from xpuctl.cli.context import app_context, open_source
+from xpuctl.cli.group import command_app
 from xpuctl.cli.guard import guard
-from xpuctl.cli.options import (DeepOpt, Format, FromOpt, JsonOpt, ProbeTimeoutOpt, RayOpt,
-                                StateDirOpt, deep_options, on_cluster)
+from xpuctl.cli.options import (
+    DeepOpt,
+    Format,
+    FromOpt,
+    JsonOpt,
+    ProbeTimeoutOpt,
+    RayOpt,
+    StateDirOpt,
+    deep_options,
+    on_cluster,
+)
 from xpuctl.errors import UsageError
 
 app = command_app()

@@ -3,16 +3,28 @@
 from __future__ import annotations
 
 import sys
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 
-from xpuctl.cli.group import command_app
 from xpuctl.cli.context import AppContext, app_context, open_source
+from xpuctl.cli.group import command_app
 from xpuctl.cli.guard import guard
-from xpuctl.cli.options import (DeepOpt, DeviceOpt, Format, FromOpt, JsonOpt, ProbeTimeoutOpt,
-                                RayOpt, StateDirOpt, deep_options, on_cluster, output_format,
-                                parse_size, port_option)
+from xpuctl.cli.options import (
+    DeepOpt,
+    DeviceOpt,
+    Format,
+    FromOpt,
+    JsonOpt,
+    ProbeTimeoutOpt,
+    RayOpt,
+    StateDirOpt,
+    deep_options,
+    on_cluster,
+    output_format,
+    parse_size,
+    port_option,
+)
 from xpuctl.errors import ExitCode, UsageError
 
 app = command_app()
@@ -23,21 +35,21 @@ app = command_app()
 def doctor(
     ctx: typer.Context,
     device: DeviceOpt = None,
-    port: Annotated[Optional[int], port_option("Serving port to check.", "8000")] = None,
+    port: Annotated[int | None, port_option("Serving port to check.", "8000")] = None,
     expect_idle: Annotated[
         bool, typer.Option("--expect-idle", help="Any holder, memory or served port is a failure.")
     ] = False,
     strict: Annotated[bool, typer.Option("--strict", help="Warnings fail too (exit 1).")] = False,
     wait_clean: Annotated[
-        Optional[float],
+        float | None,
         typer.Option("--wait-clean", min=0, metavar="SECONDS", show_default=False,
                      help="Re-check until nothing fails, for up to SECONDS (right after a shutdown)."),
     ] = None,
-    fmt: Annotated[Optional[Format], typer.Option("--format", "-f", help="table, json or prometheus.",
+    fmt: Annotated[Format | None, typer.Option("--format", "-f", help="table, json or prometheus.",
                                                   show_default="table")] = None,
     as_json: JsonOpt = False,
     textfile: Annotated[
-        Optional[str],
+        str | None,
         typer.Option("--textfile", metavar="PATH", show_default=False,
                      help="Write the Prometheus text atomically to PATH (*.prom, for node_exporter's "
                      "textfile collector) instead of stdout; implies --format prometheus."),

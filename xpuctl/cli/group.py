@@ -15,7 +15,8 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-from typing import Annotated, Any, Optional
+from collections.abc import Sequence
+from typing import Annotated, Any
 
 import typer
 from typer.core import TyperGroup
@@ -74,8 +75,9 @@ class Group(TyperGroup):
         return names + [i for i in super().shell_complete(ctx, incomplete)
                         if i.value.startswith("-")]
 
-    def main(self, args: Any = None, prog_name: str | None = None, complete_var: str | None = None,
-             standalone_mode: bool = True, **extra: Any) -> Any:
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,
+             complete_var: str | None = None, standalone_mode: bool = True,
+             windows_expand_args: bool = True, **extra: Any) -> Any:
         if os.environ.get(complete_var or COMPLETE_VAR):
             # typer's word order for the shims in completions/ (`complete_bash`, not click's
             # `bash_complete`): scripts in click's order would silently complete nothing
@@ -84,7 +86,8 @@ class Group(TyperGroup):
             completion_init()
         args = ray_value_optional(list(sys.argv[1:] if args is None else args))
         rv = group_exit_code(lambda: super(Group, self).main(
-            args=args, prog_name=prog_name, complete_var=complete_var, standalone_mode=False, **extra))
+            args=args, prog_name=prog_name, complete_var=complete_var, standalone_mode=False,
+            windows_expand_args=windows_expand_args, **extra))
         if not standalone_mode:
             return rv
         sys.exit(rv if isinstance(rv, int) else 0)
@@ -126,7 +129,7 @@ def _version(value: bool) -> None:
 def _main(
     ctx: typer.Context,
     root: Annotated[
-        Optional[str],
+        str | None,
         typer.Option(
             "--root", metavar="DIR",
             envvar="XPUCTL_ROOT",
@@ -168,6 +171,7 @@ def main() -> None:
     # never as an exit-70 UnicodeEncodeError.
     for stream in (sys.stdout, sys.stderr):
         try:
+            # a TextIOWrapper; anything else raises AttributeError, caught below
             stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
         except (AttributeError, ValueError):
             pass

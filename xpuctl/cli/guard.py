@@ -1,8 +1,8 @@
 """Errors become exit codes here, and only here.
 
 Inside a command (`guard`): an `XpuctlError` prints one line on stderr and exits with its
-code; Ctrl-C exits 130 (also at a prompt: `group_exit_code`); a closed stdout (`xpuctl ps | head`) exits 1 quietly; anything
-unexpected prints one line and exits 70, unless `--debug` (or XPUCTL_DEBUG=1) asks for the
+code; Ctrl-C exits 130 (also at a prompt: `group_exit_code`); a closed stdout
+(`xpuctl ps | head`) exits 1 quietly; anything unexpected prints one line and exits 70, unless `--debug` (or XPUCTL_DEBUG=1) asks for the
 traceback. Around the whole command line (`group_exit_code`): every usage error (an unknown
 option or command, a bad value, a missing argument) is one line on stderr and exit 2, never
 typer's boxed panel.
@@ -13,7 +13,8 @@ from __future__ import annotations
 import functools
 import os
 import sys
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import typer
 
@@ -58,11 +59,11 @@ def guard(fn: F) -> F:
         except BrokenPipeError:
             # `xpuctl ps | head`: the reader went away; not an error worth a message
             try:
-                sys.stdout = open(os.devnull, "w")  # noqa: SIM115
+                sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (replaces stdout until exit)
             except OSError:
                 pass
             raise typer.Exit(ExitCode.PROBLEMS) from None
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             if debug:
                 raise
             raise fail(
@@ -70,7 +71,7 @@ def guard(fn: F) -> F:
                 INTERNAL_ERROR,
             ) from None
 
-    return wrapper  # type: ignore[return-value]
+    return wrapper  # type: ignore[return-value]  # functools.wraps gives a _Wrapped; typer reads the signature through __wrapped__
 
 
 def one_line(text: str) -> str:

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import sys
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 
-from xpuctl.cli.group import command_app
 from xpuctl.cli.context import app_context
+from xpuctl.cli.group import command_app
 from xpuctl.cli.guard import guard
 from xpuctl.cli.options import StateDirOpt, complete_run
 from xpuctl.errors import XpuctlError
@@ -24,7 +24,7 @@ def logs(
     name: Annotated[str, typer.Argument(metavar="NAME", help="Run name (see `xpuctl ps`).", autocompletion=complete_run)],
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new lines until the run is over (Ctrl-C stops).")] = False,
     lines: Annotated[
-        Optional[int],
+        int | None,
         typer.Option("--lines", "-n", min=0, metavar="N", help="Only the last N lines.", show_default="all"),
     ] = None,
     state_dir: StateDirOpt = None,
@@ -40,8 +40,8 @@ def logs(
     from xpuctl.state import runs
 
     a = app_context(ctx)
-    from xpuctl.state.statedir import resolve_state_dir
     from xpuctl.errors import NotFoundError
+    from xpuctl.state.statedir import resolve_state_dir
 
     sdir = resolve_state_dir(a.host, state_dir, a.environ)
     if sdir is None:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 import sys
 import time
-from enum import Enum
-from typing import Annotated, Any, Optional
+from enum import StrEnum
+from typing import Annotated, Any
 
 import typer
 
@@ -21,7 +21,7 @@ from xpuctl.host.seam import Host
 from xpuctl.output.safetext import safe
 
 
-class Format(str, Enum):
+class Format(StrEnum):
     table = "table"
     json = "json"
     prometheus = "prometheus"
@@ -40,7 +40,7 @@ def complete_device(ctx: typer.Context, incomplete: str) -> list[tuple[str, str]
     root = ctx.parent.params.get("root") if ctx.parent else None
     try:
         devices, _ = scan_devices(Host(root or os.environ.get("XPUCTL_ROOT") or "/"))
-    except Exception:  # noqa: BLE001
+    except Exception:
         return []
     out = []
     for d in devices:
@@ -65,7 +65,7 @@ def complete_run(ctx: typer.Context, incomplete: str) -> list[tuple[str, str]]:
         sdir = runs.ensure_state_dir(sdir, create=False)
         return [(r.name, f"{r.state}, port {r.port}") for r in runs.list_records(sdir)
                 if r.name.startswith(incomplete)]
-    except Exception:  # noqa: BLE001
+    except Exception:
         return []
 
 
@@ -77,7 +77,7 @@ def port_option(help: str, default: str | None = None, short: bool = True) -> An
 
 
 RayOpt = Annotated[
-    Optional[str],
+    str | None,
     typer.Option("--ray", metavar="[ADDRESS]", show_default=False,
                  help="Every alive node of a Ray cluster, as a Ray task on each (ADDRESS, else "
                  "RAY_ADDRESS, else auto); Ray runs in XPUCTL_RAY_PYTHON or this Python."),
@@ -108,7 +108,7 @@ def on_cluster(a: Any, command: str, address: str, options: dict[str, Any], out_
 
 
 DeviceOpt = Annotated[
-    Optional[list[str]],
+    list[str] | None,
     typer.Option(
         "--device",
         "-d",
@@ -130,7 +130,7 @@ ProbeTimeoutOpt = Annotated[
                  help="With --deep: kill a probe (and its process group) that has not answered."),
 ]
 StateDirOpt = Annotated[
-    Optional[str],
+    str | None,
     typer.Option(
         "--state-dir",
         metavar="DIR",
@@ -143,7 +143,7 @@ KillAfterOpt = Annotated[
     float, typer.Option("--kill-after", min=0, help="Seconds between SIGTERM and SIGKILL for survivors.")
 ]
 FromOpt = Annotated[
-    Optional[str],
+    str | None,
     typer.Option(
         "--from",
         metavar="FILE",

@@ -7,8 +7,8 @@ from typing import Annotated
 
 import typer
 
-from xpuctl.cli.group import command_app
 from xpuctl.cli.context import app_context, open_source
+from xpuctl.cli.group import command_app
 from xpuctl.cli.guard import guard
 from xpuctl.cli.options import DeviceOpt, Format, FromOpt, JsonOpt, RayOpt, StateDirOpt, on_cluster
 from xpuctl.errors import UsageError
@@ -32,8 +32,8 @@ def ps(
     Runs: name, state (starting, ready, stopping), age, pid, port, devices. Processes: role,
     state, devices, memory, orphan, run.
     """
-    from xpuctl.state.statedir import resolve_state_dir
     from xpuctl.listing import list_processes
+    from xpuctl.state.statedir import resolve_state_dir
 
     a = app_context(ctx)
     if ray is not None:

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import sys
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
-from xpuctl.cli.group import command_app
 from xpuctl.cli.context import app_context
+from xpuctl.cli.group import command_app
 from xpuctl.cli.guard import guard
 from xpuctl.cli.options import DeviceOpt, JsonOpt, KillAfterOpt, StateDirOpt, port_option
 from xpuctl.errors import ExitCode, UsageError
@@ -22,10 +22,10 @@ app = command_app()
 def reset(
     ctx: typer.Context,
     device: DeviceOpt = None,
-    port: Annotated[Optional[int], port_option("Serving port to check.", "8000")] = None,
+    port: Annotated[int | None, port_option("Serving port to check.", "8000")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Show the plan only.")] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask (for scripts).")] = False,
-    timeout: Annotated[Optional[float], typer.Option("--timeout", min=0, help="Seconds to wait for orphans after SIGTERM.", show_default=False)] = None,
+    timeout: Annotated[float | None, typer.Option("--timeout", min=0, help="Seconds to wait for orphans after SIGTERM.", show_default=False)] = None,
     kill_after: KillAfterOpt = 10.0,
     device_reset: Annotated[bool, typer.Option("--device-reset", help="Last resort, root only: PCI reset of the one --device once nothing holds it.")] = False,
     kill_holders: Annotated[

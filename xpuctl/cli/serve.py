@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import sys
-from enum import Enum
-from typing import Annotated, Any, Optional
+from enum import StrEnum
+from typing import Annotated, Any
 
 import typer
 
-from xpuctl.cli.group import command_app
 from xpuctl.cli.context import app_context
+from xpuctl.cli.group import command_app
 from xpuctl.cli.guard import guard
-from xpuctl.cli.options import (KillAfterOpt, ProbeTimeoutOpt, StateDirOpt, complete_device,
-                                deep_options, port_option)
+from xpuctl.cli.options import (
+    KillAfterOpt,
+    ProbeTimeoutOpt,
+    StateDirOpt,
+    complete_device,
+    deep_options,
+    port_option,
+)
 from xpuctl.errors import UsageError
 from xpuctl.output.safetext import emit, safe
 
@@ -22,7 +28,7 @@ app = command_app()
 SHARED_SERVE_OPTIONS = frozenset({"--port", "--host"})
 
 
-class Preflight(str, Enum):
+class Preflight(StrEnum):
     fast = "fast"
     deep = "deep"
 
@@ -34,7 +40,7 @@ class Preflight(str, Enum):
 def serve(
     ctx: typer.Context,
     model: Annotated[str, typer.Argument(metavar="MODEL", help="Model to serve (passed to vLLM).")],
-    vllm_args: Annotated[Optional[list[str]], typer.Argument(help="Arguments passed to vLLM.", show_default=False)] = None,
+    vllm_args: Annotated[list[str] | None, typer.Argument(help="Arguments passed to vLLM.", show_default=False)] = None,
     vllm: Annotated[
         str, typer.Option("--vllm", envvar="XPUCTL_VLLM", help="Command that starts vLLM (shell-split).")
     ] = "vllm serve",
@@ -42,13 +48,13 @@ def serve(
     teardown_timeout: Annotated[float, typer.Option("--teardown-timeout", min=0, help="Seconds for Level Zero/oneCCL teardown after the drain.")] = 20.0,
     allow_abort: Annotated[bool, typer.Option("--allow-abort", help="Keep an explicit --shutdown-timeout 0.")] = False,
     devices: Annotated[
-        Optional[list[str]],
+        list[str] | None,
         typer.Option("--devices", help="Devices for vLLM (index, BDF or node; comma list): sets ZE_AFFINITY_MASK.",
                      autocompletion=complete_device, show_default=False),
     ] = None,
-    env: Annotated[Optional[list[str]], typer.Option("--env", "-e", help="KEY=VALUE for vLLM (repeatable).", show_default=False)] = None,
+    env: Annotated[list[str] | None, typer.Option("--env", "-e", help="KEY=VALUE for vLLM (repeatable).", show_default=False)] = None,
     force: Annotated[bool, typer.Option("--force", help="Start even when the preflight doctor fails.")] = False,
-    name: Annotated[Optional[str], typer.Option("--name", help="Run name.", show_default="vllm-PORT")] = None,
+    name: Annotated[str | None, typer.Option("--name", help="Run name.", show_default="vllm-PORT")] = None,
     state_dir: StateDirOpt = None,
     ready_timeout: Annotated[float, typer.Option("--ready-timeout", min=1, help="Seconds to wait for /health and /v1/models.")] = 900.0,
     kill_after: KillAfterOpt = 10.0,
@@ -60,10 +66,10 @@ def serve(
     ] = Preflight.fast,
     probe_timeout: ProbeTimeoutOpt = 10.0,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No live status line or phase lines while vLLM starts.")] = False,
-    port: Annotated[Optional[int], port_option("vLLM's port, passed on to vLLM (before or after MODEL).",
+    port: Annotated[int | None, port_option("vLLM's port, passed on to vLLM (before or after MODEL).",
                                                "8000", short=False)] = None,
     bind: Annotated[
-        Optional[str],
+        str | None,
         typer.Option("--host", show_default=False, help="vLLM's bind address, passed on to vLLM (before or after MODEL)."),
     ] = None,
 ) -> None:

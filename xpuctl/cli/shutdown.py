@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import sys
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
-from xpuctl.cli.group import command_app
 from xpuctl.cli.context import app_context, own_age_seconds
+from xpuctl.cli.group import command_app
 from xpuctl.cli.guard import guard
-from xpuctl.cli.options import DeviceOpt, JsonOpt, KillAfterOpt, StateDirOpt, complete_run, port_option
+from xpuctl.cli.options import (
+    DeviceOpt,
+    JsonOpt,
+    KillAfterOpt,
+    StateDirOpt,
+    complete_run,
+    port_option,
+)
 from xpuctl.errors import ExitCode, UsageError
 from xpuctl.output.safetext import emit, safe
 
@@ -21,13 +28,13 @@ app = command_app()
 @guard
 def shutdown(
     ctx: typer.Context,
-    name: Annotated[Optional[str], typer.Argument(help="Run name (see `xpuctl ps`).", show_default=False, autocompletion=complete_run)] = None,
-    pid: Annotated[Optional[int], typer.Option("--pid", help="Any process of the vLLM server (or of its orphans).", show_default=False)] = None,
-    port: Annotated[Optional[int], port_option("The server's HTTP port.")] = None,
+    name: Annotated[str | None, typer.Argument(help="Run name (see `xpuctl ps`).", show_default=False, autocompletion=complete_run)] = None,
+    pid: Annotated[int | None, typer.Option("--pid", help="Any process of the vLLM server (or of its orphans).", show_default=False)] = None,
+    port: Annotated[int | None, port_option("The server's HTTP port.")] = None,
     device: DeviceOpt = None,
     all_: Annotated[bool, typer.Option("--all", help="Every vLLM server and orphan on this host.")] = False,
     timeout: Annotated[
-        Optional[float],
+        float | None,
         typer.Option("--timeout", min=0, help="Seconds to wait after SIGTERM.",
                      show_default="the run's shutdown timeout + 10"),
     ] = None,

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import sys
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
-from xpuctl.cli.group import command_app
 from xpuctl.cli.context import app_context
+from xpuctl.cli.group import command_app
 from xpuctl.cli.guard import guard
 from xpuctl.cli.options import ProbeTimeoutOpt, StateDirOpt, deep_options
 from xpuctl.errors import UsageError
@@ -22,7 +22,7 @@ app = command_app()
 def snapshot(
     ctx: typer.Context,
     output: Annotated[
-        Optional[str],
+        str | None,
         typer.Option("--output", "-o", metavar="FILE", help="Archive to write ('-': stdout).",
                      show_default="./xpuctl-snapshot-HOST-TIME.tar.gz"),
     ] = None,

@@ -37,7 +37,7 @@ class Device(NamedTuple):
     card_node: str | None
     minors: tuple[int, ...]
     memory_total_bytes: int | None
-    index: int | None = None  # Level Zero order (Intel devices sorted by BDF); None otherwise
+    index: int | None = None  # type: ignore[assignment]  # a field named index shadows tuple.index, never called on a record; Level Zero order (Intel devices sorted by BDF); None otherwise
 
     @property
     def is_intel(self) -> bool:

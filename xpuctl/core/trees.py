@@ -19,8 +19,16 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from xpuctl.parse.roles import (API_SERVER, ENGINE_CORE, RAY, RAY_WORKER_CANDIDATE, RESOURCE_TRACKER,
-                                SPAWN_CANDIDATE, TRACKER_CANDIDATE, WORKER)
+from xpuctl.parse.roles import (
+    API_SERVER,
+    ENGINE_CORE,
+    RAY,
+    RAY_WORKER_CANDIDATE,
+    RESOURCE_TRACKER,
+    SPAWN_CANDIDATE,
+    TRACKER_CANDIDATE,
+    WORKER,
+)
 
 
 class Member(NamedTuple):
@@ -128,7 +136,7 @@ def _placements(members: dict[int, Member], roles: dict[int, str], tops: dict[in
     for pid, role in roles.items():
         top = tops[pid]
         untied = roles[top] == RAY or top == pid
-        if role != RAY and roles[top] == RAY or (
+        if (role != RAY and roles[top] == RAY) or (
             members[pid].role == RAY_WORKER_CANDIDATE and untied
             and members[pid].run_id not in live_tops
         ):

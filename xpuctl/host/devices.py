@@ -8,9 +8,10 @@ Equivalent: `intel_gpu_top -L`, `xpu-smi discovery`.
 from __future__ import annotations
 
 import re
+from typing import Any
 
-from xpuctl.host.seam import Host
 from xpuctl.core.model import Device, Issue
+from xpuctl.host.seam import Host
 
 DRM_MAJOR = 226
 _NODE_RE = re.compile(r"^(card|renderD)(\d+)$")
@@ -61,7 +62,8 @@ def scan_devices(host: Host) -> tuple[list[Device], list[Issue]]:
     bounded (host/reader.py): an attribute that did not answer (a device in reset) is
     unknown, and named in the issues."""
     if host.reader is not None:
-        return host.reader.call(scan_devices, host)  # type: ignore[no-any-return]
+        found: tuple[list[Device], list[Issue]] = host.reader.call(scan_devices, host)
+        return found
     devices, issues = _scan_devices(host)
     issues.extend(Issue(b.path, b.reason) for b in host.blocked_reads() if b.pid is None)
     return devices, issues
@@ -73,7 +75,7 @@ def _scan_devices(host: Host) -> tuple[list[Device], list[Issue]]:
         names = host.listdir(SYS_DRM)
     except OSError as exc:
         return [], [Issue(SYS_DRM, f"no DRM devices visible ({exc.strerror or exc})")]
-    by_bdf: dict[str, dict] = {}
+    by_bdf: dict[str, dict[str, Any]] = {}
     for name in sorted(names):
         m = _NODE_RE.match(name)
         if not m:
@@ -166,7 +168,7 @@ def find_device(devices: list[Device] | tuple[Device, ...], spec: str) -> Device
     low = s.lower()
     name = low.rsplit("/", 1)[-1]
     for d in devices:
-        if d.bdf.lower() == low or d.bdf.lower().endswith(":" + low) and low.count(":") == 1:
+        if d.bdf.lower() == low or (d.bdf.lower().endswith(":" + low) and low.count(":") == 1):
             return d
         for node in d.nodes:
             if node.lower() == low or node.rsplit("/", 1)[-1].lower() == name:

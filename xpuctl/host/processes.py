@@ -13,9 +13,9 @@ import marshal
 from collections.abc import Iterable
 
 from xpuctl.host.seam import Host
+from xpuctl.host.split import in_two
 from xpuctl.parse.procfs import ProcStat, parse_cmdline, parse_stat
 from xpuctl.parse.roles import classify
-from xpuctl.host.split import in_two
 
 _GONE = (FileNotFoundError, ProcessLookupError)
 
@@ -23,7 +23,7 @@ _GONE = (FileNotFoundError, ProcessLookupError)
 class RawProcess:
     """One process as the pass saw it (mutable: roles are refined after the pass)."""
 
-    __slots__ = ("pid", "stat", "cmdline", "role", "rank", "fds_readable")
+    __slots__ = ("cmdline", "fds_readable", "pid", "rank", "role", "stat")
 
     def __init__(self, pid: int, stat: ProcStat, cmdline: list[str] | None, role: str | None,
                  rank: str | None, fds_readable: bool = True) -> None:
@@ -41,7 +41,7 @@ class RawProcess:
 class FdScan:
     """What the pass over /proc found."""
 
-    __slots__ = ("procs", "drm_fds", "dmabuf_fds", "sockets", "files", "unreadable", "malformed")
+    __slots__ = ("dmabuf_fds", "drm_fds", "files", "malformed", "procs", "sockets", "unreadable")
 
     def __init__(self) -> None:
         self.procs: dict[int, RawProcess] = {}

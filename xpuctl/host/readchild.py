@@ -96,7 +96,7 @@ def group_of(path: str) -> str:
 class Progress:
     """What a reader (or its split helper) is reading, in a slot of the shared page."""
 
-    __slots__ = ("page", "offset", "seq", "pid", "blocked", "bound", "reads")
+    __slots__ = ("blocked", "bound", "offset", "page", "pid", "reads", "seq")
 
     def __init__(self, page: mmap.mmap, slot: int) -> None:
         self.page = page
@@ -202,7 +202,7 @@ def serve(requests: int, replies: int, page: mmap.mmap) -> None:
     """The reader's loop: run each request, publish reads, reply; return when the pipe ends."""
     import _pickle
 
-    global current
+    global current  # noqa: PLW0603 (the reader child's progress page; issue 24 removes it)
     current = Progress(page, 0)
     current.leave()
     while True:
@@ -215,7 +215,7 @@ def serve(requests: int, replies: int, page: mmap.mmap) -> None:
         current.blocked = frozenset(group_of(r.path) for r in reads)
         try:
             reply: tuple[bool, Any] = (True, fn(*args, **kwargs))
-        except Exception as exc:  # noqa: BLE001 (handed to the caller, who raises it)
+        except Exception as exc:
             reply = (False, exc)
         try:
             _send(replies, reply)
@@ -251,7 +251,7 @@ def _main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     # Run as xpuctl.host.readchild, not as __main__: Hosts look for `current` there.
-    from xpuctl.host import readchild as _module
+    from xpuctl.host import readchild as _module  # noqa: PLW0406 (run as __main__, use the module)
 
     try:
         _module._main(sys.argv[1:])

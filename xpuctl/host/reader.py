@@ -30,11 +30,25 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from xpuctl.host.readchild import (_HEAD, _LEN, _SLOT, _SLOTS, DEFAULT_BOUND, Blocked, BlockedRead,
-                                   _isolate, _read_exact, _send, group_of, pid_of, read, serve)
+from xpuctl.host.readchild import (
+    _HEAD,
+    _LEN,
+    _SLOT,
+    _SLOTS,
+    DEFAULT_BOUND,
+    Blocked,
+    BlockedRead,
+    _isolate,
+    _read_exact,
+    _send,
+    group_of,
+    pid_of,
+    read,
+    serve,
+)
 
 if TYPE_CHECKING:  # the rest is imported where it is used: most commands never start a reader
     import mmap
@@ -93,10 +107,7 @@ def _start() -> _Child:
         page = mmap.mmap(memfd, _SLOTS * _SLOT)
         req_r, req_w = os.pipe()
         rep_r, rep_w = os.pipe()
-        if _threads_running():
-            pid = _spawn(req_r, rep_w, memfd)
-        else:
-            pid = _fork(req_r, rep_w, page, (req_w, rep_r, memfd))
+        pid = _spawn(req_r, rep_w, memfd) if _threads_running() else _fork(req_r, rep_w, page, (req_w, rep_r, memfd))
     finally:
         os.close(memfd)
     os.close(req_r)
@@ -209,7 +220,8 @@ class Reader:
         return self._child
 
     def read(self, root: str, kind: str, hostpath: str, limit: int) -> bytes:
-        return self.call(read, root, kind, hostpath, limit)
+        data: bytes = self.call(read, root, kind, hostpath, limit)
+        return data
 
     def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """fn(*args, **kwargs) in the reader. Reads that block are recorded, and the call
@@ -217,7 +229,7 @@ class Reader:
         with self._lock:
             return self._call(fn, args, kwargs)
 
-    def _call(self, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
+    def _call(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         died = 0
         while True:
             child = self._ensure()
@@ -252,7 +264,8 @@ class Reader:
         while True:
             if waiting.poll(tick * 1000):
                 (size,) = _LEN.unpack(_read_exact(child.replies, _LEN.size))
-                return _pickle.loads(_read_exact(child.replies, size))
+                reply: tuple[bool | None, Any] = _pickle.loads(_read_exact(child.replies, size))
+                return reply
             now = time.monotonic()
             stuck = []
             for i in range(_SLOTS):
@@ -281,7 +294,7 @@ class Reader:
             path = bytes(page[start:start + n]).decode("utf-8", "surrogateescape")
             self.blocked.setdefault(group_of(path), BlockedRead(path, pid_of(path), self.bound))
 
-    def _abandon(self, stuck_pids: list[int] = (), kill: bool = True) -> None:  # type: ignore[assignment]
+    def _abandon(self, stuck_pids: Sequence[int] = (), kill: bool = True) -> None:
         """Kill the reader (and a stuck split helper) without waiting for them."""
         child, self._child = self._child, None
         if child is None:
@@ -310,7 +323,7 @@ _LIVE: Any = None
 
 def _live() -> Any:
     """The readers with a child (a WeakSet), for _at_exit."""
-    global _LIVE
+    global _LIVE  # noqa: PLW0603 (the registry of live readers, made on first use)
     if _LIVE is None:
         import atexit
         import weakref

@@ -6,20 +6,31 @@ import marshal
 import os
 import re
 from collections.abc import Iterable
+from typing import Any
 
-from xpuctl.host.seam import CLK_TCK, Host  # noqa: F401 (CLK_TCK: cli's own-age check)
-from xpuctl.core.model import (Artifact, Device, DmabufHold, DrmClient, Issue, Port, Process,
-                               Scan, Unreadable)
-from xpuctl.parse.fdinfo import parse_dmabuf, parse_fdinfo
-from xpuctl.parse.net import TcpSocket, parse_tcp, parse_unix_paths
-from xpuctl.parse.procfs import parse_boot_time, parse_environ, parse_maps_paths, parse_status_uid
+from xpuctl.core.model import (
+    Artifact,
+    Device,
+    DmabufHold,
+    DrmClient,
+    FileInfo,
+    Issue,
+    Port,
+    Process,
+    Scan,
+    Unreadable,
+)
+from xpuctl.core.rules import Facts, judge, match
+from xpuctl.core.trees import Member, resolve
 from xpuctl.host.devices import DRM_MAJOR, scan_devices
 from xpuctl.host.processes import FdScan, RawProcess, fill_cmdline, scan_processes
 from xpuctl.host.readchild import BlockedRead
+from xpuctl.host.seam import CLK_TCK, Host  # noqa: F401 (CLK_TCK: cli's own-age check)
 from xpuctl.host.split import in_two
-from xpuctl.core.rules import Facts, judge, match
+from xpuctl.parse.fdinfo import parse_dmabuf, parse_fdinfo
+from xpuctl.parse.net import TcpSocket, parse_tcp, parse_unix_paths
+from xpuctl.parse.procfs import parse_boot_time, parse_environ, parse_maps_paths, parse_status_uid
 from xpuctl.parse.roles import API_SERVER, RAY
-from xpuctl.core.trees import Member, resolve
 
 RUN_ID_VAR = "XPUCTL_RUN_ID"
 DEFAULT_PORT = 8000
@@ -40,7 +51,7 @@ class _Lazy:
         self.fds = fds
         self._maps: dict[str, list[int]] | None = None
         self._unix: set[str] | None = None
-        self._boot: float | None | bool = False
+        self._boot: float | bool | None = False
 
     def boot_time(self) -> float | None:
         if self._boot is False:
@@ -48,7 +59,7 @@ class _Lazy:
                 self._boot = parse_boot_time(self.host.read_text("/proc/stat", 1 << 20))
             except OSError:
                 self._boot = None
-        return self._boot  # type: ignore[return-value]
+        return self._boot
 
     def mapped(self) -> dict[str, list[int]]:
         """/dev/shm and /tmp paths -> pids that map them (a mapping outlives its fd)."""
@@ -73,7 +84,7 @@ class _Lazy:
                 continue  # the common case: nothing mapped from there
             for path in parse_maps_paths(data.decode("utf-8", "surrogateescape")):
                 path = self.host.to_host(path)
-                if path.startswith("/dev/shm/") or path.startswith("/tmp/"):
+                if path.startswith(("/dev/shm/", "/tmp/")):
                     out.setdefault(path, []).append(pid)
         return out
 
@@ -105,7 +116,7 @@ def _drm_clients(
         for minor in d.minors:
             by_minor[minor] = d
     known_bdfs = {d.bdf for d in devices}
-    agg: dict[tuple, dict] = {}
+    agg: dict[tuple[Any, ...], dict[str, Any]] = {}
     for pid, fd, path in fds.drm_fds:
         name = path[len("/dev/dri/") :]
         dev = by_node.get(name)
@@ -114,16 +125,15 @@ def _drm_clients(
             if rdev is None or rdev[0] != DRM_MAJOR:
                 continue
             dev = by_minor.get(rdev[1], dev)
-        if dev is None:
-            if not _NODE_RE.match(name):
-                continue  # e.g. /dev/dri/by-path/…: not a node
+        if dev is None and not _NODE_RE.match(name):
+            continue  # e.g. /dev/dri/by-path/…: not a node
         raw = _read_opt(host, f"/proc/{pid}/fdinfo/{fd}", 1 << 16)
         info = parse_fdinfo(raw.decode("utf-8", "replace")) if raw is not None else None
         bdf = dev.bdf if dev else None
         if info is not None and info.pdev and (info.pdev in known_bdfs or bdf is None):
             bdf = info.pdev
         if info is not None and info.client_id is not None:
-            key: tuple = ("client", bdf, info.client_id)
+            key: tuple[Any, ...] = ("client", bdf, info.client_id)
         else:
             key = ("fd", pid, fd)
         rec = agg.setdefault(
@@ -195,7 +205,7 @@ def _artifacts(
     stuck: dict[int, BlockedRead],
 ) -> tuple[list[Artifact], list[Issue]]:
     issues: list[Issue] = []
-    candidates: list[tuple[str, str, object]] = []
+    candidates: list[tuple[str, str, FileInfo]] = []
     for directory in ("/dev/shm", "/tmp"):
         try:
             names = host.listdir(directory)
@@ -228,11 +238,11 @@ def _artifacts(
         open_by = tuple(sorted(set(fds.files.get(path, ()))))
         mapped_by: tuple[int, ...] = ()
         # sockets are never mmapped: only regular files need the (costly) maps pass
-        if not open_by and kind != "cache" and info.is_regular:  # type: ignore[attr-defined]
+        if not open_by and kind != "cache" and info.is_regular:
             mapped_by = tuple(sorted(set(lazy.mapped().get(path, ()))))
-        bound = bool(info.is_socket and path in lazy.unix_bound())  # type: ignore[attr-defined]
+        bound = bool(info.is_socket and path in lazy.unix_bound())
         facts = Facts(open_by, mapped_by, bound, live, vllm_starts)
-        stale, reason = judge(path, kind, info, facts)  # type: ignore[arg-type]
+        stale, reason = judge(path, kind, info, facts)
         if stale and stuck:
             # a process that did not answer may have it open or mapped, or be the vLLM
             # process whose FileStore it is: nothing is stale on the strength of that
@@ -245,10 +255,10 @@ def _artifacts(
                 stale=stale,
                 reason=reason,
                 open_by=tuple(sorted(set(open_by + mapped_by))),
-                owner_uid=info.uid,  # type: ignore[attr-defined]
-                size_bytes=info.size,  # type: ignore[attr-defined]
-                age_seconds=max(0.0, now - info.mtime),  # type: ignore[attr-defined]
-                inode=info.inode,  # type: ignore[attr-defined]
+                owner_uid=info.uid,
+                size_bytes=info.size,
+                age_seconds=max(0.0, now - info.mtime),
+                inode=info.inode,
             )
         )
     return out, issues
@@ -289,7 +299,7 @@ def _ports(host: Host, fds: FdScan, procs: dict[int, Process], port: int | None)
         is_serving = port is not None and sock.port == port
         if not is_serving and not vllm_owners:
             continue
-        for pid in pids or [None]:
+        for pid in pids or (None,):
             p = procs.get(pid) if pid is not None else None
             if not is_serving and (p is None or p.role in (None, RAY)):
                 continue
@@ -377,8 +387,9 @@ def take_scan(
     judged: its role is unknown, a device it may hold is not free, no file is stale."""
     if host.reader is not None:
         mine = frozenset({os.getpid()}) if host.proc_is_live else frozenset()
-        return host.reader.call(take_scan, host, port, want_env, caller_env, artifacts,
-                               exclude_pids | mine)
+        scan: Scan = host.reader.call(take_scan, host, port, want_env, caller_env, artifacts,
+                                      exclude_pids | mine)
+        return scan
     now = host.now()
     devices, issues = scan_devices(host)
     fds = scan_processes(host, own_pids(host) | (exclude_pids if host.proc_is_live else frozenset()))
@@ -426,7 +437,7 @@ def _holdings(host: Host, fds: FdScan, devices: list[Device]
 
 
 def _processes(host: Host, fds: FdScan, lazy: _Lazy, clients: list[DrmClient],
-               held: dict[int, set[str]], stuck: dict, want_env: bool) -> dict[int, Process]:
+               held: dict[int, set[str]], stuck: dict[int, Any], want_env: bool) -> dict[int, Process]:
     """The processes a scan describes: vLLM ones (and candidates) plus every holder, placed
     in their server trees."""
     _tag_run_leaders(host, fds)

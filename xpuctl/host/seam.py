@@ -113,7 +113,7 @@ class Host:
         on a live host. A fake tree has plain files there and goes by node name."""
         return self.live
 
-    def found_listeners(self, sockets: list) -> None:
+    def found_listeners(self, sockets: list[Any]) -> None:
         """Told the TCP LISTEN sockets a scan found (over netlink on a live host, which is
         no file read): a recording host keeps them; this one has no use for them."""
 

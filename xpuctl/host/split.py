@@ -19,7 +19,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Iterable, Iterator
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from xpuctl.host.readchild import in_split_helper
 
@@ -57,7 +57,7 @@ def _default_signals() -> None:
             continue
 
 
-def _take(queue: int, chunks: list[list], taken: list[int]) -> Iterator:
+def _take(queue: int, chunks: list[list[Any]], taken: list[int]) -> Iterator[Any]:
     """The items of every chunk this process takes from the queue, in order."""
     while True:
         b = os.read(queue, _ID)
@@ -68,7 +68,7 @@ def _take(queue: int, chunks: list[list], taken: list[int]) -> Iterator:
         yield from chunks[n]
 
 
-def in_two(work: Callable[[Iterable], T], items: list, dumps: Callable[[T], bytes],
+def in_two(work: Callable[[Iterable[Any]], T], items: list[Any], dumps: Callable[[T], bytes],
            loads: Callable[[bytes], T], split: bool = True) -> list[T]:
     """work(items) as one or two partial results: [work(items)] when a split does not pay,
     is not possible or not wanted (`split` False), else one result from here and one from a

@@ -41,8 +41,12 @@ def node_heading(n: NodeResult) -> str:
 def node_findings(n: NodeResult) -> list[Finding]:
     doc = n.document or {}
     keys = Finding._fields
-    return [Finding(**{k: (tuple(f[k]) if k in ("pids", "paths") else f[k]) for k in keys if k in f})
-            for f in doc.get("findings", [])]
+    out = []
+    for f in doc.get("findings", []):
+        fields: dict[str, Any] = {k: (tuple(f[k]) if k in ("pids", "paths") else f[k])
+                                  for k in keys if k in f}
+        out.append(Finding(**fields))
+    return out
 
 
 def verdict(result: ClusterResult) -> str:
@@ -102,7 +106,7 @@ def prometheus(result: ClusterResult) -> str:
     heads: dict[str, list[str]] = {}
     for n in result.nodes:
         for line in (n.prometheus or "").splitlines():
-            if line.startswith("# HELP ") or line.startswith("# TYPE "):
+            if line.startswith(("# HELP ", "# TYPE ")):
                 name = line.split(" ", 3)[2]
                 if len(heads.setdefault(name, [])) < 2 and line not in heads[name]:
                     heads[name].append(line)

@@ -9,11 +9,21 @@ records (`tables`, `lines`), so the three forms always agree.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from xpuctl import __version__
-from xpuctl.core.model import (Artifact, Device, Finding, Port, Process, Report, RuntimeView,
-                               Scan, Unreadable)
+from xpuctl.core.model import (
+    Artifact,
+    Device,
+    Finding,
+    Port,
+    Process,
+    Report,
+    RuntimeView,
+    Scan,
+    Unreadable,
+)
 from xpuctl.parse.probes import ProbeResult, result_to_dict
 
 
@@ -222,7 +232,7 @@ def shutdown_target_dicts(trees: list[Any], members: dict[int, list[int]]) -> li
 
 
 def shutdown_plan_document(targets: list[dict[str, Any]], dry_run: bool,
-                           skipped: list[str] = ()) -> dict[str, Any]:  # type: ignore[assignment]
+                           skipped: Sequence[str] = ()) -> dict[str, Any]:
     """`skipped`: what a read that did not answer kept out of the plan (ladder.skipped_lines)."""
     return {"schema": "xpuctl.shutdown/1", "dry_run": dry_run, "targets": targets, "events": [],
             "verdict": "planned" if targets else "nothing", "skipped": list(skipped)}

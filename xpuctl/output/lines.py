@@ -62,7 +62,8 @@ def reset_plan_lines(plan: Any, kill_holders: bool, advice: list[Finding]) -> li
     """What reset will do (or would, with --dry-run), then the relaunch advice."""
     out = ["nothing to clean"] if plan.empty else []
     for t in plan.orphan_trees:
-        out.append(f"stop orphaned vLLM tree {t.top.pid} ({t.role}) holding {safe(', '.join(t.devices)) or 'no device'}")
+        held = safe(", ".join(t.devices)) or "no device"
+        out.append(f"stop orphaned vLLM tree {t.top.pid} ({t.role}) holding {held}")
     for h in plan.holders:
         head = f"pid {h.pid} ({safe(h.command, 200)}) holds {safe(', '.join(h.devices))}, not part of a live server"
         if h.why_not is not None:

@@ -23,11 +23,12 @@ import select
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from typing import IO, Protocol
 
-from xpuctl.parse.vllmlog import READY, STARTING, Phase, phase_of, short_line
-from xpuctl.output.safetext import emit, neutral_lines, safe
 from xpuctl.output.lines import phase_line
+from xpuctl.output.safetext import emit, neutral_lines, safe
+from xpuctl.parse.vllmlog import READY, STARTING, Phase, phase_of, short_line
 
 
 class Tracker:
@@ -233,7 +234,7 @@ class PipeSink:
 
     MIN_LINE = 0.2  # seconds between `line` messages (the parent redraws from them)
 
-    def __init__(self, fd: int, log) -> None:
+    def __init__(self, fd: int, log: Callable[[str], None]) -> None:
         self.fd: int | None = fd
         self.log = log
         self.lock = threading.Lock()

@@ -48,7 +48,7 @@ def prometheus(report: Report) -> str:
 
 
 def _doctor_families(report: Report) -> list[Family]:
-    worst: dict[str, int] = {c: 0 for c in CHECKS}
+    worst: dict[str, int] = dict.fromkeys(CHECKS, 0)
     rank = {"info": 0, "warn": 1, "fail": 2}
     for f in report.findings:
         worst[f.check] = max(worst[f.check], rank[f.severity])

@@ -171,7 +171,7 @@ def console(stderr: bool = False, **kwargs: Any) -> Any:
     `safe_lines` after layout and before rich renders its styles, so only rich's own escape
     sequences reach a terminal.
     """
-    global _CONSOLE_CLASS
+    global _CONSOLE_CLASS  # noqa: PLW0603 (the rich class, built once on first use: rich is imported lazily)
     if _CONSOLE_CLASS is None:
         from rich.console import Console
         from rich.segment import Segment
@@ -185,7 +185,7 @@ def console(stderr: bool = False, **kwargs: Any) -> Any:
                 # rich's Spinner reads a str status as markup whatever the console says
                 st = super().status(plain(status), *args, **kwargs)
                 update = st.update
-                st.update = (  # type: ignore[method-assign]
+                st.update = (  # type: ignore[method-assign]  # the one method patched: markup off
                     lambda status=None, **kw: update(plain(status), **kw)
                 )
                 return st

@@ -120,7 +120,7 @@ def processes_table(snap: Scan, title: str = "Processes", width: int = 120) -> A
     out = Text()
     out.append(title, style="bold")
     for i, r in enumerate([heads, *rows]):
-        cells = [c.rjust(w) if j < 2 else c.ljust(w) for j, (c, w) in enumerate(zip(r, widths))]
+        cells = [c.rjust(w) if j < 2 else c.ljust(w) for j, (c, w) in enumerate(zip(r[:7], widths, strict=True))]
         head = "  ".join(cells) + "  "
         room = max(12, width - len(head))
         cmd = r[7] if len(r[7]) <= room else r[7][: room - 1] + "…"
@@ -146,7 +146,7 @@ def runs_table(rows: list[Any]) -> Any:
     out = Text("Runs", style="bold")
     for i, row in enumerate([heads, *cells]):
         out.append("\n")
-        line = "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
+        line = "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
         out.append(line, style="bold" if i == 0 else None)
     return out
 

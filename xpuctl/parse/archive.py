@@ -39,7 +39,7 @@ class Index(NamedTuple):
     exists: dict[str, bool]
     rdev: dict[str, Any]
     fds: dict[int, Any]
-    read_errors: dict[str, list]
+    read_errors: dict[str, list[Any]]
 
 
 def _load(text: str | bytes, what: str) -> dict[str, Any]:
@@ -92,7 +92,7 @@ def parse_manifest(text: str | bytes) -> Manifest:
 
 def _error(v: Any) -> bool:
     """A recorded OSError: [errno, text, filename] or [null, text, null]."""
-    return (isinstance(v, list) and len(v) == 3 and (v[0] is None or _int(v[0]) and 0 < v[0] < 4096)
+    return (isinstance(v, list) and len(v) == 3 and (v[0] is None or (_int(v[0]) and 0 < v[0] < 4096))
             and isinstance(v[1], str) and (v[2] is None or isinstance(v[2], str)))
 
 
@@ -100,7 +100,7 @@ def _answer(v: Any, ok: Any) -> bool:
     """A recorded answer: a value `ok` accepts, or {"error": <error>}."""
     if isinstance(v, dict):
         return set(v) == {"error"} and _error(v["error"])
-    return ok(v)
+    return bool(ok(v))
 
 
 def _table(d: dict[str, Any], key: str, ok: Any) -> dict[str, Any]:
@@ -108,7 +108,8 @@ def _table(d: dict[str, Any], key: str, ok: Any) -> dict[str, Any]:
     _want(isinstance(t, dict), f"index {key}")
     for path, v in t.items():
         _want(path.startswith("/") and _answer(v, ok), f"index {key} entry {path!r}")
-    return t
+    table: dict[str, Any] = t
+    return table
 
 
 def _strs(v: Any) -> bool:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import re
 import struct
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from xpuctl.parse.probes import ProbeDevice, ProbeResult
 
@@ -90,7 +90,8 @@ def xe_query_size(request: bytes) -> int:
     """The size the kernel wrote back into a drm_xe_device_query."""
     if len(request) < XE_QUERY.size:
         raise KmdReplyError(f"xe query struct is {len(request)} bytes, expected {XE_QUERY.size}")
-    return XE_QUERY.unpack_from(request)[2]
+    size: int = XE_QUERY.unpack_from(request)[2]
+    return size
 
 
 def i915_item(length: int = 0, data: int = 0) -> bytes:
@@ -105,10 +106,11 @@ def i915_item_length(item: bytes) -> int:
     """The length the kernel wrote back into a query item (negative: -errno)."""
     if len(item) < I915_QUERY_ITEM.size:
         raise KmdReplyError(f"i915 query item is {len(item)} bytes, expected {I915_QUERY_ITEM.size}")
-    return I915_QUERY_ITEM.unpack_from(item)[1]
+    length: int = I915_QUERY_ITEM.unpack_from(item)[1]
+    return length
 
 
-def _regions(data: bytes, header: struct.Struct, region: struct.Struct, what: str) -> list[tuple]:
+def _regions(data: bytes, header: struct.Struct, region: struct.Struct, what: str) -> list[tuple[Any, ...]]:
     if len(data) < header.size:
         raise KmdReplyError(f"{what} reply is {len(data)} bytes, shorter than its header")
     count = header.unpack_from(data)[0]

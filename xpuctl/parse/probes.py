@@ -39,7 +39,7 @@ class ProbeProcess(NamedTuple):
 
 class ProbeDevice(NamedTuple):
     bdf: str | None  # PCI address when the source gives one
-    index: int | None  # position among Intel GPUs in PCI order (torch)
+    index: int | None  # type: ignore[assignment]  # shadows tuple.index, never called on a record; position among Intel GPUs in PCI order (torch)
     name: str | None
     state: str  # ok | lost
     memory_total_bytes: int | None

@@ -49,7 +49,7 @@ def merge_shared(args: list[str], flag: str, before: str | None) -> list[str]:
     _, after, found = strip_flag(args, flag)
     if not found:
         return [flag, before, *args]
-    same = after == before or _digits(after or "") and _digits(before) and int(after or 0) == int(before)
+    same = after == before or (_digits(after or "") and _digits(before) and int(after or 0) == int(before))
     if not same:
         raise UsageError(f"{flag} {before} before MODEL and {flag} {after} after it disagree: give it once")
     return args

@@ -21,9 +21,9 @@ import subprocess
 import sys
 import time
 
-from xpuctl.state import audit
 from xpuctl.parse import kmd, xpusmi
 from xpuctl.parse.probes import ProbeResult, parse_probe_output
+from xpuctl.state import audit
 
 PROBES = ("sysman", "torch", "xpu-smi", "kmd")
 MODULES = {"sysman": "xpuctl.probes.children.sysman", "torch": "xpuctl.probes.children.torch_xpu",
@@ -75,10 +75,10 @@ class _Job:
         if self.t1 is not None:
             return True
         try:
-            info = os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            exited = os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
         except ChildProcessError:
-            info = True  # reaped already
-        if info:
+            exited = True  # reaped already
+        if exited:
             self.t1 = time.monotonic()
             self.kill_group()  # anything it left behind in its group goes with it
         return self.t1 is not None
@@ -127,8 +127,9 @@ class Running:
     def _collect(self) -> None:
         sel = selectors.DefaultSelector()
         for j in self.jobs:
-            sel.register(j.proc.stdout, selectors.EVENT_READ, (j, j.out))  # type: ignore[arg-type]
-            sel.register(j.proc.stderr, selectors.EVENT_READ, (j, j.err))  # type: ignore[arg-type]
+            assert j.proc.stdout is not None and j.proc.stderr is not None  # started with PIPEs
+            sel.register(j.proc.stdout, selectors.EVENT_READ, (j, j.out))
+            sel.register(j.proc.stderr, selectors.EVENT_READ, (j, j.err))
             try:
                 j.pidfd = os.pidfd_open(j.pid)
                 sel.register(j.pidfd, selectors.EVENT_READ, (j, None))

@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from xpuctl.errors import RayError
 from xpuctl.core.model import Issue, Process, RayActor, Scan
+from xpuctl.errors import RayError
 from xpuctl.parse import roles as R
 
 StateFetch = Callable[[list[Process]], dict[str, Any]]
@@ -63,7 +63,7 @@ def tie(snap: Scan, state: dict[str, Any], alive: Callable[[int], bool]) -> Scan
         if a is None or a.get("class_name") != R.ray_actor_class(p.cmdline):
             continue  # not this host's actor of that pid (pids repeat across hosts)
         job = jobs.get(a.get("job_id"))
-        same_host = bool(job) and job.get("driver_ip") == node_ip.get(a.get("node_id"))
+        same_host = job is not None and job.get("driver_ip") == node_ip.get(a.get("node_id"))
         actor = _actor(a, job, alive, same_host)
         if not R.is_vllm_actor(actor.class_name, actor.name):
             changed[p.pid] = p._replace(ray=actor)

@@ -22,15 +22,15 @@ def _state(waiting: Any) -> dict[str, Any]:
 
     try:
         return fetch_state(None, 10.0)
-    except Exception as exc:  # noqa: BLE001 - any failure is the issue's reason
+    except Exception as exc:
         raise RayError(classify(exc).args[0]) from None
 
 
 def _doctor(host: Any, options: dict[str, Any]) -> tuple[dict[str, Any], str, int]:
     from xpuctl.doctor import blocking, diagnose
-    from xpuctl.state.statedir import resolve_state_dir
     from xpuctl.output.documents import doctor_dict
     from xpuctl.output.prometheus import prometheus
+    from xpuctl.state.statedir import resolve_state_dir
 
     report = diagnose(host, list(options.get("devices") or []), options.get("port"),
                       bool(options.get("expect_idle")), {},
@@ -40,8 +40,8 @@ def _doctor(host: Any, options: dict[str, Any]) -> tuple[dict[str, Any], str, in
 
 
 def _scan(host: Any) -> Any:
-    from xpuctl.ray.actors import with_ray
     from xpuctl.host.scan import take_scan
+    from xpuctl.ray.actors import with_ray
 
     snap = take_scan(host, port=None, want_env=False, artifacts=False)
     return with_ray(host, snap, {}, fetch=_state)

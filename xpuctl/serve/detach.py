@@ -46,7 +46,7 @@ def _supervise_child(host: Host, opts: ServeOptions, plan: LaunchPlan, rec: RunR
         if warning:  # nobody sees our stderr: the run log says it
             log(warning)
         sink.end(f"exit {code}")
-    except BaseException as exc:  # noqa: BLE001
+    except BaseException as exc:
         log(f"xpuctl: supervisor error: {exc}")
         sink.end(f"error {exc}")
     finally:

@@ -14,6 +14,7 @@ import re
 import shlex
 import shutil
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from xpuctl.errors import UsageError
 from xpuctl.host.devices import scan_devices, select_devices
@@ -21,6 +22,9 @@ from xpuctl.host.programs import interpreter_of
 from xpuctl.host.seam import Host
 from xpuctl.parse.vllmargs import merge_shared, port_from_argv, strip_flag
 from xpuctl.serve.budget import MIN_SHUTDOWN_TIMEOUT, vllm_shutdown_timeout
+
+if TYPE_CHECKING:  # types only: imported where used
+    from xpuctl.doctor import DeepOptions
 
 FLAG_VERSION = (0, 18)  # first vLLM with --shutdown-timeout
 DEFAULT_VLLM = "vllm serve"
@@ -43,7 +47,7 @@ class ServeOptions:
     ready_timeout: float = 900.0
     detach: bool = False
     kill_after: float = 10.0
-    deep_preflight: object | None = None  # doctor.DeepOptions: `--preflight deep`
+    deep_preflight: DeepOptions | None = None  # `--preflight deep`
     quiet: bool = False
     port: int | None = None  # --port/--host given before MODEL (passed on to vLLM once)
     bind: str | None = None  # --host: the address vLLM binds

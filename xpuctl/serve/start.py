@@ -35,7 +35,7 @@ def _preflight(host: Host, opts: ServeOptions, plan: LaunchPlan,
     from xpuctl.doctor import diagnose
 
     report = diagnose(host, plan.bdfs or None, plan.port, caller_env=plan.env,
-                      deep=opts.deep_preflight)  # type: ignore[arg-type]
+                      deep=opts.deep_preflight)
     if report.failed:
         show_findings(report)
         raise XpuctlError(

@@ -28,8 +28,8 @@ from xpuctl.errors import ExitCode, XpuctlError
 from xpuctl.host import http
 from xpuctl.host.seam import Host
 from xpuctl.output import progress
-from xpuctl.output.safetext import safe
 from xpuctl.output.lines import event_line
+from xpuctl.output.safetext import safe
 from xpuctl.serve.launch import LaunchPlan, ServeOptions, ray_python
 from xpuctl.state.runs import RunRecord, stop_abandoned, update_record
 
@@ -45,7 +45,7 @@ class _Pump(threading.Thread):
                  echo: Callable[[str], None] | None) -> None:
         super().__init__(daemon=True, name="xpuctl-log")
         self.stream = stream
-        self.log = open(log_path, "ab", buffering=0)  # noqa: SIM115
+        self.log = open(log_path, "ab", buffering=0)  # noqa: SIM115 (the run log, open for the run's life: closed in close())
         self.on_line = on_line
         self.echo = echo
         self.tail: collections.deque[str] = collections.deque(maxlen=200)
@@ -98,7 +98,7 @@ class RunSupervisor:
     def _set(self, **changes) -> None:
         update_record(self.state_dir, self.rec, **changes)
 
-    def _on_signal(self, signum, frame) -> None:  # noqa: ARG002
+    def _on_signal(self, signum, frame) -> None:
         self.signals += 1
         if self.signals >= 2:
             raise _Interrupted()
@@ -330,7 +330,7 @@ class RunSupervisor:
             disk = read_record(self.state_dir, self.rec.name)
             return bool(disk and disk.run_id == self.rec.run_id and disk.state == "stopping"
                         and disk.stopping_by != me
-                        and not stop_abandoned(disk, lambda pid, ticks: self._alive(pid, ticks)))
+                        and not stop_abandoned(disk, self._alive))
 
         passive = someone_else()
 

@@ -25,6 +25,7 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from xpuctl import pausepoint
 from xpuctl.actions.signals import Target, wait_gone
@@ -33,6 +34,9 @@ from xpuctl.host.scan import listening_sockets, take_scan
 from xpuctl.host.seam import Host
 from xpuctl.shutdown.logtail import LogTail
 from xpuctl.shutdown.targets import ServerTree, members, topmost
+
+if TYPE_CHECKING:  # types only: imported where used
+    from xpuctl.ray.teardown import RayRun
 
 DRAIN_MARGIN = 10.0  # seconds on top of vLLM's own shutdown timeout
 DEFAULT_SHUTDOWN_TIMEOUT = 5  # what vLLM >= 0.25 forces on XPU when none is given
@@ -76,7 +80,7 @@ class _Ladder:
         self.first_members: dict[int, list[int]] = {}
         self.pending: list[Target] = []
         self.tails = {id(tree): LogTail(tree.log_path) for tree in trees}
-        self.ray_runs: list[tuple[ServerTree, object]] = []  # (tree, ray.teardown.RayRun)
+        self.ray_runs: list[tuple[ServerTree, RayRun]] = []
         self.ray_targets: dict[int, Target] = {}  # the runs' actors on this node, identified
         self.ray_left: list[int] = []  # pids (or 0) of actors that outlived everything
 
@@ -159,13 +163,13 @@ def _ray_settle(ld: _Ladder) -> None:
         return
     from xpuctl.ray import teardown
 
-    def kill_pid(actor: dict) -> bool:
+    def kill_pid(actor: dict[str, Any]) -> bool:
         target = ld.ray_targets.get(actor.get("pid") or -1)
         return target is not None and target.send(ld.host, signal.SIGKILL)
 
     for tree, run in ld.ray_runs:
         budget = float(tree.record.teardown_timeout) if tree.record else float(DEFAULT_SHUTDOWN_TIMEOUT)
-        left = teardown.settle(run, budget, kill_pid, ld.emit,  # type: ignore[arg-type]
+        left = teardown.settle(run, budget, kill_pid, ld.emit,
                                passive=ld.passive)
         ld.ray_left.extend(a.get("pid") or 0 for a in left)
 

@@ -18,7 +18,9 @@ def find_targets(host: Host, state_dir: str | None, name: str | None, pid: int |
     from xpuctl.shutdown import targets
     from xpuctl.state import runs
 
-    records = runs.list_records(runs.ensure_state_dir(state_dir, create=False)) if state_dir and os.path.isdir(state_dir) else []
+    records = []
+    if state_dir and os.path.isdir(state_dir):
+        records = runs.list_records(runs.ensure_state_dir(state_dir, create=False))
     bdfs = resolve_device_specs(host, specs)
     from xpuctl.ray.actors import with_ray
 
@@ -45,6 +47,8 @@ def mark_records(state_dir: str | None, trees: list[Any], **changes: Any) -> Non
         from xpuctl.actions.signals import own_identity
 
         changes.setdefault("stopping_by", own_identity())
+    if state_dir is None:
+        return
     for t in trees:
         if t.record is not None:
             try:

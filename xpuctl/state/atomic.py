@@ -14,9 +14,10 @@ import errno
 import os
 import re
 import tempfile
+from collections.abc import Callable
+from typing import BinaryIO
 
 from xpuctl import pausepoint
-from typing import BinaryIO, Callable
 
 
 def temp_pattern(path: str, suffix: str = ".tmp") -> re.Pattern[str]:
@@ -66,7 +67,7 @@ def replace(
             os.fsync(f.fileno())
         pausepoint.reached("record-rename")
         os.replace(tmp, path)
-        tmp = None
+        tmp = ""  # renamed: nothing to remove
         if sync_dir:
             fsync_dir(directory)
     finally:

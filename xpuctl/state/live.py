@@ -31,7 +31,7 @@ def live_runs(host: Host, state_dir: str) -> list[RunRow]:
     still runs (a record left by a killed supervisor is not a run)."""
 
     def alive(pid: int | None, ticks: int | None = None) -> bool:
-        return bool(pid) and same_process(host, pid, ticks) is not None  # type: ignore[arg-type]
+        return pid is not None and pid > 0 and same_process(host, pid, ticks) is not None
 
     now = time.time()
     out = []
@@ -39,6 +39,6 @@ def live_runs(host: Host, state_dir: str) -> list[RunRow]:
         if not (alive(r.pid, r.start_ticks) or alive(r.supervisor_pid)):
             continue
         age = now - r.started_at if r.started_at else None
-        shown = state_shown(r, lambda pid, ticks: alive(pid, ticks))  # an abandoned stop is not one
+        shown = state_shown(r, alive)  # an abandoned stop is not one
         out.append(RunRow(r.name, shown, age, r.pid, r.port, tuple(r.devices), r.run_id))
     return out

@@ -17,8 +17,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from xpuctl.state import atomic
 from xpuctl.errors import LockedError, UsageError
+from xpuctl.state import atomic
 
 ACTIVE_STATES = ("starting", "ready", "stopping")  # a run that may still have processes
 STATES = (*ACTIVE_STATES, "stopped", "failed")
@@ -89,7 +89,7 @@ class RunRecord:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunRecord:
-        known = {f for f in cls.__dataclass_fields__}
+        known = set(cls.__dataclass_fields__)
         return cls(**{k: v for k, v in data.items() if k in known})
 
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import os
 
-from xpuctl.state import atomic
 from xpuctl.errors import UsageError, XpuctlError
+from xpuctl.state import atomic
 
 MODE = 0o644
 SUFFIX = ".prom"

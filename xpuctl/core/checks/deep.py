@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from xpuctl.core.checks.registry import Ctx, check
-from xpuctl.core.model import Finding
+from xpuctl.core.model import Finding, RuntimeView
 from xpuctl.output.units import human_bytes
 
 
-def _wanted_views(c: Ctx):  # -> Iterator[RuntimeView]
+def _wanted_views(c: Ctx) -> Iterator[RuntimeView]:
     deep = c.snap.deep
     return (v for v in (deep.devices if deep else ()) if not c.wanted or v.bdf in c.wanted)
 

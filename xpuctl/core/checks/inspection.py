@@ -71,7 +71,8 @@ def blocked_reads(c: Ctx) -> list[Finding]:
             remedy, held[0] if len(held) == 1 else None, (u.pid,), (u.file,),
         ))
     for issue in c.snap.blocked:
-        if issue.source.startswith("/proc/") and issue.source.split("/")[2].isascii() and issue.source.split("/")[2].isdigit():
+        parts = issue.source.split("/")
+        if issue.source.startswith("/proc/") and parts[2].isascii() and parts[2].isdigit():
             continue  # a process: above
         out.append(Finding("blocked-reads", sev, f"{issue.source} {issue.reason}", remedy,
                            paths=(issue.source,)))

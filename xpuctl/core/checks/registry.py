@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
-from xpuctl.core.model import Finding, Process, Scan
+from xpuctl.core.model import Device, Finding, Process, Scan
 
 
 class Options(NamedTuple):
@@ -29,7 +30,7 @@ class Ctx(NamedTuple):
         """True when nothing was asked for, the thing holds no device, or it holds a wanted one."""
         return not self.wanted or not bdfs or bool(self.wanted & set(bdfs))
 
-    def devices(self):  # -> Iterator[Device]
+    def devices(self) -> Iterator[Device]:
         return (d for d in self.snap.devices if not self.wanted or d.bdf in self.wanted)
 
 

@@ -78,4 +78,5 @@ def env(c: Ctx) -> list[Finding]:
         problems.append(envvars.check_device_selector(environ["ONEAPI_DEVICE_SELECTOR"]))
     if "ZE_FLAT_DEVICE_HIERARCHY" in environ:
         problems.append(envvars.check_hierarchy(environ["ZE_FLAT_DEVICE_HIERARCHY"]))
-    return [Finding("env", "fail", problem, "fix or unset the variable before serving") for problem in filter(None, problems)]
+    remedy = "fix or unset the variable before serving"
+    return [Finding("env", "fail", problem, remedy) for problem in filter(None, problems)]

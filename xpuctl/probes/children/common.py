@@ -20,6 +20,6 @@ def run(probe: Callable[[], dict[str, Any]], failed: Callable[[str], dict[str, A
     """A probe child's main: `probe()`'s result, or `failed(why)` when it raised."""
     try:
         out = probe()
-    except Exception as exc:  # noqa: BLE001 - report, never a traceback on stdout
+    except Exception as exc:
         out = failed(f"{type(exc).__name__}: {exc}")
     emit(out)

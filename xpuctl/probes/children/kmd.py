@@ -21,11 +21,10 @@ import fcntl
 import os
 from typing import Any
 
-from xpuctl.probes.children.common import run
-
+from xpuctl.host.devices import scan_devices
 from xpuctl.host.seam import Host
 from xpuctl.parse import kmd
-from xpuctl.host.devices import scan_devices
+from xpuctl.probes.children.common import run
 
 CAP_SYS_ADMIN = 21
 CAP_PERFMON = 38

@@ -159,7 +159,7 @@ def probe() -> dict[str, Any]:
         from importlib.metadata import version
 
         result["version"] = version("pyzes")
-    except Exception:  # noqa: BLE001 - a stand-in or a vendored copy has no metadata
+    except Exception:
         result["version"] = getattr(pyzes, "__version__", None)
     rc = int(pyzes.zesInit(0))
     if rc != 0:
