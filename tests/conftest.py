@@ -20,11 +20,11 @@ def _private_state_dir(tmp_path, monkeypatch):
 
 @pytest.fixture(autouse=True)
 def _close_readers():
-    """Each Host keeps a reader process (xpuctl/host/reader.py) until it is collected; hosts
+    """Each Host keeps a reader process (xpuctl/host/reads/caller.py) until it is collected; hosts
     made in this process (CliRunner, direct calls) can wait for a full garbage collection.
     Close them after each test, so idle readers do not pile up over a run."""
     yield
-    from xpuctl.host import reader
+    from xpuctl.host.reads import caller as reader
 
     reader.close_all()
 

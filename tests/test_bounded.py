@@ -19,7 +19,8 @@ import fakehost as fh
 import proctools
 import pytest
 
-from xpuctl.host import reader as R
+from xpuctl.host.reads import caller as R
+from xpuctl.host.reads import protocol as P
 from xpuctl.host.seam import Host
 
 BOUND = "0.5"  # --read-timeout in these tests: short, the outcome is what is checked
@@ -62,14 +63,14 @@ def _nothing_left(token: str) -> None:
 
 
 def test_group_of_ties_the_files_that_block_together():
-    assert R.group_of("/proc/42/cmdline") == R.group_of("/proc/42/environ") == R.group_of("/proc/42/maps")
-    assert R.group_of("/proc/42/fdinfo/7") == R.group_of("/proc/42/fdinfo/9") != R.group_of("/proc/42/fd")
-    assert R.group_of("/proc/42/stat") != R.group_of("/proc/42/status")
-    assert R.group_of("/proc/42/cmdline") != R.group_of("/proc/43/cmdline")
-    assert R.group_of("/sys/devices/pci0000:00/0000:03:00.0/vendor") == \
-        R.group_of("/sys/devices/pci0000:00/0000:03:00.0/device")
-    assert R.pid_of("/proc/42/fdinfo/7") == 42 and R.pid_of("/proc/net/unix") is None
-    assert R.pid_of("/sys/class/drm/renderD128/dev") is None
+    assert P.group_of("/proc/42/cmdline") == P.group_of("/proc/42/environ") == P.group_of("/proc/42/maps")
+    assert P.group_of("/proc/42/fdinfo/7") == P.group_of("/proc/42/fdinfo/9") != P.group_of("/proc/42/fd")
+    assert P.group_of("/proc/42/stat") != P.group_of("/proc/42/status")
+    assert P.group_of("/proc/42/cmdline") != P.group_of("/proc/43/cmdline")
+    assert P.group_of("/sys/devices/pci0000:00/0000:03:00.0/vendor") == \
+        P.group_of("/sys/devices/pci0000:00/0000:03:00.0/device")
+    assert P.pid_of("/proc/42/fdinfo/7") == 42 and P.pid_of("/proc/net/unix") is None
+    assert P.pid_of("/sys/class/drm/renderD128/dev") is None
 
 
 def test_a_read_that_never_answers_raises_blocked_and_the_group_then_fails_at_once(tmp_path):
@@ -78,13 +79,13 @@ def test_a_read_that_never_answers_raises_blocked_and_the_group_then_fails_at_on
     (tmp_path / "proc/42/stat").write_bytes(b"42 (x) S 1 42 42 0 -1 0")
     os.mkfifo(tmp_path / "proc/42/cmdline")
     host = Host(tmp_path, read_timeout=0.3)
-    with pytest.raises(R.Blocked):
+    with pytest.raises(P.Blocked):
         host.read_bytes("/proc/42/cmdline")
     (first,) = host.blocked_reads()
     assert (first.path, first.pid) == ("/proc/42/cmdline", 42)
     assert "did not answer within 0.3 s" in first.reason
     # the same group (the mmap lock) is not waited for again; other files still answer
-    with pytest.raises(R.Blocked):
+    with pytest.raises(P.Blocked):
         host.read_bytes("/proc/42/environ")
     assert host.blocked_reads() == (first,)
     assert host.read_once("/proc/42/stat").startswith(b"42 (x)")
@@ -96,7 +97,7 @@ def test_an_abandoned_reader_is_killed_and_reaped(tmp_path):
     host = Host(tmp_path, read_timeout=0.3)
     assert host.read_bytes("/f") == b"x"
     first = host.reader.pid
-    with pytest.raises(R.Blocked):
+    with pytest.raises(P.Blocked):
         host.read_bytes("/never")
     assert host.reader.pid not in (None, first)  # abandoned; the call went on in a new one
     assert proctools.wait_for(lambda: proctools.is_gone(first), 10)
@@ -365,18 +366,17 @@ def test_a_reader_stuck_for_good_is_abandoned_and_the_command_returns(fuse_stall
     assert stuck, "the abandoned reader should still be waiting in the kernel"
 
 
-def _busy_read(seconds: float) -> str:
+def _busy_read(host: Host, seconds: float) -> str:
     """In the reader: publish a read, then stay on the CPU (state R) past the bound, as a
     reader starved on a loaded machine does; then finish it."""
     import time as _time
 
-    from xpuctl.host import readchild
-
-    readchild.current.enter("/proc/42/cmdline")
+    published = host._reads  # the reader's side (child.Published)
+    published.enter("/proc/42/cmdline")
     end = _time.monotonic() + seconds
     while _time.monotonic() < end:
         pass
-    readchild.current.leave()
+    published.leave()
     return "done"
 
 
@@ -385,5 +385,5 @@ def test_a_slow_read_that_runs_is_not_judged_blocked(tmp_path):
     machine once had shutdown judge live processes unreadable for 12 s this way. A read
     that sleeps (D, or S on a FIFO) is still blocked at the bound (the tests above)."""
     host = Host(tmp_path, read_timeout=0.3)
-    assert host.reader.call(_busy_read, 1.2) == "done"
+    assert host.call(_busy_read, 1.2) == "done"
     assert host.blocked_reads() == ()

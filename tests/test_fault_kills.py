@@ -21,7 +21,7 @@ import pytest
 from proctools import is_gone, pidns_available, wait_for
 from test_serve_shutdown import XPUCTL, audit_lines, rig  # noqa: F401 (rig: fixture)
 
-from xpuctl.host.readchild import COMM
+from xpuctl.host.reads.protocol import COMM
 
 PY = sys.executable
 TESTS_DIR = Path(__file__).resolve().parent
@@ -216,7 +216,7 @@ def test_shutdown_killed_at_each_step(rig, step):
     assert_audit_whole(Path(rig.state, "audit.jsonl"))
 
     # the next doctor tells the truth about this run's processes
-    # doctor lists vLLM: not the supervisor, nor its readers (xpuctl/host/reader.py)
+    # doctor lists vLLM: not the supervisor, nor its readers (xpuctl/host/reads/)
     def vllm() -> set[int]:
         return {p for p in rig.alive() if _comm(p) != COMM} - {rec["supervisor_pid"]}
     before = vllm()

@@ -24,7 +24,7 @@ from xpuctl.core.checks import Options, evaluate
 from xpuctl.core.model import Artifact, Process, Report, Scan
 from xpuctl.core.rules import CCL_PID
 from xpuctl.errors import UsageError
-from xpuctl.host.processes import list_pids, same_process
+from xpuctl.host.processes import live_stats
 from xpuctl.host.scan import DEFAULT_PORT, take_scan
 from xpuctl.host.seam import Host
 from xpuctl.output.lines import event_line
@@ -71,13 +71,8 @@ class Plan:
 
 
 def _parents(host: Host) -> dict[int, int]:
-    """pid → ppid of every live process (one pass over /proc/*/stat)."""
-    out = {}
-    for pid in list_pids(host):
-        st = same_process(host, pid)
-        if st is not None:
-            out[pid] = st.ppid
-    return out
+    """pid → ppid of every live process (one pass over /proc/*/stat, one call to the reader)."""
+    return {pid: st.ppid for pid, st in live_stats(host).items()}
 
 
 def _ancestry(parents: dict[int, int], pid: int) -> list[int]:

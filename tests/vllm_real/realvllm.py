@@ -495,7 +495,7 @@ def by_title(tree: Iterable[ProcInfo]) -> dict[str, list[ProcInfo]]:
     out: dict[str, list[ProcInfo]] = {
         "supervisor": [], "api": [], "engine": [], "worker": [], "tracker": [], "other": []}
     for p in tree:
-        if p.comm == "xpuctl-reader" or "xpuctl.host.readchild" in p.cmdline:
+        if p.comm == "xpuctl-reader" or "xpuctl.host.reads.child" in p.cmdline:
             out["other"].append(p)  # xpuctl's bounded reader (a fork keeps serve's argv)
         elif "-m xpuctl serve" in p.cmdline:
             out["supervisor"].append(p)

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 from xpuctl import pausepoint
-from xpuctl.host.processes import same_process, stat_of
+from xpuctl.host.processes import same_process, stat_of, still_running
 from xpuctl.host.seam import Host
 from xpuctl.state import audit
 
@@ -100,8 +100,15 @@ class Target(NamedTuple):
 
 def own_identity() -> list[int]:
     """[pid, start ticks] of this process: how a run record names who is stopping it."""
-    st = stat_of(Host(), os.getpid())
+    st = stat_of(Host(read_timeout=None), os.getpid())  # our own stat cannot block: no reader
     return [os.getpid(), st.start_ticks if st is not None else 0]
+
+
+def survivors(host: Host, targets: Iterable[Target]) -> list[Target]:
+    """The targets still alive (`Target.alive`), checked in one call to the host's reader."""
+    targets = list(targets)
+    alive = still_running(host, [(t.pid, t.start_ticks) for t in targets])
+    return [t for t, ok in zip(targets, alive, strict=True) if ok]
 
 
 def target_of(host: Host, pid: int, label: str = "", start_ticks: int | None = None) -> Target | None:
@@ -116,7 +123,7 @@ def wait_gone(host: Host, targets: Iterable[Target], timeout: float, interval: f
     Uses pidfds (readable once the process exits) so an exit is seen at once, with a
     /proc check as the source of truth (a zombie is gone).
     """
-    pending = [t for t in targets if t.alive(host)]
+    pending = survivors(host, targets)
     deadline = time.monotonic() + timeout
     fds: dict[int, int] = {}  # pid -> pidfd
     try:
@@ -139,7 +146,7 @@ def wait_gone(host: Host, targets: Iterable[Target], timeout: float, interval: f
             else:
                 time.sleep(min(interval, left))
             reap_children()
-            pending = [t for t in pending if t.alive(host)]
+            pending = survivors(host, pending)
         return pending
     finally:
         for fd in fds.values():

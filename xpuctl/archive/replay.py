@@ -30,7 +30,7 @@ from xpuctl.archive.unpack import unpack
 from xpuctl.core.model import FileInfo, Issue
 from xpuctl.doctor import RecordedProbes
 from xpuctl.errors import UsageError
-from xpuctl.host.readchild import BlockedRead
+from xpuctl.host.reads.protocol import BlockedRead
 from xpuctl.host.seam import Host
 from xpuctl.parse.archive import Index, Manifest, parse_index, parse_manifest
 

@@ -59,7 +59,7 @@ def _memory_total(host: Host, pci: str, card: str | None, driver: str | None) ->
 
 def scan_devices(host: Host) -> tuple[list[Device], list[Issue]]:
     """All DRM devices, Intel ones numbered in Level Zero order (by PCI BDF). Each read is
-    bounded (host/reader.py): an attribute that did not answer (a device in reset) is
+    bounded (host/reads/): an attribute that did not answer (a device in reset) is
     unknown, and named in the issues."""
     if host.reader is not None:
         found: tuple[list[Device], list[Issue]] = host.reader.call(scan_devices, host)

@@ -115,6 +115,33 @@ def same_process(host: Host, pid: int, start_ticks: int | None = None) -> ProcSt
     return st
 
 
+def live_stats(host: Host) -> dict[int, ProcStat]:
+    """pid -> stat of every live process (one pass over /proc/*/stat; zombies left out), as
+    one call to the host's reader."""
+    return host.call(_live_stats)  # type: ignore[no-any-return]
+
+
+def _live_stats(host: Host) -> dict[int, ProcStat]:
+    out = {}
+    for pid in list_pids(host):
+        st = same_process(host, pid)
+        if st is not None:
+            out[pid] = st
+    return out
+
+
+def still_running(host: Host, pids: list[tuple[int, int | None]]) -> list[bool]:
+    """For each (pid, start ticks or None): is it still that live process (`same_process`)?
+    One call to the host's reader for the whole list."""
+    if not pids:
+        return []
+    return host.call(_still_running, pids)  # type: ignore[no-any-return]
+
+
+def _still_running(host: Host, pids: list[tuple[int, int | None]]) -> list[bool]:
+    return [same_process(host, pid, ticks) is not None for pid, ticks in pids]
+
+
 def read_cmdline(host: Host, pid: int) -> list[str]:
     """argv of a process; [] when it is gone, unreadable or a kernel thread."""
     try:
@@ -217,7 +244,8 @@ def scan_processes(host: Host, skip_pids: frozenset[int] = frozenset()) -> FdSca
         _scan_some(host, some, skip_pids, part)
         return part
 
-    out, *rest = in_two(work, pids, FdScan.dumps, FdScan.loads, split=host.splittable and host.reader is None)
+    out, *rest = in_two(work, pids, FdScan.dumps, FdScan.loads, split=host.splittable and host.reader is None,
+                         in_helper=host.in_split_helper)
     for part in rest:
         out.merge(part)
     return out

@@ -24,7 +24,7 @@ from xpuctl.core.rules import Facts, judge, match
 from xpuctl.core.trees import Member, resolve
 from xpuctl.host.devices import DRM_MAJOR, scan_devices
 from xpuctl.host.processes import FdScan, RawProcess, fill_cmdline, scan_processes
-from xpuctl.host.readchild import BlockedRead
+from xpuctl.host.reads.protocol import BlockedRead
 from xpuctl.host.seam import CLK_TCK, Host  # noqa: F401 (CLK_TCK: cli's own-age check)
 from xpuctl.host.split import in_two
 from xpuctl.parse.fdinfo import parse_dmabuf, parse_fdinfo
@@ -66,7 +66,8 @@ class _Lazy:
         if self._maps is None:
             pids = [pid for pid, proc in self.fds.procs.items() if proc.stat.state != "Z"]
             first, *rest = in_two(self._mapped_by, pids, marshal.dumps, marshal.loads,
-                                  split=self.host.splittable and self.host.reader is None)
+                                  split=self.host.splittable and self.host.reader is None,
+                                  in_helper=self.host.in_split_helper)
             for part in rest:
                 for path, owners in part.items():
                     first.setdefault(path, []).extend(owners)
@@ -335,7 +336,7 @@ def _tag_run_leaders(host: Host, fds: FdScan) -> None:
 
 
 def _stuck(host: Host, fds: FdScan) -> dict[int, BlockedRead]:
-    """pid -> the first of its files that did not answer (host/reader.py)."""
+    """pid -> the first of its files that did not answer (host/reads/)."""
     stuck: dict[int, BlockedRead] = {}
     for b in host.blocked_reads():
         if b.pid is not None:
@@ -382,7 +383,7 @@ def take_scan(
     """One scan. `artifacts=False` skips /dev/shm and /tmp (a release check needs only
     holders and ports). `exclude_pids` (live /proc only): our own helpers, e.g. deep probes.
 
-    Every read is bounded: the scan runs in the host's reader (host/reader.py), and a
+    Every read is bounded: the scan runs in the host's reader (host/reads/), and a
     process with a file that did not answer is listed in `unreadable_processes`, never
     judged: its role is unknown, a device it may hold is not free, no file is stale."""
     if host.reader is not None:

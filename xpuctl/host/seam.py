@@ -15,36 +15,15 @@ import stat as _stat
 import time
 from typing import Any
 
+from collections.abc import Callable
+
 from xpuctl.core.model import FileInfo
-from xpuctl.host import readchild as _readchild
-from xpuctl.host import reader as _reader
+from xpuctl.host.reads import protocol as _protocol
+from xpuctl.host.reads.caller import Reader
+from xpuctl.host.reads.protocol import DEFAULT_BOUND, BlockedRead
 
 #: Clock ticks per second of /proc/<pid>/stat start times.
 CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def _readall(path: str, limit: int) -> bytes:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        chunks = []
-        total = 0
-        while total < limit:
-            chunk = os.read(fd, min(65536, limit - total))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            total += len(chunk)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
-
-
-def _readonce(path: str, limit: int) -> bytes:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        return os.read(fd, limit)
-    finally:
-        os.close(fd)
 
 
 #: fd names tried in order before falling back to listing /proc/<pid>/fd (see fd_links).
@@ -54,40 +33,49 @@ _FD_NAMES = tuple(map(str, range(1024)))
 class Host:
     """A view of one host's kernel files, re-rooted at `root`."""
 
-    #: Largest file read through the host (procfs files are small; a bound keeps a hostile
-    #: tree from making us read gigabytes).
-    READ_LIMIT = 8 << 20
+    #: Largest file read through the host (see protocol.READ_LIMIT).
+    READ_LIMIT = _protocol.READ_LIMIT
     #: A pass over /proc may be split over a forked helper (probes/split.py). A host that
     #: records its reads (snapshot) says no: the helper's reads would be lost with it.
     splittable = True
     #: Ticks per second of the start times in /proc/<pid>/stat.
     clk_tck = CLK_TCK
     #: Reads of a real tree can block for good (a wedged host): they are made in a reader
-    #: process, each bounded (host/reader.py). A host over a snapshot's files says no.
+    #: process, each bounded (host/reads/). A host over a snapshot's files says no.
     bounded = True
 
     def __init__(self, root: str | os.PathLike[str] = "/",
-                 read_timeout: float | None = _reader.DEFAULT_BOUND) -> None:
+                 read_timeout: float | None = DEFAULT_BOUND, reads: Any = None) -> None:
         r = os.path.abspath(os.fspath(root))
         self.root = "" if r == "/" else r.rstrip("/")
         self.live = self.root == ""
-        #: This process's side of the bounded reads; None in the reader itself, and when
-        #: reads are made here (not bounded, or `read_timeout` None).
-        self.reader: _reader.Reader | None = (
-            _reader.Reader(read_timeout) if read_timeout and self.bounded else None)
+        #: How this Host reads, fixed here: `reads` when given (in a reader, its side); else
+        #: bounded, in a reader process (host/reads/), unless the class is not `bounded` or
+        #: `read_timeout` is None; else directly.
+        self._reads: Any = reads if reads is not None else (
+            Reader(read_timeout) if read_timeout and self.bounded else _protocol.DIRECT)
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["reader"] = None  # sent to the reader, which reads itself
-        return state
+    @property
+    def reader(self) -> Reader | None:
+        """The reader this Host's reads go to, or None when they are made in this process."""
+        return self._reads.reader  # type: ignore[no-any-return]
 
-    def blocked_reads(self) -> tuple[_reader.BlockedRead, ...]:
+    def blocked_reads(self) -> tuple[BlockedRead, ...]:
         """The reads that did not answer within the bound so far (in the reader: those it
         was told of)."""
-        if self.reader is not None:
-            return tuple(self.reader.blocked_reads())
-        current = _readchild.current
-        return current.reads if current is not None else ()
+        return self._reads.blocked_reads()  # type: ignore[no-any-return]
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(self, *args), its reads bounded: in the reader, as one round trip, when this
+        Host has one; else here. For passes that read a file per pid."""
+        reader = self._reads.reader
+        if reader is not None:
+            return reader.call(fn, self, *args)
+        return fn(self, *args)
+
+    def in_split_helper(self) -> None:
+        """Called in a forked split helper (host/split.py): its reads are its own to publish."""
+        self._reads.in_split_helper()
 
     def __repr__(self) -> str:
         return f"Host(root={self.root or '/'!r})"
@@ -131,17 +119,7 @@ class Host:
 
     # -- reads --------------------------------------------------------------------------
     def read_bytes(self, hostpath: str, limit: int | None = None) -> bytes:
-        reader = self.reader
-        if reader is not None:
-            return reader.read(self.root, "all", hostpath, limit or self.READ_LIMIT)
-        progress = _readchild.current
-        if progress is None:
-            return _readall(self.root + hostpath, limit or self.READ_LIMIT)
-        progress.enter(hostpath)
-        try:
-            return _readall(self.root + hostpath, limit or self.READ_LIMIT)
-        finally:
-            progress.leave()
+        return self._reads.read(self.root, "all", hostpath, limit or self.READ_LIMIT)  # type: ignore[no-any-return]
 
     def read_text(self, hostpath: str, limit: int | None = None) -> str:
         return self.read_bytes(hostpath, limit).decode("utf-8", "surrogateescape")
@@ -155,17 +133,7 @@ class Host:
     def read_once(self, hostpath: str, limit: int = 4096) -> bytes:
         """One read(2): for kernel files the kernel renders whole on the first read
         (/proc/<pid>/stat). Saves the read that would only see the end of the file."""
-        reader = self.reader
-        if reader is not None:
-            return reader.read(self.root, "once", hostpath, limit)
-        progress = _readchild.current
-        if progress is None:
-            return _readonce(self.root + hostpath, limit)
-        progress.enter(hostpath)
-        try:
-            return _readonce(self.root + hostpath, limit)
-        finally:
-            progress.leave()
+        return self._reads.read(self.root, "once", hostpath, limit)  # type: ignore[no-any-return]
 
     def fd_links(self, pid: int, keep: tuple[str, ...] = ("",)) -> list[tuple[str, str]]:
         """(fd, link text) of the fds of a process whose link text starts with one of

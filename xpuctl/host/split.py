@@ -21,8 +21,6 @@ import sys
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
-from xpuctl.host.readchild import in_split_helper
-
 T = TypeVar("T")
 
 #: Measured on 2 cores with 35 fds per process: the split pays from about 100 processes
@@ -69,11 +67,13 @@ def _take(queue: int, chunks: list[list[Any]], taken: list[int]) -> Iterator[Any
 
 
 def in_two(work: Callable[[Iterable[Any]], T], items: list[Any], dumps: Callable[[T], bytes],
-           loads: Callable[[bytes], T], split: bool = True) -> list[T]:
+           loads: Callable[[bytes], T], split: bool = True,
+           in_helper: Callable[[], None] | None = None) -> list[T]:
     """work(items) as one or two partial results: [work(items)] when a split does not pay,
     is not possible or not wanted (`split` False), else one result from here and one from a
     helper, over disjoint parts of `items` that together are all of it. `dumps`/`loads`
-    carry a result through a pipe."""
+    carry a result through a pipe. `in_helper` runs first in the helper (in a reader:
+    Host.in_split_helper, so the helper publishes its reads in its own slot)."""
     if not split or len(items) <= SPLIT_ABOVE or not can_split():
         return [work(items)]
     size = max(CHUNK, -(-len(items) // _MAX_CHUNKS))
@@ -104,7 +104,8 @@ def in_two(work: Callable[[Iterable[Any]], T], items: list[Any], dumps: Callable
         try:
             _default_signals()
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-            in_split_helper()  # in a reader: publish this helper's reads in its own slot
+            if in_helper is not None:
+                in_helper()
             os.close(r)
             view = memoryview(dumps(work(_take(q_r, chunks, []))))
             while view:

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from xpuctl import pausepoint
-from xpuctl.actions.signals import Target, wait_gone
-from xpuctl.host.processes import read_cmdline, same_process, stat_of
+from xpuctl.actions.signals import Target, survivors, wait_gone
+from xpuctl.host.processes import read_cmdline, same_process, stat_of, still_running
 from xpuctl.host.scan import listening_sockets, take_scan
 from xpuctl.host.seam import Host
 from xpuctl.shutdown.logtail import LogTail
@@ -114,7 +114,7 @@ def _find_members(ld: _Ladder) -> None:
 
 
 def skipped_lines(host: Host) -> list[str]:
-    """What a command did not act on because a read did not answer (host/reader.py):
+    """What a command did not act on because a read did not answer (host/reads/):
     nothing is signalled or deleted on the strength of such a read."""
     out = []
     for b in host.blocked_reads():
@@ -244,7 +244,7 @@ def _late_joiners(ld: _Ladder) -> None:
             if t.pid not in ld.everyone:
                 ld.everyone[t.pid] = t
                 ld.pending.append(t)
-    ld.pending = [t for t in ld.pending if t.alive(ld.host)]
+    ld.pending = survivors(ld.host, ld.pending)
 
 
 def _escalate(ld: _Ladder, kill_after: float, skip_drain: bool) -> None:
@@ -287,6 +287,11 @@ def _driver_first(ld: _Ladder, kill_after: float) -> None:
     ld.pending = others + wait_gone(ld.host, actors, KILL_WAIT, ld.poll)
 
 
+def _running(host: Host, pids: list[int]) -> list[int]:
+    """The pids still running, in one call to the host's reader."""
+    return [p for p, ok in zip(pids, still_running(host, [(p, None) for p in pids]), strict=True) if ok]
+
+
 def _await_supervisors(ld: _Ladder, release_timeout: float) -> None:
     """4b. A run's supervisor (serve, or its --detach process) keeps the run's device and port
     locks until it has checked the release itself and exited: wait for it, within the
@@ -296,10 +301,10 @@ def _await_supervisors(ld: _Ladder, release_timeout: float) -> None:
                    if t.record is not None and t.record.supervisor_pid
                    and t.record.supervisor_pid != os.getpid()})
     deadline = time.monotonic() + release_timeout
-    waiting = [p for p in pids if same_process(ld.host, p) is not None]
+    waiting = _running(ld.host, pids)
     while waiting and time.monotonic() < deadline:
         time.sleep(ld.poll)
-        waiting = [p for p in waiting if same_process(ld.host, p) is not None]
+        waiting = _running(ld.host, waiting)
     for pid in pids:
         if pid in waiting:
             ld.emit("supervisor", f"supervisor {pid} still runs: the run's locks are still held")
@@ -337,11 +342,11 @@ def _verify_release(ld: _Ladder, release_timeout: float) -> StopResult:
         ld.emit("port", f"port(s) {', '.join(map(str, busy_ports))} still in use")
     for pid, wchan in stuck:
         ld.emit("stuck", f"{pid} is in D state in {wchan or '?'}")
-    survivors = [t.pid for t in ld.pending if t.alive(ld.host)] + [p for p in ld.ray_left if p]
-    leftovers = bool(survivors or holders or busy_ports or ld.ray_left)
+    left = [t.pid for t in survivors(ld.host, ld.pending)] + [p for p in ld.ray_left if p]
+    leftovers = bool(left or holders or busy_ports or ld.ray_left)
     verdict = "leftovers" if leftovers else ("escalated" if ld.escalated else "clean")
     ld.emit("verdict", verdict)
-    return StopResult(ld.trees, ld.events, verdict, survivors, holders, stuck, busy_ports,
+    return StopResult(ld.trees, ld.events, verdict, left, holders, stuck, busy_ports,
                       ld.first_members)
 
 

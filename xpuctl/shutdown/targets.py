@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from xpuctl.actions.signals import Target, target_of
 from xpuctl.core.model import Process, Scan
 from xpuctl.errors import NotFoundError, UsageError
-from xpuctl.host.processes import list_pids, read_cmdline, same_process
+from xpuctl.host.processes import live_stats, read_cmdline, same_process
 from xpuctl.host.scan import RUN_ID_VAR
 from xpuctl.host.seam import Host
 from xpuctl.parse.procfs import parse_environ
@@ -103,17 +103,18 @@ def tree_from_record(rec: RunRecord, snap: Scan, host: Host) -> ServerTree | Non
 
 
 def members(host: Host, tree: ServerTree) -> list[Target]:
-    """Every live process of the tree: known ones, descendants, its session, its run id.
+    """Every live process of the tree (but this one): known ones, descendants, its session,
+    its run id. The whole pass is one call to the host's reader.
 
     Only /proc/<pid>/stat is read for every process. The environ (for the run id) is read
     only for processes started since the run began, and the cmdline only for members (as a
     label): both reads take the target's mmap lock, which a process stuck in the kernel
     can hold for good, and an unrelated stuck process must not hang a shutdown."""
-    stats = {}
-    for pid in list_pids(host):
-        st = same_process(host, pid)
-        if st is not None:
-            stats[pid] = st
+    return host.call(_members, tree, os.getpid())  # type: ignore[no-any-return]
+
+
+def _members(host: Host, tree: ServerTree, me: int) -> list[Target]:
+    stats = live_stats(host)  # in the reader already: read here
     chosen: set[int] = {t.pid for t in tree.known if t.pid in stats}
     if tree.top.pid in stats:
         chosen.add(tree.top.pid)
@@ -140,7 +141,7 @@ def members(host: Host, tree: ServerTree) -> list[Target]:
             if child not in chosen:
                 chosen.add(child)
                 stack.append(child)
-    chosen.discard(os.getpid())
+    chosen.discard(me)
     out = []
     for pid in sorted(chosen):
         argv = read_cmdline(host, pid)
@@ -157,7 +158,12 @@ def _run_start_ticks(tree: ServerTree) -> int:
 
 
 def topmost(host: Host, targets: list[Target]) -> list[Target]:
-    """Targets whose parent is not among the targets (alive ones only)."""
+    """Targets whose parent is not among the targets (alive ones only): one call to the
+    host's reader."""
+    return host.call(_topmost, targets)  # type: ignore[no-any-return]
+
+
+def _topmost(host: Host, targets: list[Target]) -> list[Target]:
     pids = {t.pid for t in targets}
     out = []
     for t in targets:

@@ -1,25 +1,9 @@
-"""Bounded reads: another process's /proc files and device sysfs are read in a reader process
-that this one can abandon.
+"""The caller's side of bounded reads: `Reader`, a Host's way of reading when its reads are
+bounded (the package's docstring says why and how).
 
-Why a process and not a thread: on a wedged host a read can sleep in the kernel for good (a
-`cmdline` waiting for the mmap lock of a process stuck in the driver, an `fdinfo` inside the
-driver, a sysfs attribute of a device in reset). A thread in uninterruptible sleep keeps its
-whole process from exiting: exit_group waits for every thread, and the shell's wait() with
-it. A child process can be left behind: this process kills it (it dies when the read
-returns, if ever), does not wait for it, and goes on with a new one.
-
-The reader is forked on first use (spawned as `python -m xpuctl.host.readchild` when this
+The reader is forked on first use (spawned as `python -m xpuctl.host.reads.child` when this
 process runs other threads: a fork copies only the calling thread, and locks the others hold
-would stay locked in the copy) and serves requests until its pipe closes. A request is a
-whole function (a scan) or one read; arguments and results travel pickled. Before each read
-the reader writes "reading PATH" into a shared page, and after it "done"
-(host/readchild.py, the reader's side). While a request runs this process watches that page: a
-read that has not returned after `bound` seconds is *blocked*. Its group (see `group_of`:
-the mmap-bound files of one pid, the fdinfo of one pid, one sysfs directory) is recorded,
-the reader (and its split helper, host/split.py, which has its own slot) is killed, and the
-request runs again in a fresh reader, where any read in a blocked group fails at once with
-`Blocked` (an OSError, ETIMEDOUT). So one wedged process costs about one bound, not one per
-file, and callers that already treat an unreadable file as unknown need no change.
+would stay locked in the copy) and serves requests until its pipe closes.
 """
 
 from __future__ import annotations
@@ -30,30 +14,18 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from xpuctl.host.readchild import (
-    _HEAD,
-    _LEN,
-    _SLOT,
-    _SLOTS,
-    DEFAULT_BOUND,
-    Blocked,
-    BlockedRead,
-    _isolate,
-    _read_exact,
-    _send,
-    group_of,
-    pid_of,
-    read,
-    serve,
-)
+from xpuctl.host.reads import child as _child_side
+from xpuctl.host.reads.protocol import (DEFAULT_BOUND, DIRECT, HEAD, LEN, READS, SLOT, SLOTS, Blocked,
+                                        BlockedRead, ReaderTraceback, group_of, pid_of, read_exact,
+                                        send)
 
 if TYPE_CHECKING:  # the rest is imported where it is used: most commands never start a reader
     import mmap
 
-__all__ = ["DEFAULT_BOUND", "Blocked", "BlockedRead", "Reader", "group_of", "pid_of", "reap_abandoned"]
+__all__ = ["DEFAULT_BOUND", "Blocked", "BlockedRead", "Reader", "reap_abandoned"]
 
 
 # -- the caller's side ------------------------------------------------------------------------
@@ -103,11 +75,14 @@ def _start() -> _Child:
 
     memfd = os.memfd_create("xpuctl-reads", os.MFD_CLOEXEC)
     try:
-        os.ftruncate(memfd, _SLOTS * _SLOT)
-        page = mmap.mmap(memfd, _SLOTS * _SLOT)
+        os.ftruncate(memfd, SLOTS * SLOT)
+        page = mmap.mmap(memfd, SLOTS * SLOT)
         req_r, req_w = os.pipe()
         rep_r, rep_w = os.pipe()
-        pid = _spawn(req_r, rep_w, memfd) if _threads_running() else _fork(req_r, rep_w, page, (req_w, rep_r, memfd))
+        if _threads_running():
+            pid = _spawn(req_r, rep_w, memfd)
+        else:
+            pid = _fork(req_r, rep_w, page, (req_w, rep_r, memfd))
     finally:
         os.close(memfd)
     os.close(req_r)
@@ -140,9 +115,9 @@ def _fork(req_r: int, rep_w: int, page: mmap.mmap, parent_ends: tuple[int, ...])
         try:
             for fd in parent_ends:
                 os.close(fd)
-            _isolate((req_r, rep_w))
+            _child_side.isolate((req_r, rep_w))
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-            serve(req_r, rep_w, page)
+            _child_side.serve(req_r, rep_w, page)
             code = 0
         finally:
             os._exit(code)
@@ -157,7 +132,7 @@ def _spawn(req_r: int, rep_w: int, memfd: int) -> int:
     try:
         return os.posix_spawn(
             sys.executable,
-            [sys.executable, "-m", "xpuctl.host.readchild", str(req_r), str(rep_w), str(memfd)],
+            [sys.executable, "-m", "xpuctl.host.reads.child", str(req_r), str(rep_w), str(memfd)],
             dict(os.environ),
         )
     finally:
@@ -180,8 +155,29 @@ def _runnable(pid: int) -> bool:
     return data[data.rfind(b")") + 2:][:1] == b"R"
 
 
+_PICKLER: Any = None
+
+
+def _pickler() -> Any:
+    """A pickler that sends its `reads` (a Reader) as a reference: in the reader, the Hosts
+    of a request read through the reader's side (child.serve resolves it)."""
+    global _PICKLER
+    if _PICKLER is None:
+        import _pickle
+
+        class Pickler(_pickle.Pickler):  # type: ignore[misc,name-defined]
+            reads: Any = None
+
+            def persistent_id(self, obj: Any) -> Any:
+                return READS if obj is self.reads else None
+
+        _PICKLER = Pickler
+    return _PICKLER
+
+
 class Reader:
-    """This process's side: runs functions and reads in a reader child, each bounded.
+    """A Host's way of reading when its reads are bounded: functions and reads run in a
+    reader child, each read bounded.
 
     `blocked` keeps every read that did not answer, in order, for reports."""
 
@@ -192,16 +188,30 @@ class Reader:
         self._finalizer: Any = None
         self._owner = os.getpid()
         self._lock = threading.Lock()  # one request at a time on the pipe (serve has threads)
+        #: Round trips made (requests sent, retries included), for tests and bench.
+        self.round_trips = 0
 
     def __repr__(self) -> str:
         return f"Reader(bound={self.bound:g})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # pickled other than to our reader (which gets a reference, see _request): the Host
+        # reads where it lands, in that process
+        return (type(DIRECT), ())
+
+    @property
+    def reader(self) -> Reader:
+        return self
 
     @property
     def pid(self) -> int | None:
         return self._child.pid if self._child else None
 
-    def blocked_reads(self) -> list[BlockedRead]:
-        return list(self.blocked.values())
+    def blocked_reads(self) -> tuple[BlockedRead, ...]:
+        return tuple(self.blocked.values())
+
+    def in_split_helper(self) -> None:
+        """A split pass runs in the reader, never beside a Reader: nothing to do."""
 
     def _ensure(self) -> _Child:
         if self._child is not None and self._owner != os.getpid():
@@ -220,56 +230,68 @@ class Reader:
         return self._child
 
     def read(self, root: str, kind: str, hostpath: str, limit: int) -> bytes:
-        data: bytes = self.call(read, root, kind, hostpath, limit)
-        return data
+        return self.call(_child_side.read, self, root, kind, hostpath, limit)  # type: ignore[no-any-return]
 
     def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """fn(*args, **kwargs) in the reader. Reads that block are recorded, and the call
-        runs again with them failing at once; an exception of fn is raised here."""
+        """fn(*args, **kwargs) in the reader: one round trip. Hosts among the arguments read
+        there through the reader's side. Reads that block are recorded, and the call runs
+        again with them failing at once; an exception of fn is raised here, caused by a
+        ReaderTraceback that holds the reader's traceback."""
         with self._lock:
             return self._call(fn, args, kwargs)
 
-    def _call(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _request(self, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> bytes:
+        import io
+
+        out = io.BytesIO()
+        pickler = _pickler()(out, protocol=5)
+        pickler.reads = self
+        pickler.dump((fn, args, kwargs, tuple(self.blocked.values()), self.bound))
+        return out.getvalue()
+
+    def _call(self, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
         died = 0
+        request = self._request(fn, args, kwargs)
         while True:
             child = self._ensure()
             try:
-                _send(child.requests, (fn, args, kwargs, tuple(self.blocked.values()), self.bound))
-                ok, value = self._wait(child)
+                self.round_trips += 1
+                send(child.requests, request)
+                reply = self._wait(child)
             except (EOFError, BrokenPipeError):
                 self._abandon(kill=False)  # it ended by itself
                 died += 1
                 if died < 2:
                     continue  # killed from outside (an OOM kill, a stray signal): once more
                 raise Blocked(errno.EIO, "the reader process ended unexpectedly", None) from None
-            if ok is None:  # blocked: recorded, reader abandoned; again without them
+            if reply is None:  # blocked: recorded, reader abandoned; again without them
+                request = self._request(fn, args, kwargs)
                 continue
-            if ok:
-                return value
-            raise value
+            if reply[0]:
+                return reply[1]
+            raise reply[1] from ReaderTraceback(reply[2])
 
-    def _wait(self, child: _Child) -> tuple[bool | None, Any]:
-        """The reply, or (None, None) once a read has blocked."""
+    def _wait(self, child: _Child) -> tuple[Any, ...] | None:
+        """The reply, or None once a read has blocked."""
         import _pickle
         import select
 
         waiting = select.poll()  # not select(): it fails on descriptors above 1023
         waiting.register(child.replies, select.POLLIN)
         page = child.page
-        seen = [_HEAD.unpack_from(page, i * _SLOT) for i in range(_SLOTS)]
-        since = [time.monotonic()] * _SLOTS
+        seen = [HEAD.unpack_from(page, i * SLOT) for i in range(SLOTS)]
+        since = [time.monotonic()] * SLOTS
         began = list(since)  # when each slot's current read began
         cap = max(30.0, 10 * self.bound)
         tick = min(0.05, self.bound / 4)
         while True:
             if waiting.poll(tick * 1000):
-                (size,) = _LEN.unpack(_read_exact(child.replies, _LEN.size))
-                reply: tuple[bool | None, Any] = _pickle.loads(_read_exact(child.replies, size))
-                return reply
+                (size,) = LEN.unpack(read_exact(child.replies, LEN.size))
+                return _pickle.loads(read_exact(child.replies, size))  # type: ignore[no-any-return]
             now = time.monotonic()
             stuck = []
-            for i in range(_SLOTS):
-                head = _HEAD.unpack_from(page, i * _SLOT)
+            for i in range(SLOTS):
+                head = HEAD.unpack_from(page, i * SLOT)
                 if head[0] != seen[i][0] or head[1] != seen[i][1]:
                     seen[i], since[i], began[i] = head, now, now
                 elif head[2] and now - since[i] >= self.bound:
@@ -280,7 +302,7 @@ class Reader:
             if stuck:
                 self._record(page, stuck)
                 self._abandon(stuck_pids=[seen[i][1] for i in stuck])
-                return None, None
+                return None
             if now - max(since) >= max(30.0, 10 * self.bound):
                 # no read in flight and no progress at all: not a read that blocks, but the
                 # command must not wait for ever either
@@ -289,12 +311,12 @@ class Reader:
 
     def _record(self, page: mmap.mmap, slots: list[int]) -> None:
         for i in slots:
-            _, _, n = _HEAD.unpack_from(page, i * _SLOT)
-            start = i * _SLOT + _HEAD.size
+            _, _, n = HEAD.unpack_from(page, i * SLOT)
+            start = i * SLOT + HEAD.size
             path = bytes(page[start:start + n]).decode("utf-8", "surrogateescape")
             self.blocked.setdefault(group_of(path), BlockedRead(path, pid_of(path), self.bound))
 
-    def _abandon(self, stuck_pids: Sequence[int] = (), kill: bool = True) -> None:
+    def _abandon(self, stuck_pids: list[int] = (), kill: bool = True) -> None:  # type: ignore[assignment]
         """Kill the reader (and a stuck split helper) without waiting for them."""
         child, self._child = self._child, None
         if child is None:
@@ -323,7 +345,7 @@ _LIVE: Any = None
 
 def _live() -> Any:
     """The readers with a child (a WeakSet), for _at_exit."""
-    global _LIVE  # noqa: PLW0603 (the registry of live readers, made on first use)
+    global _LIVE
     if _LIVE is None:
         import atexit
         import weakref
