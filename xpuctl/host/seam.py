@@ -13,9 +13,8 @@ from __future__ import annotations
 import os
 import stat as _stat
 import time
-from typing import Any
-
 from collections.abc import Callable
+from typing import Any
 
 from xpuctl.core.model import FileInfo
 from xpuctl.host.reads import protocol as _protocol

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from xpuctl import pausepoint
 from xpuctl.actions.signals import Target, survivors, wait_gone
-from xpuctl.host.processes import read_cmdline, same_process, stat_of, still_running
+from xpuctl.host.processes import read_cmdline, stat_of, still_running
 from xpuctl.host.scan import listening_sockets, take_scan
 from xpuctl.host.seam import Host
 from xpuctl.shutdown.logtail import LogTail

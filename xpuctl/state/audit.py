@@ -33,7 +33,6 @@ without the lock (still one write(2)): the log never blocks an action.
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import json
 import os
@@ -44,6 +43,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from xpuctl import pausepoint
+from xpuctl.state.flock import flock_within
 
 FILENAME = "audit.jsonl"
 LOCKNAME = "audit.lock"
@@ -53,19 +53,6 @@ LOCK_WAIT = 1.0  # seconds to wait for the lock (held by others for microseconds
 _OPEN = os.O_CLOEXEC | os.O_NOFOLLOW
 
 
-def _flock(fd: int, how: int, wait: float) -> bool:
-    """flock without blocking for more than `wait` seconds. True when taken."""
-    deadline = time.monotonic() + wait
-    while True:
-        try:
-            fcntl.flock(fd, how | fcntl.LOCK_NB)
-            return True
-        except OSError as exc:
-            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EINTR):
-                raise
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.002)
 
 
 def _size(path: str) -> int:
@@ -78,7 +65,7 @@ def _size(path: str) -> int:
 def rotate(path: str, lock_fd: int) -> bool:
     """Shift `path` to `path.1` (and so on) if it is still at `MAX_BYTES` once the exclusive
     lock is held. True when rotated."""
-    if not _flock(lock_fd, fcntl.LOCK_EX, LOCK_WAIT):
+    if not flock_within(lock_fd, fcntl.LOCK_EX, LOCK_WAIT):
         return False
     try:
         if _size(path) < MAX_BYTES:
@@ -100,7 +87,7 @@ def append(path: str, data: bytes) -> None:
     try:
         if _size(path) >= MAX_BYTES:
             rotate(path, lock_fd)
-        locked = _flock(lock_fd, fcntl.LOCK_SH, LOCK_WAIT)
+        locked = flock_within(lock_fd, fcntl.LOCK_SH, LOCK_WAIT)
         # one write(2) on an O_APPEND file: concurrent xpuctl runs never interleave a line
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _OPEN, 0o600)
         try:

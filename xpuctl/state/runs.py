@@ -9,6 +9,7 @@ so they vanish with it, even after SIGKILL.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -19,6 +20,7 @@ from typing import Any
 
 from xpuctl.errors import LockedError, UsageError
 from xpuctl.state import atomic
+from xpuctl.state.flock import flock_within
 
 ACTIVE_STATES = ("starting", "ready", "stopping")  # a run that may still have processes
 STATES = (*ACTIVE_STATES, "stopped", "failed")
@@ -118,16 +120,22 @@ def write_record(state_dir: str, rec: RunRecord) -> None:
     atomic.replace(_record_path(state_dir, rec.name), json.dumps(rec.to_dict(), indent=2).encode())
 
 
+#: Seconds update_record waits for the record's lock (others hold it for a read-modify-write).
+RECORD_LOCK_WAIT = 2.0
+
+
 def update_record(state_dir: str, rec: RunRecord, **changes: Any) -> RunRecord:
     """Apply `changes` to the record on disk (read-modify-write under a lock), so the
     supervisor and a `shutdown` never overwrite each other's fields. Returns the result;
-    `rec` is updated too."""
+    `rec` is updated too. TimeoutError (an OSError) when the lock is not free within
+    RECORD_LOCK_WAIT: its holder is stopped or stuck, and a shutdown must not wait for it."""
     for k, v in changes.items():
         setattr(rec, k, v)
     lock = os.path.join(state_dir, "runs", f".{rec.name}.lock")
     fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        if not flock_within(fd, fcntl.LOCK_EX, RECORD_LOCK_WAIT):
+            raise TimeoutError(errno.ETIMEDOUT, f"the lock of run {rec.name!r} is held", lock)
         disk = read_record(state_dir, rec.name)
         if disk is None or disk.run_id != rec.run_id:
             disk = rec

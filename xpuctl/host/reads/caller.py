@@ -9,18 +9,32 @@ would stay locked in the copy) and serves requests until its pipe closes.
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from xpuctl.host.reads import child as _child_side
-from xpuctl.host.reads.protocol import (DEFAULT_BOUND, DIRECT, HEAD, LEN, READS, SLOT, SLOTS, Blocked,
-                                        BlockedRead, ReaderTraceback, group_of, pid_of, read_exact,
-                                        send)
+from xpuctl.host.reads.protocol import (
+    DEFAULT_BOUND,
+    DIRECT,
+    HEAD,
+    LEN,
+    READS,
+    SLOT,
+    SLOTS,
+    Blocked,
+    BlockedRead,
+    ReaderTraceback,
+    group_of,
+    pid_of,
+    read_exact,
+    send,
+)
 
 if TYPE_CHECKING:  # the rest is imported where it is used: most commands never start a reader
     import mmap
@@ -79,10 +93,7 @@ def _start() -> _Child:
         page = mmap.mmap(memfd, SLOTS * SLOT)
         req_r, req_w = os.pipe()
         rep_r, rep_w = os.pipe()
-        if _threads_running():
-            pid = _spawn(req_r, rep_w, memfd)
-        else:
-            pid = _fork(req_r, rep_w, page, (req_w, rep_r, memfd))
+        pid = _spawn(req_r, rep_w, memfd) if _threads_running() else _fork(req_r, rep_w, page, (req_w, rep_r, memfd))
     finally:
         os.close(memfd)
     os.close(req_r)
@@ -155,24 +166,19 @@ def _runnable(pid: int) -> bool:
     return data[data.rfind(b")") + 2:][:1] == b"R"
 
 
-_PICKLER: Any = None
-
-
+@functools.cache
 def _pickler() -> Any:
     """A pickler that sends its `reads` (a Reader) as a reference: in the reader, the Hosts
     of a request read through the reader's side (child.serve resolves it)."""
-    global _PICKLER
-    if _PICKLER is None:
-        import _pickle
+    import _pickle
 
-        class Pickler(_pickle.Pickler):  # type: ignore[misc,name-defined]
-            reads: Any = None
+    class Pickler(_pickle.Pickler):
+        reads: Any = None
 
-            def persistent_id(self, obj: Any) -> Any:
-                return READS if obj is self.reads else None
+        def persistent_id(self, obj: Any) -> Any:
+            return READS if obj is self.reads else None
 
-        _PICKLER = Pickler
-    return _PICKLER
+    return Pickler
 
 
 class Reader:
@@ -240,7 +246,7 @@ class Reader:
         with self._lock:
             return self._call(fn, args, kwargs)
 
-    def _request(self, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> bytes:
+    def _request(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
         import io
 
         out = io.BytesIO()
@@ -249,7 +255,7 @@ class Reader:
         pickler.dump((fn, args, kwargs, tuple(self.blocked.values()), self.bound))
         return out.getvalue()
 
-    def _call(self, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
+    def _call(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         died = 0
         request = self._request(fn, args, kwargs)
         while True:
@@ -316,7 +322,7 @@ class Reader:
             path = bytes(page[start:start + n]).decode("utf-8", "surrogateescape")
             self.blocked.setdefault(group_of(path), BlockedRead(path, pid_of(path), self.bound))
 
-    def _abandon(self, stuck_pids: list[int] = (), kill: bool = True) -> None:  # type: ignore[assignment]
+    def _abandon(self, stuck_pids: Sequence[int] = (), kill: bool = True) -> None:
         """Kill the reader (and a stuck split helper) without waiting for them."""
         child, self._child = self._child, None
         if child is None:
@@ -345,7 +351,7 @@ _LIVE: Any = None
 
 def _live() -> Any:
     """The readers with a child (a WeakSet), for _at_exit."""
-    global _LIVE
+    global _LIVE  # noqa: PLW0603 (the registry of live readers, made on first use)
     if _LIVE is None:
         import atexit
         import weakref

@@ -20,9 +20,23 @@ import signal
 import sys
 from typing import TYPE_CHECKING, Any
 
-from xpuctl.host.reads.protocol import (COMM, DEFAULT_BOUND, DIRECT, HEAD, PATH_MAX, SLOT, SLOTS,
-                                        Blocked, BlockedRead, group_of, pid_of, read_all, read_once,
-                                        receive, send)
+from xpuctl.host.reads.protocol import (
+    COMM,
+    DEFAULT_BOUND,
+    DIRECT,
+    HEAD,
+    PATH_MAX,
+    SLOT,
+    SLOTS,
+    Blocked,
+    BlockedRead,
+    group_of,
+    pid_of,
+    read_all,
+    read_once,
+    receive,
+    send,
+)
 
 if TYPE_CHECKING:
     import mmap
@@ -32,7 +46,7 @@ class Published:
     """Reads made in a reader (or its split helper): each one published in a slot of the
     shared page while it runs, and refused at once when its group did not answer before."""
 
-    __slots__ = ("page", "offset", "seq", "pid", "blocked", "bound", "reads")
+    __slots__ = ("blocked", "bound", "offset", "page", "pid", "reads", "seq")
     reader = None
 
     def __init__(self, page: mmap.mmap, slot: int) -> None:
@@ -139,7 +153,7 @@ def serve(requests: int, replies: int, page: mmap.mmap) -> None:
         published.blocked = frozenset(group_of(r.path) for r in reads)
         try:
             reply: tuple[Any, ...] = (True, fn(*args, **kwargs))
-        except Exception as exc:  # noqa: BLE001 (handed to the caller, who raises it)
+        except Exception as exc:
             reply = _failure(exc)
         try:
             out = _pickle.dumps(reply, protocol=5)

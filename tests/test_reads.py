@@ -1,0 +1,106 @@
+"""The bounded-read package (xpuctl/host/reads/): a Host reads the way it was built with,
+a failure inside the reader carries the reader's traceback (shown by --debug), and a per-pid
+pass is one round trip to the reader, whatever the number of pids."""
+
+from __future__ import annotations
+
+import traceback
+
+from typer.testing import CliRunner
+
+import fakehost as fh
+from xpuctl.actions.signals import Target, survivors, wait_gone
+from xpuctl.cli import app
+from xpuctl.host.processes import stat_of
+from xpuctl.host.reads import protocol as P
+from xpuctl.host.reads.caller import Reader
+from xpuctl.host.seam import Host
+from xpuctl.reset import _parents
+from xpuctl.shutdown.targets import ServerTree, members, topmost
+
+runner = CliRunner()
+ORPHANS = (3010, 3020, 3021)  # fakehost.orphan_host: the engine and its two workers
+
+
+def _fails_in_reader(host: Host, word: str) -> None:
+    raise ValueError(f"{word} in the reader")
+
+
+def test_a_host_reads_the_way_it_was_built_with(tmp_path):
+    assert Host(tmp_path, read_timeout=None).reader is None
+    assert isinstance(Host(tmp_path).reader, Reader)
+    host = Host(tmp_path, reads=P.DIRECT)
+    assert host.reader is None
+    (tmp_path / "f").write_bytes(b"abc")
+    assert host.read_bytes("/f") == b"abc"
+    assert host.blocked_reads() == ()
+
+
+def test_a_failure_in_the_reader_carries_its_traceback(tmp_path):
+    host = Host(tmp_path)
+    try:
+        host.call(_fails_in_reader, "kaboom")
+    except ValueError as exc:
+        cause = exc.__cause__
+        assert isinstance(cause, P.ReaderTraceback)
+        assert "_fails_in_reader" in cause.text and "kaboom in the reader" in cause.text
+        shown = "".join(traceback.format_exception(exc))
+        assert "in the reader process:" in shown and "_fails_in_reader" in shown
+    else:
+        raise AssertionError("the reader's exception was not raised")
+    finally:
+        host.reader.close()
+
+
+def test_debug_shows_where_in_the_reader_it_failed(tmp_path, monkeypatch):
+    """The scan runs in a reader forked from this process, so the patch is there too."""
+    import xpuctl.host.scan
+
+    def exploded_in_the_scan(*a, **k):
+        raise RuntimeError("kaboom")
+
+    monkeypatch.setattr(xpuctl.host.scan, "_processes", exploded_in_the_scan)
+    h = fh.clean_host(tmp_path / "root")
+    res = runner.invoke(app, ["--root", str(h.root), "doctor"])
+    assert res.exit_code == 70
+    assert "internal error: RuntimeError: kaboom (run with --debug" in res.stderr
+    res = runner.invoke(app, ["--root", str(h.root), "--debug", "doctor"])
+    assert isinstance(res.exception, RuntimeError)
+    shown = "".join(traceback.format_exception(res.exception))
+    assert "exploded_in_the_scan" in shown and "take_scan" in shown
+
+
+def _orphans(host: Host) -> list[Target]:
+    out = []
+    for pid in ORPHANS:
+        st = stat_of(host, pid)
+        assert st is not None
+        out.append(Target(pid, st.start_ticks, str(pid)))
+    return out
+
+
+def _trips(host: Host, fn, *args):
+    before = host.reader.round_trips
+    result = fn(host, *args)
+    return result, host.reader.round_trips - before
+
+
+def test_per_pid_passes_are_one_round_trip_each(tmp_path):
+    h = fh.orphan_host(tmp_path / "host")
+    host = Host(h.root)
+    try:
+        engine, *workers = _orphans(host)
+        tree = ServerTree(top=engine, role="engine-core", orphan=True, known=[engine])
+        found, trips = _trips(host, members, tree)
+        assert {t.pid for t in found} >= set(ORPHANS) and trips == 1
+        found, trips = _trips(host, topmost, [engine, *workers])
+        assert [t.pid for t in found] == [engine.pid] and trips == 1
+        parents, trips = _trips(host, _parents)
+        assert parents[3020] == 3010 and trips == 1
+        gone = Target(engine.pid, engine.start_ticks + 1, "another process")
+        alive, trips = _trips(host, survivors, [engine, *workers, gone])
+        assert alive == [engine, *workers] and trips == 1
+        left, trips = _trips(host, wait_gone, [gone], 0.0)
+        assert left == [] and trips == 1
+    finally:
+        host.reader.close()
