@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import traceback
 
+import fakehost as fh
 from typer.testing import CliRunner
 
-import fakehost as fh
 from xpuctl.actions.signals import Target, survivors, wait_gone
 from xpuctl.cli import app
 from xpuctl.host.processes import stat_of
