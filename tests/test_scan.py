@@ -352,7 +352,7 @@ def test_shutdown_members_read_environ_only_since_the_run_and_cmdline_only_of_me
     try:
         class Recording(Host):
             def __init__(self, root):
-                super().__init__(root)
+                super().__init__(root, read_timeout=None)  # read here, to be recorded
                 self.reads: list[str] = []
 
             def read_bytes(self, hostpath, limit=None):

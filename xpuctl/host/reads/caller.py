@@ -166,6 +166,21 @@ def _runnable(pid: int) -> bool:
     return data[data.rfind(b")") + 2:][:1] == b"R"
 
 
+def _without_gc(fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(*args) with the cyclic garbage collector paused: unpickling a scan makes tens of
+    thousands of containers, and each few hundred start a collection that finds nothing
+    (bench: a 575 kB reply unpickles in about 3/4 of the time)."""
+    import gc
+
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        return fn(*args)
+    finally:
+        if was:
+            gc.enable()
+
+
 @functools.cache
 def _pickler() -> Any:
     """A pickler that sends its `reads` (a Reader) as a reference: in the reader, the Hosts
@@ -293,7 +308,8 @@ class Reader:
         while True:
             if waiting.poll(tick * 1000):
                 (size,) = LEN.unpack(read_exact(child.replies, LEN.size))
-                return _pickle.loads(read_exact(child.replies, size))  # type: ignore[no-any-return]
+                data = read_exact(child.replies, size)
+                return _without_gc(_pickle.loads, data)  # type: ignore[no-any-return]
             now = time.monotonic()
             stuck = []
             for i in range(SLOTS):

@@ -135,6 +135,7 @@ def serve(requests: int, replies: int, page: mmap.mmap) -> None:
     """The reader's loop: run each request, publish reads, reply; return when the pipe ends."""
     # _pickle, not pickle: the Python module costs ~2 ms more to import, on every command
     import _pickle
+    import gc
 
     published = Published(page, 0)
     published.leave()
@@ -151,14 +152,18 @@ def serve(requests: int, replies: int, page: mmap.mmap) -> None:
         fn, args, kwargs, reads, bound = Unpickler(io.BytesIO(data)).load()
         published.reads, published.bound = reads, bound
         published.blocked = frozenset(group_of(r.path) for r in reads)
+        gc.disable()  # a request builds a scan, nothing that must be collected meanwhile
         try:
-            reply: tuple[Any, ...] = (True, fn(*args, **kwargs))
-        except Exception as exc:
-            reply = _failure(exc)
-        try:
-            out = _pickle.dumps(reply, protocol=5)
-        except (_pickle.PicklingError, TypeError, AttributeError) as exc:
-            out = _pickle.dumps(_failure(RuntimeError(f"reader: unpicklable result: {exc}")))
+            try:
+                reply: tuple[Any, ...] = (True, fn(*args, **kwargs))
+            except Exception as exc:  # handed to the caller, who raises it
+                reply = _failure(exc)
+            try:
+                out = _pickle.dumps(reply, protocol=5)
+            except (_pickle.PicklingError, TypeError, AttributeError) as exc:
+                out = _pickle.dumps(_failure(RuntimeError(f"reader: unpicklable result: {exc}")))
+        finally:
+            gc.enable()
         send(replies, out)
 
 
