@@ -104,3 +104,27 @@ def test_per_pid_passes_are_one_round_trip_each(tmp_path):
         assert left == [] and trips == 1
     finally:
         host.reader.close()
+
+
+def test_the_package_imports_one_way():
+    """protocol <- child <- caller, and none of them imports the seam: no import circle."""
+    import ast
+    from pathlib import Path
+
+    import xpuctl.host.reads as pkg
+
+    allowed = {"protocol": set(), "child": {"protocol"}, "caller": {"protocol", "child"}}
+    for name, ok in allowed.items():
+        tree = ast.parse((Path(pkg.__file__).parent / f"{name}.py").read_text())
+        used = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("xpuctl"):
+                mod = node.module or ""
+                if mod == "xpuctl.host.reads":
+                    used |= {a.name for a in node.names}
+                else:
+                    assert mod.startswith("xpuctl.host.reads."), (name, mod)
+                    used.add(mod.rsplit(".", 1)[1])
+            elif isinstance(node, ast.Import):
+                assert not any(a.name.startswith("xpuctl") for a in node.names), name
+        assert used == ok, (name, used)
