@@ -38,20 +38,13 @@ import subprocess
 import sys
 import tempfile
 import time
-import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-sys.path.insert(0, str(REPO / "tests"))
-try:  # tests/proctools.py defines pytest fixtures; the benchmark does not need pytest itself
-    import pytest  # noqa: F401 (is pytest importable?)
-except ImportError:  # pragma: no cover
-    _stub = types.ModuleType("pytest")
-    _stub.fixture = lambda *a, **k: a[0] if a and callable(a[0]) else (lambda f: f)  # type: ignore[attr-defined]  # a stand-in module
-    sys.modules["pytest"] = _stub
+sys.path.insert(0, str(REPO / "tests" / "support"))  # the test helpers; no pytest needed
 import proctools as pt
 
 FORBIDDEN = ("torch", "intel_extension_for_pytorch", "pyzes", "vllm")

@@ -1,14 +1,34 @@
-"""Shared fixtures: process reaping by token and stand-in roots live in proctools."""
+"""Shared fixtures. The helpers they use live in tests/support/ (importable without pytest,
+so bench/ uses them too); this file puts that directory on sys.path, so test files import
+them by module name: ``import fakehost``, ``import proctools as pt``."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-
 import pytest
-from proctools import proc_token, standin_root  # noqa: F401 (fixtures for every test module)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
+
+from proctools import StandInRoot, new_token, reap_token
+
+
+@pytest.fixture
+def proc_token():
+    """A fresh token; every process carrying it is SIGKILLed at teardown (even on failure)."""
+    token = new_token()
+    try:
+        yield token
+    finally:
+        reap_token(token)
+
+
+@pytest.fixture
+def standin_root(tmp_path):
+    """A StandInRoot with 2 devices, removed at teardown."""
+    with StandInRoot(tmp_path, n_devices=2) as r:
+        yield r
 
 
 @pytest.fixture(autouse=True)

@@ -1,6 +1,6 @@
 """Host text other users control never reaches the operator's terminal raw (issue 13).
 
-Hostile argv, comm, file names, sysfs strings and wchan (tests/hostile.py) go through every
+Hostile argv, comm, file names, sysfs strings and wchan (tests/support/hostile.py) go through every
 read-only command and format on a fake host; real processes with hostile argv and comm go
 through them on the live /proc. Every stream must be valid UTF-8 with no control byte but
 newline (on a TTY: plus rich's own SGR styling); JSON must carry the exact text.
