@@ -11,24 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
-from proctools import StandInRoot, new_token, reap_token
-
-
-@pytest.fixture
-def proc_token():
-    """A fresh token; every process carrying it is SIGKILLed at teardown (even on failure)."""
-    token = new_token()
-    try:
-        yield token
-    finally:
-        reap_token(token)
-
-
-@pytest.fixture
-def standin_root(tmp_path):
-    """A StandInRoot with 2 devices, removed at teardown."""
-    with StandInRoot(tmp_path, n_devices=2) as r:
-        yield r
+from proc_fixtures import proc_token, standin_root  # noqa: F401 (fixtures for every test)
 
 
 @pytest.fixture(autouse=True)

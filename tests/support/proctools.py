@@ -9,8 +9,8 @@
 * helpers for the fake vLLM (``tests/fake_vllm/vllm``): ``start_fake_vllm``, ``free_port``,
   ``http_get``/``http_post``, ``holders``, ``read_events``, ``wait_log``.
 
-Importable without pytest (bench/ uses it); the fixtures ``proc_token`` and ``standin_root``
-built on it are in tests/conftest.py.
+Importable without pytest (bench/ uses it). The fixtures ``proc_token`` and ``standin_root`` are
+in proc_fixtures.py; ``from proctools import proc_token`` still gives them (``__getattr__``).
 """
 
 from __future__ import annotations
@@ -486,3 +486,13 @@ def pidns_available() -> bool:
     except (OSError, subprocess.SubprocessError):
         return False
     return p.returncode == 0
+
+
+def __getattr__(name: str):
+    """``from proctools import proc_token`` (or ``standin_root``): the fixtures live in
+    proc_fixtures.py, which needs pytest; they are imported only when asked for."""
+    if name in ("proc_token", "standin_root"):
+        import proc_fixtures
+
+        return getattr(proc_fixtures, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
