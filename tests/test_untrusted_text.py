@@ -115,7 +115,7 @@ _NAMED_BACK = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
 
 
 def unescape(shown: str) -> str:
-    """The exact text back from what `safe` showed (the rule in README's "Host text")."""
+    """The exact text back from what `safe` showed (the rule in docs/output.md, "JSON output and host text")."""
     def one(m: re.Match[str]) -> str:
         if m.group(1):
             return _NAMED_BACK[m.group(1)]
