@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
-from proc_fixtures import proc_token, standin_root  # noqa: F401 (fixtures for every test)
+from proc_fixtures import proc_token, rig, standin_root  # noqa: F401 (fixtures for every test)
 
 
 @pytest.fixture(autouse=True)
