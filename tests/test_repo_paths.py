@@ -51,6 +51,13 @@ def dangling(text: str, repo: Path, page: Path | None = None) -> list[str]:
         if not (repo / path).exists():
             found.append(path)
     if page is not None and page.suffix == ".md":
+        # a page names modules by their path inside the package: `core/rules.py`
+        packages = "|".join(sorted(p.name for p in (repo / "xpuctl").glob("*/") if p.is_dir()
+                                   and p.name != "__pycache__"))
+        if packages:
+            for m in re.finditer(rf"{_START}(?:{packages})/[\w/]+\.py\b", text):
+                if not _PLACEHOLDER.search(m.group(0)) and not (repo / "xpuctl" / m.group(0)).exists():
+                    found.append(m.group(0))
         for m in _LINK.finditer(text):
             target = m.group(1)
             if re.match(r"[a-z]+:", target) or _PLACEHOLDER.search(target):
@@ -88,11 +95,13 @@ def test_the_check_finds_each_kind_of_dangling_path(tmp_path):
     """Self-test: the check above can fail."""
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "here.md").write_text("x")
-    (tmp_path / "xpuctl").mkdir()
+    (tmp_path / "xpuctl" / "core").mkdir(parents=True)
+    (tmp_path / "xpuctl" / "core" / "rules.py").write_text("")
     text = ("see DESIGN.md, reference/intel.md §2 and /work/shared/reference/ray.md; "
             "docs/gone.md and xpuctl/missing.py. docs/here.md exists, [a](here.md), [b](nope.md), "
-            "xpuctl/cli/NAME.py and tests/test_*.py are patterns, /proc/<pid>/fd is the host's.")
+            "xpuctl/cli/NAME.py and tests/test_*.py are patterns, /proc/<pid>/fd is the host's; "
+            "core/rules.py is a module, core/gone.py is not.")
     assert dangling(text, tmp_path, tmp_path / "docs" / "page.md") == [
         "DESIGN.md", "reference/intel.md", "/work/shared/reference/ray.md", "docs/gone.md",
-        "xpuctl/missing.py", "nope.md"]
+        "xpuctl/missing.py", "core/gone.py", "nope.md"]
     assert dangling("docs/here.md, xpuctl/ and /work/wt/x/y.py", tmp_path) == ["/work/wt/x/y.py"]
