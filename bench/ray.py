@@ -5,11 +5,11 @@ start-up included) takes no longer than the slowest node's doctor + 1.5 s, for N
 (6 with --sizes 1,3,6 when the machine holds it).
 
 For each N the script starts a real cluster on this machine (ray.cluster_utils.Cluster through
-tests/ray_cluster_host.py, one raylet per node, each node's XPUCTL_ROOT a stand-in root of its
+tests/support/ray_cluster_host.py, one raylet per node, each node's XPUCTL_ROOT a stand-in root of its
 own), runs one untimed warm-up, then R timed rounds. "slowest node" is the largest of the
 nodes' own doctor times as they report them (`seconds` in each node's entry: the task's
 doctor, from scan to document). The overhead is wall - slowest. The cluster is stopped through
-its own process group and the reaper token (tests/raytools.py), never by name.
+its own process group and the reaper token (tests/support/raytools.py), never by name.
 
     python bench/ray.py                    # N = 1, 3; 5 rounds
     python bench/ray.py --sizes 1,3,6 --rounds 7 --json
@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "tests" / "support"))
 
 from proctools import StandInRoot, new_token, reap_token
 from raytools import RayCluster, ray_env

@@ -31,7 +31,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import run as bench  # Population, interleave, Cmd, StandInRoot via proctools
+import harness as bench  # Population, interleave, Cmd, StandInRoot via proctools
 
 TIME_RATIO_MAX = 3.0
 SIZE_MAX = 5 << 20

@@ -1,14 +1,17 @@
-"""Shared fixtures: process reaping by token and stand-in roots live in proctools."""
+"""Shared fixtures. The helpers they use live in tests/support/ (importable without pytest,
+so bench/ uses them too); this file puts that directory on sys.path, so test files import
+them by module name: ``import fakehost``, ``import proctools as pt``."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-
 import pytest
-from proctools import proc_token, standin_root  # noqa: F401 (fixtures for every test module)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
+
+from proc_fixtures import proc_token, rig, standin_root  # noqa: F401 (fixtures for every test)
 
 
 @pytest.fixture(autouse=True)

@@ -2,7 +2,7 @@
 
 The stand-ins (tests/standins: pyzes with its ctypes API, torch + torch.xpu, IPEX, xpu-smi)
 read a scenario from $XPUCTL_STANDIN and are put on PYTHONPATH / PATH per test. A fake root
-(tests/fakehost.py) gives the devices and the visible holders; the probes describe "the live
+(tests/support/fakehost.py) gives the devices and the visible holders; the probes describe "the live
 machine", which here is whatever the stand-ins say.
 """
 

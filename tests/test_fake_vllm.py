@@ -1,4 +1,4 @@
-"""Tests of the fake vLLM (tests/fake_vllm/vllm) and of tests/proctools.py."""
+"""Tests of the fake vLLM (tests/fake_vllm/vllm) and of tests/support/proctools.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`doctor`, `ps` and `devices` on fake host trees (tests/fakehost.py) against the JSON contract.
+"""`doctor`, `ps` and `devices` on fake host trees (tests/support/fakehost.py) against the JSON contract.
 
 Each scenario is built once per module (the commands are read-only) and the CLI runs in-process
 with `--root`. Expected figures come from the scenario constants, written by hand.

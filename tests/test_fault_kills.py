@@ -19,12 +19,12 @@ from pathlib import Path
 
 import pytest
 from proctools import is_gone, pidns_available, wait_for
-from test_serve_shutdown import XPUCTL, audit_lines, rig  # noqa: F401 (rig: fixture)
+from serverig import XPUCTL
 
 from xpuctl.host.reads.protocol import COMM
 
 PY = sys.executable
-TESTS_DIR = Path(__file__).resolve().parent
+SUPPORT_DIR = Path(__file__).resolve().parent / "support"  # the helpers, for the driver scripts
 
 
 
@@ -45,8 +45,8 @@ def assert_audit_whole(path: Path) -> list[dict]:
 
 _RESET_DRIVER = r"""
 import json, os, signal, subprocess, sys, time
-tests, state, token, workdir, step = sys.argv[1:6]
-sys.path.insert(0, tests)
+support, state, token, workdir, step = sys.argv[1:6]
+sys.path.insert(0, support)
 from proctools import StandInRoot, holders, is_gone, start_fake_vllm, wait_for
 out = {"pid": os.getpid()}
 root = StandInRoot(workdir, n_devices=2)
@@ -117,7 +117,7 @@ def test_reset_killed_at_each_step(tmp_path, proc_token, step):
     driver.write_text(_RESET_DRIVER)
     state = tmp_path / "state"
     p = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", PY, str(driver),
-                        str(TESTS_DIR), str(state), proc_token, str(tmp_path), step],
+                        str(SUPPORT_DIR), str(state), proc_token, str(tmp_path), step],
                        capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout.strip().splitlines()[-1])

@@ -1,7 +1,8 @@
 """DRM fdinfo and dma-buf fdinfo parsers against golden samples (tests/data/fdinfo).
 
-The four kernel samples are verbatim from reference/intel.md §2 (tabs kept); the others are
-variants written for this suite. Every expected figure below was computed by hand from the
+The four kernel samples are the layouts of Linux Documentation/gpu/drm-usage-stats.rst, the
+xe driver's xe_drm_client.c and the i915 man-page patch (tabs kept; docs/intel.md); the
+others are variants written for this suite. Every expected figure below was computed by hand from the
 sample text, not by running the parser.
 """
 

@@ -2,7 +2,7 @@
 
 The runs here are made by hand (a record in a state directory) so each case is exact; the
 "supervisor" of a followed run is a real sleeping process this test starts (and reaps). The
-end-to-end case with the fake vLLM is in test_serve_shutdown.py.
+end-to-end case with the fake vLLM is in test_serve.py.
 """
 
 from __future__ import annotations

@@ -17,12 +17,12 @@ import pytest
 from proctools import pidns_available
 
 PY = sys.executable
-TESTS_DIR = Path(__file__).resolve().parent
+SUPPORT_DIR = Path(__file__).resolve().parent / "support"  # the helpers, for the driver scripts
 
 _DRIVER = r"""
 import json, os, pty, select, signal, sys, time
-tests, state, token, workdir, keys = sys.argv[1:6]
-sys.path.insert(0, tests)
+support, state, token, workdir, keys = sys.argv[1:6]
+sys.path.insert(0, support)
 from proctools import StandInRoot, is_gone, start_fake_vllm, wait_for
 out = {"pid": os.getpid()}
 root = StandInRoot(workdir, n_devices=2)
@@ -84,7 +84,7 @@ def _at_the_prompt(tmp_path: Path, token: str, keys: str) -> dict:
     driver = tmp_path / "driver.py"
     driver.write_text(_DRIVER)
     p = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", PY, str(driver),
-                        str(TESTS_DIR), str(tmp_path / "state"), token, str(tmp_path), keys],
+                        str(SUPPORT_DIR), str(tmp_path / "state"), token, str(tmp_path), keys],
                        capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout.strip().splitlines()[-1])

@@ -1,4 +1,4 @@
-"""The stale-file name patterns (xpuctl/rules.py) match whole names only (issue 17 item 5).
+"""The stale-file name patterns (xpuctl/core/rules.py) match whole names only (issue 17 item 5).
 
 With `$`, a pattern also matched a name with one more, final newline: `psm_abc\\n` was
 judged a vLLM leftover, so reset would have planned to delete a file no vLLM ever makes.

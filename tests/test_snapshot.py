@@ -2,7 +2,7 @@
 
 The contract: read back, a snapshot gives the findings doctor gave at capture time; the
 JSON is the same apart from `taken_at` and `root`. Checked on every fake host of
-tests/fakehost.py (and each malformed variant of test_fakehosts), against an independent
+tests/support/fakehost.py (and each malformed variant of test_fakehosts), against an independent
 live doctor run at the same instant (Host.now is pinned, so file ages agree), and on live
 roots with real processes, against the scan the capture itself ran. The archive holds only
 what doctor reads (environ and maps reduced, no file contents from /dev/shm or /tmp), and

@@ -1,6 +1,6 @@
 """The next `--textfile` write removes xpuctl's own stale temporary files (issue 17 item 5):
 its own name pattern only, regular files only (a symlink is never followed nor removed),
-owned as DESIGN.md allows, older than the bound; each removal is an audit line."""
+owned as docs/safety.md allows, older than the bound; each removal is an audit line."""
 
 from __future__ import annotations
 

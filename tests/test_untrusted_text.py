@@ -1,6 +1,6 @@
 """Host text other users control never reaches the operator's terminal raw (issue 13).
 
-Hostile argv, comm, file names, sysfs strings and wchan (tests/hostile.py) go through every
+Hostile argv, comm, file names, sysfs strings and wchan (tests/support/hostile.py) go through every
 read-only command and format on a fake host; real processes with hostile argv and comm go
 through them on the live /proc. Every stream must be valid UTF-8 with no control byte but
 newline (on a TTY: plus rich's own SGR styling); JSON must carry the exact text.
@@ -115,7 +115,7 @@ _NAMED_BACK = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
 
 
 def unescape(shown: str) -> str:
-    """The exact text back from what `safe` showed (the rule in README's "Host text")."""
+    """The exact text back from what `safe` showed (the rule in docs/output.md, "JSON output and host text")."""
     def one(m: re.Match[str]) -> str:
         if m.group(1):
             return _NAMED_BACK[m.group(1)]

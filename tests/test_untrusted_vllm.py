@@ -12,7 +12,7 @@ import subprocess
 import hostile
 import pytest
 from proctools import free_port
-from test_serve_shutdown import XPUCTL, _wait_ready, rig  # noqa: F401  (fixture)
+from serverig import XPUCTL, wait_ready
 
 from xpuctl.output.safetext import safe
 
@@ -53,7 +53,7 @@ def test_detached_serve_ps_and_shutdown_timeline_escape_vllm_text(rig):
 
 def test_foreground_serve_echo_and_shutdown_json_keep_exact_text(rig):
     fg = rig.serve_bg(model=MODEL, env={"FAKE_VLLM_LOG_SUFFIX": SUFFIX})
-    _wait_ready(rig, fg)
+    wait_ready(rig, fg)
     code, out, err = _run(rig, "shutdown", fg.name, "--state-dir", rig.state, "--json",
                           "--kill-after", "1")
     assert code == 0, out + err

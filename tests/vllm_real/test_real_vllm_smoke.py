@@ -1,6 +1,6 @@
 """Real vLLM (CPU build) on this host: start, serve, stop; and the orphans a SIGKILL leaves.
 
-These pin the facts xpuctl relies on (reference/real-vllm-cpu.md): the process
+These pin the facts xpuctl relies on (docs/vllm.md): the process
 tree and its titles, drain on SIGTERM with --shutdown-timeout, and that a
 SIGKILLed API server leaves EngineCore and its workers running with shm open.
 """

@@ -1,9 +1,9 @@
 """What to try before relaunching after a oneCCL hang: documented mitigations and their cost.
 
-Advice only: xpuctl never sets these itself. Sources: /work/shared/reference/intel.md §5,
-vllm.md §7-8 and peers.md (A13, A14): vLLM #50545 / oneCCL #215 (ring all-reduce), vLLM
-#41663 (IPC handle cache), #48953 and llm-scaler #486 (IPC exchange), oneCCL #209 (KVS
-interface), torch-ccl #71 (sockets exchange crash).
+Advice only: xpuctl never sets these itself (docs/oneccl.md has the table). Sources: vLLM
+#50545 / oneCCL #215 (ring all-reduce), vLLM #41663 (IPC handle cache), #48953 and
+llm-scaler #486 (IPC exchange), oneCCL #209 (KVS interface), torch-ccl #71 (sockets exchange
+crash).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The stale-file rules, in one place. `cleanup` deletes only what `judge` calls stale.
 
-A file is stale only when ALL of these hold (DESIGN.md, "Identity and safety rules"):
+A file is stale only when ALL of these hold (docs/safety.md, "Files"):
 
 1. its name matches one of the documented PATTERNS below, directly in /dev/shm or /tmp;
 2. it is a regular file or a socket (never a symlink, never a directory: lstat, no follow);

@@ -7,7 +7,7 @@ is an **orphan**: it keeps the GPU and its memory, and nothing will ever stop it
 Processes tagged with the same XPUCTL_RUN_ID belong to the same run even when they left the
 process tree (double fork, setsid).
 
-Ray (reference/ray.md): the path from a Ray actor up to its run goes through Ray's own
+Ray (docs/ray.md): the path from a Ray actor up to its run goes through Ray's own
 processes (actor -> raylet -> EngineCore when the run started its own Ray). Ray's processes are
 part of a run only under one of its vLLM processes (then they go with its tree, orphaned with
 it); a cluster's own (top-most is a Ray process) are never orphans. A `ray::RayWorkerProc`

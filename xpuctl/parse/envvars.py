@@ -2,7 +2,7 @@
 
 Returns a problem description (str) or None when the value is well formed. Rules from
 compute-runtime (ZE_AFFINITY_MASK, ZE_FLAT_DEVICE_HIERARCHY) and intel/llvm
-(ONEAPI_DEVICE_SELECTOR); see reference/intel.md §8.
+(ONEAPI_DEVICE_SELECTOR); see docs/intel.md, "Device-selection variables".
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ RESOURCE_TRACKER = "resource-tracker"
 # parent (or run) is vLLM. Resolved in probes.vllm.
 TRACKER_CANDIDATE = "tracker?"
 SPAWN_CANDIDATE = "spawn?"
-# Ray (reference/ray.md). Ray's own processes: raylet, gcs_server, the dashboard and its
+# Ray (docs/ray.md). Ray's own processes: raylet, gcs_server, the dashboard and its
 # agents, log monitor, autoscaler monitor, pooled `ray::IDLE` workers. Never holders to fix;
 # part of a run only when the run started them (a local Ray under its EngineCore).
 RAY = "ray"

@@ -2,7 +2,7 @@
 
 On an existing cluster a vLLM worker actor is a child of the cluster's raylet, not of its run:
 only Ray knows its job, and the job its driver (vLLM's EngineCore). The path is actor pid ->
-job -> driver pid -> EngineCore -> run (reference/ray.md). Ray is asked only when a Ray actor
+job -> driver pid -> EngineCore -> run (docs/ray.md). Ray is asked only when a Ray actor
 process holds a device and the process tree did not tie it (a run's own local Ray is tied
 through the tree, for free). When Ray cannot be asked, the scan stays as it was and says so
 once (an inspection finding with the fix).

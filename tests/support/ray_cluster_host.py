@@ -1,6 +1,6 @@
 """Holds a real multi-node Ray cluster on this machine for a test (ray.cluster_utils.Cluster).
 
-Started by tests/raytools.py in its own session; prints one JSON line (the address) when every
+Started by tests/support/raytools.py in its own session; prints one JSON line (the address) when every
 node is up, then waits until its stdin closes and shuts the cluster down. Each node is a
 raylet of its own with its own environment (`env_vars`): a node's XPUCTL_ROOT is what every
 task and actor on it sees.

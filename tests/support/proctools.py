@@ -9,7 +9,8 @@
 * helpers for the fake vLLM (``tests/fake_vllm/vllm``): ``start_fake_vllm``, ``free_port``,
   ``http_get``/``http_post``, ``holders``, ``read_events``, ``wait_log``.
 
-Fixtures (import them into conftest.py): ``proc_token``, ``standin_root``.
+Importable without pytest (bench/ uses it). The fixtures ``proc_token`` and ``standin_root`` are
+in proc_fixtures.py; ``from proctools import proc_token`` still gives them (``__getattr__``).
 """
 
 from __future__ import annotations
@@ -29,10 +30,8 @@ import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-import pytest
-
 TOKEN_VAR = "XPUCTL_TEST_TOKEN"
-FAKE_VLLM = Path(__file__).resolve().parent / "fake_vllm" / "vllm"
+FAKE_VLLM = Path(__file__).resolve().parent.parent / "fake_vllm" / "vllm"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -251,16 +250,6 @@ def reap_token(token: str, timeout: float = 30.0) -> list[int]:
             return killed
 
 
-@pytest.fixture
-def proc_token():
-    """A fresh token; every process carrying it is SIGKILLed at teardown (even on failure)."""
-    token = new_token()
-    try:
-        yield token
-    finally:
-        reap_token(token)
-
-
 # ---------------------------------------------------------------------------------------------
 # stand-in root
 
@@ -336,13 +325,6 @@ class StandInRoot:
 
     def __str__(self) -> str:
         return self.root
-
-
-@pytest.fixture
-def standin_root(tmp_path):
-    """A StandInRoot with 2 devices, removed at teardown."""
-    with StandInRoot(tmp_path, n_devices=2) as r:
-        yield r
 
 
 # ---------------------------------------------------------------------------------------------
@@ -504,3 +486,13 @@ def pidns_available() -> bool:
     except (OSError, subprocess.SubprocessError):
         return False
     return p.returncode == 0
+
+
+def __getattr__(name: str):
+    """``from proctools import proc_token`` (or ``standin_root``): the fixtures live in
+    proc_fixtures.py, which needs pytest; they are imported only when asked for."""
+    if name in ("proc_token", "standin_root"):
+        import proc_fixtures
+
+        return getattr(proc_fixtures, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

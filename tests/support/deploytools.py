@@ -11,7 +11,7 @@ import typer
 
 from xpuctl.cli import app
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 
 

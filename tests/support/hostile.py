@@ -101,7 +101,7 @@ def escaped(text: str) -> str:
     return safe(text)
 
 
-if __name__ == "__main__":  # build one to look at: python tests/hostile.py DIR
+if __name__ == "__main__":  # build one to look at: python tests/support/hostile.py DIR
     import sys
 
     hostile_host(Path(sys.argv[1]))
