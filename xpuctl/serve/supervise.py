@@ -330,12 +330,21 @@ class RunSupervisor:
 
         me = own_identity()
 
-        def someone_else() -> bool:
+        def stopper() -> RunRecord | None:
+            """The record, when another xpuctl (a shutdown) marked the run "stopping"."""
             disk = read_record(self.state_dir, self.rec.name)
-            return bool(disk and disk.run_id == self.rec.run_id and disk.state == "stopping"
-                        and disk.stopping_by != me
-                        and not stop_abandoned(disk, self._alive))
+            if disk and disk.run_id == self.rec.run_id and disk.state == "stopping" \
+                    and disk.stopping_by != me:
+                return disk
+            return None
 
+        def someone_else() -> bool:
+            disk = stopper()
+            return disk is not None and not stop_abandoned(disk, self._alive)
+
+        # a shutdown asked for this exit, even one that died after its SIGTERM (abandoned: we
+        # finish the stop ourselves, but the exit was still asked for)
+        asked = stopper() is not None
         passive = someone_else()
 
         result = stop(self.host, [self._tree()], timeout=self.opts.teardown_timeout,
@@ -343,9 +352,9 @@ class RunSupervisor:
                       on_event=lambda ev: self._show(ev) if ev.phase not in ("gone", "drain") else None,
                       passive=passive, yield_to=someone_else)
         leftovers = result.verdict != "clean"
-        # asked for: `xpuctl shutdown` owns the stop (passive), or serve or its supervisor got
-        # a signal (which it turns into its own stop; vLLM may have exited first)
-        requested = requested or passive or self.signals > 0
+        # asked for: `xpuctl shutdown` is (or was) stopping the run, or serve or its supervisor
+        # got a signal (which it turns into its own stop; vLLM may have exited first)
+        requested = requested or asked or passive or self.signals > 0
         changes: dict[str, object] = {}
         if not requested:
             changes = self._unasked_exit(code)
