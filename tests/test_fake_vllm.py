@@ -477,3 +477,22 @@ def test_standin_root_layout(tmp_path):
         assert os.path.realpath(drv) == os.path.realpath(os.path.join(R, "sys/bus/pci/drivers/xe"))
         assert os.path.isdir(os.path.join(R, "dev/shm"))
     assert not os.path.exists(R)
+
+
+def test_fault_exit_0_on_engine_death(standin_root, proc_token, tmp_path):
+    """vLLM #48966: the engine dies, the API server shuts uvicorn down and exits 0."""
+    root = standin_root
+    crash = tmp_path / "crash-now"
+    fv = start_fake_vllm(proc_token, root, tp=1, shutdown_timeout=5,
+                         env={"FAKE_VLLM_FAULTS": "crash-engine,exit-0-on-engine-death",
+                              "FAKE_VLLM_CRASH_FILE": str(crash),
+                              "FAKE_VLLM_ENGINE_DEAD_EXIT_S": "0.2"})
+    assert fv.wait_ready(), fv.log()
+    core, workers = tree_roles(fv)
+    crash.touch()
+    assert fv.proc.wait(30) == 0, fv.log()
+    log = fv.log()
+    assert "Engine core proc EngineCore_0 died unexpectedly, shutting down client." in log
+    assert log.rstrip().endswith(f"Finished server process [{fv.proc.pid}]"), log
+    assert wait_for(lambda: all(is_gone(p) for p in [core, *workers]), 15)
+    assert nobody_holds(root, 1)

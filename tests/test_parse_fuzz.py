@@ -256,3 +256,49 @@ def test_a_non_ascii_digit_device_spec_is_a_usage_error_not_a_crash(spec):
                  render_node="/dev/dri/renderD128", card_node=None, minors=(128,),
                  memory_total_bytes=None, index=0)
     assert find_device([dev], spec) is None
+
+
+# -- vLLM's lines for a dead engine (parse/enginedeath) -------------------------------------
+# Real lines, as quoted in vLLM's issues (the first and the last: the message only, its
+# prefix was not quoted): #48966 (a worker, then EngineCore; the server then exited 0; the
+# message's end as multiproc_executor.py logs it), #17276 (core.py's fatal error), #32468
+# (core_client.py, EngineCore_DP0), a report of the `EngineCore_0` spelling
+# (core_client.py:562, with its process tag), #51013 (EngineDeadError in a request), and
+# vLLM 0.33's engine monitor line (core_client.py's MPClientEngineMonitor, read in its source).
+ENGINE_DEATH_LINES = [
+    ("Worker proc VllmWorker-0 died unexpectedly, shutting down executor.", "a worker died"),
+    ("ERROR 04-28 02:37:03 [core.py:398] EngineCore encountered a fatal error.", "EngineCore failed"),
+    (("ERROR 01-16 17:16:49 [core_client.py:605] Engine core proc EngineCore_DP0 died "
+     "unexpectedly, shutting down client."), "EngineCore died"),
+    (("(APIServer pid=215332) ERROR 09-05 01:15:59 [core_client.py:562] Engine core proc "
+     "EngineCore_0 died unexpectedly, shutting down client."), "EngineCore died"),
+    (("(APIServer pid=1) ERROR 08-04 09:48:15 [serving.py:830] vllm.v1.engine.exceptions."
+     "EngineDeadError: EngineCore encountered an issue. See stack trace (above) for the root "
+     "cause."), "the engine was dead"),
+    ("[shutdown] MPClient: engine core exited unexpectedly", "EngineCore died"),
+]
+
+
+@pytest.mark.parametrize(("line", "what"), ENGINE_DEATH_LINES)
+def test_engine_death_lines(line, what):
+    from xpuctl.parse.enginedeath import engine_death
+
+    assert engine_death(["INFO:     Application shutdown complete.", line]) == (what, line)
+
+
+def test_engine_death_first_cause_wins_and_a_clean_log_says_nothing():
+    from xpuctl.parse.enginedeath import engine_death
+
+    worker, core = ENGINE_DEATH_LINES[0][0], ENGINE_DEATH_LINES[1][0]
+    assert engine_death([worker, core]).what == "a worker died"
+    assert engine_death([("INFO 12-01 10:00:03 [launcher.py:241] [shutdown] API server: "
+                         "shutdown triggered"), "INFO:     Finished server process [1]"]) is None
+
+
+@FUZZ
+@given(st.lists(texts, max_size=20))
+def test_engine_death_never_raises(lines):
+    from xpuctl.parse.enginedeath import engine_death
+
+    found = engine_death(lines)
+    assert found is None or found.line in {line.strip() for line in lines}

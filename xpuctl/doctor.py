@@ -13,7 +13,6 @@ from xpuctl.host.devices import resolve_device_specs
 from xpuctl.host.scan import DEFAULT_PORT, take_scan
 from xpuctl.host.seam import Host
 from xpuctl.parse.procfs import parse_status_nspid
-from xpuctl.state.statedir import resolve_state_dir
 
 if TYPE_CHECKING:  # types only: imported where used
     from xpuctl.ray.actors import StateFetch
@@ -154,13 +153,3 @@ def wait_clean(
         time.sleep(min(interval, left))
         report = again()
     return report, True
-
-
-
-def relaunch_advice(host: Host, state_dir: str | None, environ: dict[str, str]) -> list:
-    """doctor's `last-run` finding for the state directory's newest run (what to try before
-    relaunching after a oneCCL hang, each mitigation with its cost)."""
-    from xpuctl.core.checks import last_run_findings
-    from xpuctl.state.lastrun import last_run
-
-    return last_run_findings(last_run(resolve_state_dir(host, state_dir, environ)))

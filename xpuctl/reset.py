@@ -1,5 +1,9 @@
 """reset: plan → confirm → clean leftovers (orphans, stale files) → verify.
 
+`run` is the command's flow (the CLI parses, calls it once, renders, maps the exit code):
+`make_plan`, the plan told to the caller, its approval (the prompt), `execute` inside the
+audit log.
+
 Live servers are never touched (use `xpuctl shutdown`). A device reset (PCI function reset
 through sysfs) is a last resort: root only, one named device, and only when nothing holds it.
 
@@ -21,7 +25,7 @@ from xpuctl import pausepoint
 from xpuctl.actions.cleanup import Removal, may_delete, removable, remove
 from xpuctl.actions.signals import can_signal, target_of
 from xpuctl.core.checks import Options, evaluate
-from xpuctl.core.model import Artifact, Process, Report, Scan
+from xpuctl.core.model import Artifact, Finding, Process, Report, Scan
 from xpuctl.core.rules import CCL_PID
 from xpuctl.errors import UsageError
 from xpuctl.host.processes import live_stats
@@ -134,7 +138,9 @@ def _why_not(p: Process, parents: dict[int, int], serving: set[int], live_runs: 
 
 
 @dataclass
-class Outcome:
+class Execution:
+    """What `execute` did, and the check after it."""
+
     plan: Plan
     stopped: StopResult | None
     removed: list[Removal]
@@ -213,7 +219,7 @@ def execute(
     kill_after: float,
     timeout: float | None,
     say: Callable[[str], None],
-) -> Outcome:
+) -> Execution:
     pausepoint.reached("reset-execute")
     stopped = None
     trees = plan.orphan_trees + plan.holder_trees
@@ -252,4 +258,65 @@ def execute(
         take_scan(host, port=port or DEFAULT_PORT),
         Options(devices=bdfs, port=port or DEFAULT_PORT, port_explicit=port is not None),
     )
-    return Outcome(plan, stopped, removed, resets, after)
+    return Execution(plan, stopped, removed, resets, after)
+
+
+# -- the flow: request → plan → approval → execution → outcome ------------------------------
+
+
+class Request(NamedTuple):
+    """What to clean and how (the command's arguments)."""
+
+    devices: tuple[str, ...] = ()  # --device specs, resolved against the host
+    port: int | None = None
+    dry_run: bool = False
+    timeout: float | None = None  # seconds to wait for orphans after SIGTERM
+    kill_after: float = 10.0
+    device_reset: bool = False
+    kill_holders: bool = False
+
+
+class Planned(NamedTuple):
+    """The plan, told before anything is done (with the relaunch advice to show with it)."""
+
+    plan: Plan
+    advice: list[Finding]
+
+
+@dataclass
+class Outcome:
+    plan: Plan
+    advice: list[Finding]
+    executed: Execution | None = None  # None: a dry run, an empty plan, or not approved
+    audit: audit.Sink | None = None  # the execution's audit log
+
+    @property
+    def remaining(self) -> list[Finding]:
+        """What still fails after the execution."""
+        if self.executed is None:
+            return []
+        return [f for f in self.executed.after.findings if f.severity == "fail"]
+
+
+def run(host: Host, request: Request, state_dir: str | None,
+        on_event: Callable[[Planned | str], None],
+        approve: Callable[[Plan], bool] | None = None) -> Outcome:
+    """Plan; tell it (`Planned`); unless it is a dry run or empty, ask `approve` (None: approved,
+    --yes) and execute it with every signal and deletion in the audit log, telling each step
+    as a line. `state_dir` (resolved) holds the audit log and the last run's record."""
+    from xpuctl.core.checks import last_run_findings
+    from xpuctl.host.devices import resolve_device_specs
+    from xpuctl.state.lastrun import last_run
+
+    bdfs = resolve_device_specs(host, list(request.devices))
+    plan = make_plan(host, bdfs, request.port, request.device_reset, request.kill_holders)
+    advice = last_run_findings(last_run(state_dir))
+    on_event(Planned(plan, advice))
+    out = Outcome(plan, advice)
+    if request.dry_run or plan.empty or (approve is not None and not approve(plan)):
+        return out
+    with audit.recording(state_dir, "reset") as log:
+        out.executed = execute(host, plan, bdfs, request.port, request.kill_after, request.timeout,
+                               on_event)
+    out.audit = log
+    return out

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -13,6 +13,9 @@ from xpuctl.cli.guard import guard
 from xpuctl.cli.options import DeviceOpt, JsonOpt, KillAfterOpt, StateDirOpt, port_option
 from xpuctl.errors import ExitCode, UsageError
 from xpuctl.output.safetext import emit
+
+if TYPE_CHECKING:  # types only: the command's modules load when it runs
+    from xpuctl.reset import Plan
 
 app = command_app()
 
@@ -43,50 +46,46 @@ def reset(
 
     Exit 0: clean afterwards. 1: problems remain. 2: usage (or no --yes without a terminal).
     """
-    from xpuctl import reset as reset_flow
-    from xpuctl.doctor import relaunch_advice
-    from xpuctl.host.devices import resolve_device_specs
+    from xpuctl import reset as flow
     from xpuctl.output import documents, lines
-    from xpuctl.state import audit
     from xpuctl.state.statedir import resolve_state_dir
 
     a = app_context(ctx)
-    bdfs = resolve_device_specs(a.host, list(device or []))
-    plan = reset_flow.make_plan(a.host, bdfs, port, device_reset, kill_holders)
-    advice = relaunch_advice(a.host, state_dir, a.environ)
     stream = sys.stderr if as_json else sys.stdout
+    request = flow.Request(tuple(device or []), port, dry_run, timeout, kill_after, device_reset,
+                           kill_holders)
 
-    def say(line: str) -> None:
-        emit(stream, line)
+    def show(ev: flow.Planned | str) -> None:
+        if isinstance(ev, str):
+            emit(stream, ev)
+        elif not as_json:
+            for line in lines.reset_plan_lines(ev.plan, kill_holders, ev.advice):
+                emit(stream, line)
 
-    if not as_json:
-        for line in lines.reset_plan_lines(plan, kill_holders, advice):
-            say(line)
-    plan_doc = documents.reset_plan_dict(plan, kill_holders, advice)
-    if dry_run or plan.empty:
+    out = flow.run(a.host, request, resolve_state_dir(a.host, state_dir, a.environ), show,
+                   approve=None if yes else _confirm)
+    plan_doc = documents.reset_plan_dict(out.plan, kill_holders, out.advice)
+    if out.executed is None:
+        if not (dry_run or out.plan.empty):
+            raise typer.Exit(ExitCode.PROBLEMS)  # a "no" at the prompt: nothing was changed
         if as_json:
             sys.stdout.write(documents.to_json(documents.reset_plan_document(plan_doc, dry_run)) + "\n")
         raise typer.Exit(ExitCode.OK)
-    if not yes:
-        _confirm()
-    with audit.recording(resolve_state_dir(a.host, state_dir, a.environ), "reset") as log:
-        outcome = reset_flow.execute(a.host, plan, bdfs, port, kill_after, timeout, say)
-    warning = lines.audit_warning(log)
+    assert out.audit is not None  # it ran: its audit log exists
+    warning = lines.audit_warning(out.audit)
     if warning:
         emit(sys.stderr, warning)
-    remaining = [f for f in outcome.after.findings if f.severity == "fail"]
     if as_json:
-        sys.stdout.write(documents.to_json(documents.reset_document(plan_doc, outcome, log.summary())) + "\n")
+        sys.stdout.write(documents.to_json(documents.reset_document(plan_doc, out.executed, out.audit.summary())) + "\n")
     else:
-        for line in lines.reset_result_lines(remaining, outcome.after.status):
-            say(line)
-    raise typer.Exit(ExitCode.PROBLEMS if remaining else ExitCode.OK)
+        for line in lines.reset_result_lines(out.remaining, out.executed.after.status):
+            emit(stream, line)
+    raise typer.Exit(ExitCode.PROBLEMS if out.remaining else ExitCode.OK)
 
 
-def _confirm() -> None:
+def _confirm(plan: Plan) -> bool:
     """Ask on the terminal; no terminal is a usage error, a "no" exits 1 and changes nothing
     (Ctrl-C at the prompt: 130, in the guard)."""
     if not sys.stdin.isatty():
         raise UsageError("refusing to clean without confirmation: pass --yes (no terminal to ask)")
-    if not typer.confirm("Proceed?", default=False):
-        raise typer.Exit(ExitCode.PROBLEMS)
+    return bool(typer.confirm("Proceed?", default=False))

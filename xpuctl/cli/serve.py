@@ -75,9 +75,9 @@ def serve(
 ) -> None:
     """Launch vLLM with a forced drain timeout and supervise it.
 
-    Exit: vLLM's code when it exits by itself; 0 after a clean requested stop; 1 when
-    leftovers remain or the preflight fails; 4 when not ready in time; 5 when a device or
-    the port is claimed by another run.
+    Exit: vLLM's code when it exits by itself (1 when that is 0: an exit nobody asked for
+    is a failure); 0 after a clean requested stop; 1 when leftovers remain or the preflight
+    fails; 4 when not ready in time; 5 when a device or the port is claimed by another run.
     """
     from xpuctl.serve import launch, start
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import sys
-from typing import Annotated
+import time
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -18,8 +19,11 @@ from xpuctl.cli.options import (
     complete_run,
     port_option,
 )
-from xpuctl.errors import ExitCode, UsageError
+from xpuctl.errors import ExitCode
 from xpuctl.output.safetext import emit, safe
+
+if TYPE_CHECKING:  # types only: the command's modules load when it runs
+    from xpuctl.shutdown.ladder import Event
 
 app = command_app()
 
@@ -49,45 +53,41 @@ def shutdown(
     Exit 0: stopped and released (escalation is reported, not an error). 1: leftovers
     remain. 3: NAME, --pid or --port matches nothing. --all with nothing running exits 0.
     """
-    from xpuctl.actions.signals import can_signal
     from xpuctl.output import documents, lines
-    from xpuctl.shutdown import ladder, plan
-    from xpuctl.state import audit
-
-    a = app_context(ctx)
-    if name is None and pid is None and port is None and not device and not all_:
-        raise UsageError("say which server to stop: NAME, --pid, --port, --device or --all")
-    if not can_signal(a.host) and not dry_run:
-        raise UsageError("shutdown needs the live /proc (a root whose proc is the real /proc)")
+    from xpuctl.shutdown import flow
     from xpuctl.state.statedir import resolve_state_dir
 
-    sdir = resolve_state_dir(a.host, state_dir, a.environ)
-    trees = plan.find_targets(a.host, sdir, name, pid, port, list(device or []), all_)
-    if dry_run or not trees:
-        targets = documents.shutdown_target_dicts(trees, plan.planned_members(a.host, trees))
-        skipped = ladder.skipped_lines(a.host)
+    a = app_context(ctx)
+    age = own_age_seconds()
+    request = flow.Request(name, pid, port, tuple(device or []), all_, timeout, kill_after,
+                           release_timeout, dry_run,
+                           since=time.monotonic() - age if age is not None else None)
+    flow.check(request, a.host)  # before the state directory is resolved (run checks it too)
+
+    def show(ev: flow.Found | Event) -> None:
+        if isinstance(ev, flow.Found):
+            if ev.resolve_s is not None:
+                emit(sys.stdout, lines.found_line(ev.trees, ev.resolve_s))
+        else:
+            emit(sys.stdout, lines.event_line(ev))
+
+    out = flow.run(a.host, request, resolve_state_dir(a.host, state_dir, a.environ),
+                   None if as_json else show)
+    targets = documents.shutdown_target_dicts(out.trees, out.members)
+    if out.result is None:
         if as_json:
-            sys.stdout.write(documents.to_json(documents.shutdown_plan_document(targets, dry_run, skipped)) + "\n")
+            sys.stdout.write(documents.to_json(documents.shutdown_plan_document(targets, dry_run, out.skipped)) + "\n")
         else:
             for line in lines.shutdown_plan_lines(targets):
                 emit(sys.stdout, line)
-            for line in skipped:
+            for line in out.skipped:
                 emit(sys.stdout, f"skipped: {safe(line)}")
         raise typer.Exit(ExitCode.OK)
-    plan.mark_records(sdir, trees, state="stopping")
-    # From our own start to the first signal: start-up plus finding the trees. On the
-    # critical path of every restart, and the first thing to look at when a drain began late.
-    resolve_s = own_age_seconds()
-    if not as_json and resolve_s is not None:
-        emit(sys.stdout, f"found {len(trees)} server tree(s) {resolve_s:.2f}s after start")
-    with audit.recording(sdir, "shutdown") as log:
-        result = ladder.stop(a.host, trees, timeout=timeout, kill_after=kill_after, release_timeout=release_timeout,
-                             on_event=None if as_json else lambda ev: emit(sys.stdout, lines.event_line(ev)))
-    warning = lines.audit_warning(log)
+    assert out.audit is not None  # the ladder ran: its audit log exists
+    warning = lines.audit_warning(out.audit)
     if warning:
         emit(sys.stderr, warning)
-    plan.mark_records(sdir, trees, state="stopped" if result.verdict != "leftovers" else "failed")
     if as_json:
-        targets = documents.shutdown_target_dicts(trees, result.members)
-        sys.stdout.write(documents.to_json(documents.shutdown_document(targets, result, resolve_s, log.summary())) + "\n")
-    raise typer.Exit(ExitCode.PROBLEMS if result.verdict == "leftovers" else ExitCode.OK)
+        summary = out.audit.summary()
+        sys.stdout.write(documents.to_json(documents.shutdown_document(targets, out.result, out.resolve_s, summary)) + "\n")
+    raise typer.Exit(ExitCode.PROBLEMS if out.leftovers else ExitCode.OK)

@@ -34,6 +34,11 @@ def event_line(ev: Any) -> str:
     return f"{ev.t:7.2f}s  {ev.phase:<18} {safe(ev.detail)}"
 
 
+def found_line(trees: int, resolve_s: float) -> str:
+    """shutdown found its trees: how long after its own start (before the first signal)."""
+    return f"found {trees} server tree(s) {resolve_s:.2f}s after start"
+
+
 def phase_line(t: float, label: str) -> str:
     """A start-up phase as it begins: `  12.3s loading model` (tenths: phases last seconds)."""
     return f"{t:6.1f}s {label}"

@@ -3,7 +3,10 @@
 The run supervisor (this process, or a detached child of it) is a child subreaper; vLLM runs
 in a new session with SIGTERM as its parent-death signal, `XPUCTL_RUN_ID` and `SPT_NOENV=1`
 in its environment, output streamed to the terminal and a log file, and a run record in the
-state directory. Readiness has a deadline vLLM itself lacks.
+state directory. Readiness has a deadline vLLM itself lacks. An exit of vLLM that nobody
+asked for (no `xpuctl shutdown`, readiness deadline or signal to serve) is a failure, whatever
+its code: the record says `failed` with the reason and vLLM's last lines, and a code of 0
+becomes 1 (vLLM can exit 0 after its engine died, vLLM #48966).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from xpuctl.state.runs import RunRecord, stop_abandoned, update_record
 
 READY_POLL = 0.1  # seconds between readiness probes
 READY_PROBE_TIMEOUT = 0.3  # one probe of /health (and /v1/models)
+LAST_LINES = 20  # of vLLM's output, kept in the record of a run that failed
 
 
 class _Pump(threading.Thread):
@@ -326,12 +330,21 @@ class RunSupervisor:
 
         me = own_identity()
 
-        def someone_else() -> bool:
+        def stopper() -> RunRecord | None:
+            """The record, when another xpuctl (a shutdown) marked the run "stopping"."""
             disk = read_record(self.state_dir, self.rec.name)
-            return bool(disk and disk.run_id == self.rec.run_id and disk.state == "stopping"
-                        and disk.stopping_by != me
-                        and not stop_abandoned(disk, self._alive))
+            if disk and disk.run_id == self.rec.run_id and disk.state == "stopping" \
+                    and disk.stopping_by != me:
+                return disk
+            return None
 
+        def someone_else() -> bool:
+            disk = stopper()
+            return disk is not None and not stop_abandoned(disk, self._alive)
+
+        # a shutdown asked for this exit, even one that died after its SIGTERM (abandoned: we
+        # finish the stop ourselves, but the exit was still asked for)
+        asked = stopper() is not None
         passive = someone_else()
 
         result = stop(self.host, [self._tree()], timeout=self.opts.teardown_timeout,
@@ -339,15 +352,36 @@ class RunSupervisor:
                       on_event=lambda ev: self._show(ev) if ev.phase not in ("gone", "drain") else None,
                       passive=passive, yield_to=someone_else)
         leftovers = result.verdict != "clean"
-        requested = requested or passive
-        self._set(state="failed" if ((code != 0 and not requested) or leftovers) else "stopped",
-                  exit_code=code,
-                  stopped_at=time.time())
+        # asked for: `xpuctl shutdown` is (or was) stopping the run, or serve or its supervisor
+        # got a signal (which it turns into its own stop; vLLM may have exited first)
+        requested = requested or asked or passive or self.signals > 0
+        changes: dict[str, object] = {}
+        if not requested:
+            changes = self._unasked_exit(code)
+        self._set(state="failed" if (not requested or leftovers) else "stopped",
+                  exit_code=code, stopped_at=time.time(), **changes)
         if not ready:
             self.end(f"exit {code}")
         if code < 0:
             code = 128 - code
-        if leftovers and code == 0:
+        if code == 0 and (leftovers or not requested):
             return ExitCode.PROBLEMS
         return code
+
+    def _unasked_exit(self, code: int) -> dict[str, object]:
+        """vLLM exited and nobody asked it to: a failure whatever its code (vLLM can exit 0
+        after its engine died, vLLM #48966). Said here, and the record's reason and last
+        lines."""
+        from xpuctl.parse.enginedeath import engine_death
+
+        lines = list(self.pump.tail) if self.pump is not None else []
+        death = engine_death(lines)
+        reason = (f"vLLM exited with code {code} and nobody asked it to (no shutdown, no "
+                  "readiness deadline, no signal to serve)")
+        if death is not None:
+            reason += f": {death.what}: {death.line}"
+        self.say(f"xpuctl: {safe(reason, 400)}")
+        if code == 0:
+            self.say("xpuctl: the run failed: serve exits 1 (an exit nobody asked for is a failure)")
+        return {"reason": reason, "last_lines": lines[-LAST_LINES:]}
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from xpuctl.actions.signals import Target, target_of
 from xpuctl.core.model import Process, Scan
-from xpuctl.errors import NotFoundError, UsageError
+from xpuctl.errors import NotFoundError
 from xpuctl.host.processes import live_stats, read_cmdline, same_process
 from xpuctl.host.scan import RUN_ID_VAR
 from xpuctl.host.seam import Host
@@ -259,6 +259,4 @@ def find_trees(
         for rec in records:
             if rec.state in ACTIVE_STATES:
                 add(tree_from_record(rec, snap, host))
-    if name is None and pid is None and port is None and not device_bdfs and not all_:
-        raise UsageError("say which server to stop: NAME, --pid, --port, --device or --all")
     return list(trees.values())

@@ -85,6 +85,10 @@ class RunRecord:
     # its actors run on ([{node_id, ip, actors}]), noted once the run is ready
     ray_cluster: str | None = None
     ray_nodes: list[dict[str, Any]] = field(default_factory=list)
+    # a failed run: why, in one line, and the last lines vLLM wrote (an exit nobody asked for,
+    # even with code 0, is a failure: vLLM can exit 0 after its engine died)
+    reason: str | None = None
+    last_lines: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -1,0 +1,95 @@
+"""`xpuctl shutdown`'s flow: from a request to an outcome, below the CLI.
+
+Find the trees the request names, then either say what would be stopped (`--dry-run`, or
+nothing found) or mark their run records `stopping`, run the ladder with every signal in the
+audit log, and mark the records `stopped` or `failed`. The CLI parses, calls `run` once,
+renders the outcome and maps it to an exit code.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from xpuctl.actions.signals import can_signal
+from xpuctl.errors import UsageError
+from xpuctl.host.seam import Host
+from xpuctl.shutdown import ladder, plan
+from xpuctl.shutdown.targets import ServerTree
+from xpuctl.state import audit
+
+
+class Request(NamedTuple):
+    """What to stop and how (the command's arguments)."""
+
+    name: str | None = None
+    pid: int | None = None
+    port: int | None = None
+    devices: tuple[str, ...] = ()  # --device specs, resolved against the host
+    all_: bool = False
+    timeout: float | None = None  # None: each tree's exit budget
+    kill_after: float = 10.0
+    release_timeout: float = 30.0
+    dry_run: bool = False
+    since: float | None = None  # time.monotonic() when the command started: the resolve time
+
+    @property
+    def names_something(self) -> bool:
+        return bool(self.name is not None or self.pid is not None or self.port is not None
+                    or self.devices or self.all_)
+
+
+class Found(NamedTuple):
+    """The trees are found and their records marked: the ladder begins (told before its first
+    event)."""
+
+    trees: int
+    resolve_s: float | None  # from the command's start to here (None: start unknown)
+
+
+@dataclass
+class Outcome:
+    trees: list[ServerTree]
+    # each tree's processes by top pid: the ladder's when it ran, else as they are now
+    members: dict[int, list[int]]
+    result: ladder.StopResult | None = None  # None: a dry run, or nothing to stop
+    resolve_s: float | None = None
+    skipped: list[str] = field(default_factory=list)  # a dry run's reads that did not answer
+    audit: audit.Sink | None = None  # the ladder's audit log (None when nothing was sent)
+
+    @property
+    def leftovers(self) -> bool:
+        return self.result is not None and self.result.verdict == "leftovers"
+
+
+def check(request: Request, host: Host) -> None:
+    """UsageError (exit 2) for a request that names nothing, or one that would signal through
+    a root whose /proc is not the live one (a dry run may look)."""
+    if not request.names_something:
+        raise UsageError("say which server to stop: NAME, --pid, --port, --device or --all")
+    if not can_signal(host) and not request.dry_run:
+        raise UsageError("shutdown needs the live /proc (a root whose proc is the real /proc)")
+
+
+def run(host: Host, request: Request, state_dir: str | None,
+        on_event: Callable[[Found | ladder.Event], None] | None) -> Outcome:
+    """Stop what `request` names (NotFoundError, exit 3, when NAME, --pid or --port match
+    nothing). `on_event` hears `Found` once, then each step of the ladder."""
+    check(request, host)
+    trees = plan.find_targets(host, state_dir, request.name, request.pid, request.port,
+                              list(request.devices), request.all_)
+    if request.dry_run or not trees:
+        return Outcome(trees, plan.planned_members(host, trees), skipped=ladder.skipped_lines(host))
+    plan.mark_records(state_dir, trees, state="stopping")
+    # From our own start to the first signal: start-up plus finding the trees. On the
+    # critical path of every restart, and the first thing to look at when a drain began late.
+    resolve_s = time.monotonic() - request.since if request.since is not None else None
+    if on_event is not None:
+        on_event(Found(len(trees), resolve_s))
+    with audit.recording(state_dir, "shutdown") as log:
+        result = ladder.stop(host, trees, timeout=request.timeout, kill_after=request.kill_after,
+                             release_timeout=request.release_timeout, on_event=on_event)
+    plan.mark_records(state_dir, trees, state="stopped" if result.verdict != "leftovers" else "failed")
+    return Outcome(trees, result.members, result, resolve_s, audit=log)
