@@ -13,7 +13,7 @@ xpuctl itself or one of its ancestors.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -165,11 +165,12 @@ def _kept_only_by(a: Artifact, snap: Scan, orphans: set[int]) -> bool:
 
 
 def make_plan(host: Host, bdfs: tuple[str, ...], port: int | None, device_reset: bool,
-              kill_holders: bool = False) -> Plan:
-    from xpuctl.ray.actors import with_ray
+              environ: Mapping[str, str], kill_holders: bool = False) -> Plan:
+    """`environ`: the command's (where Ray is)."""
+    from xpuctl.ray.actors import scan_with_ray
 
     # Ray actors of an orphaned driver are orphans of its tree (Ray's state ties them)
-    snap = with_ray(host, take_scan(host, port=port or DEFAULT_PORT), dict(os.environ))
+    snap = scan_with_ray(host, environ, port=port or DEFAULT_PORT)
     wanted = set(bdfs)
     notes: list[str] = []
     orphans = [

@@ -52,7 +52,7 @@ def reset(
 
     a = app_context(ctx)
     bdfs = resolve_device_specs(a.host, list(device or []))
-    plan = reset_flow.make_plan(a.host, bdfs, port, device_reset, kill_holders)
+    plan = reset_flow.make_plan(a.host, bdfs, port, device_reset, a.environ, kill_holders)
     advice = relaunch_advice(a.host, state_dir, a.environ)
     stream = sys.stderr if as_json else sys.stdout
 

@@ -62,7 +62,7 @@ def shutdown(
     from xpuctl.state.statedir import resolve_state_dir
 
     sdir = resolve_state_dir(a.host, state_dir, a.environ)
-    trees = plan.find_targets(a.host, sdir, name, pid, port, list(device or []), all_)
+    trees = plan.find_targets(a.host, sdir, name, pid, port, list(device or []), all_, a.environ)
     if dry_run or not trees:
         targets = documents.shutdown_target_dicts(trees, plan.planned_members(a.host, trees))
         skipped = ladder.skipped_lines(a.host)
