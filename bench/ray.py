@@ -54,6 +54,26 @@ def one_round(address: str, env: dict[str, str]) -> tuple[float, float, list[flo
     return wall, max(nodes), nodes
 
 
+def breakdown(address: str, env: dict[str, str]) -> dict:
+    """Where one `doctor --ray` call's time goes, as the Ray child and the nodes report it:
+    the child's `import ray`, zipping xpuctl's sources, `ray.init`, the tasks (scheduling,
+    the object's transfer, the nodes' imports of xpuctl and their doctor), and per node its
+    import of xpuctl and its doctor."""
+    from xpuctl.ray import bridge
+    from xpuctl.ray.cluster import DEADLINE, NODE_TIMEOUT
+
+    t0 = time.perf_counter()
+    answer = bridge.call("cluster", {"command": "doctor", "options": {}, "runner": "xpuctl.ray.node",
+                                     "node_timeout": NODE_TIMEOUT}, address,
+                         bridge.ray_python(env), timeout=DEADLINE, environ=env)
+    results = [n.get("result") or {} for n in answer["nodes"]]
+    return {"call_s": round(time.perf_counter() - t0, 3),
+            "child_s": answer.get("child_seconds"), "import_ray_s": answer.get("import_seconds"),
+            **{f"{k}_s": v for k, v in answer.get("timing", {}).items()},
+            "node_import_max_s": max((r.get("import_seconds") or 0.0 for r in results), default=0.0),
+            "node_doctor_max_s": max((r.get("seconds") or 0.0 for r in results), default=0.0)}
+
+
 def measure(n: int, rounds: int) -> dict:
     token = new_token()
     roots = [StandInRoot(n_devices=2) for _ in range(n)]
@@ -66,13 +86,14 @@ def measure(n: int, rounds: int) -> dict:
     started = time.perf_counter() - t0
     try:
         one_round(cluster.address, client)  # warm-up: the package upload, the first workers
-        walls, slowest, overheads, runnable = [], [], [], []
-        for _ in range(rounds):
+        walls, slowest, overheads, runnable, parts = [], [], [], [], []
+        for _ in range(rounds):  # interleaved: a CLI round, then a broken-down call
             runnable.append(loadavg())
             wall, slow, _ = one_round(cluster.address, client)
             walls.append(wall)
             slowest.append(slow)
             overheads.append(wall - slow)
+            parts.append(breakdown(cluster.address, client))
     finally:
         cluster.stop()
         reap_token(token)
@@ -85,6 +106,8 @@ def measure(n: int, rounds: int) -> dict:
             "overhead_median_s": round(statistics.median(overheads), 3),
             "overhead_min_s": round(min(overheads), 3), "overhead_max_s": round(max(overheads), 3),
             "target_met": statistics.median(overheads) <= TARGET_MARGIN,
+            "breakdown_median": {k: round(statistics.median(p[k] or 0.0 for p in parts), 3)
+                                 for k in parts[0]},
             "contention": runnable}
 
 
@@ -103,6 +126,8 @@ def main() -> int:
               f"overhead {r['overhead_median_s']:.2f}s [{r['overhead_min_s']:.2f}-{r['overhead_max_s']:.2f}] "
               f"(target <= {TARGET_MARGIN}s: {'met' if r['target_met'] else 'MISSED'}); "
               f"cluster start {r['cluster_start_s']:.1f}s; runnable {','.join(r['contention'])}",
+              file=sys.stderr)
+        print("    breakdown (medians): " + ", ".join(f"{k} {v:.2f}" for k, v in r["breakdown_median"].items()),
               file=sys.stderr)
     return 0 if all(r["target_met"] for r in results) else 1
 

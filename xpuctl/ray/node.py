@@ -1,8 +1,8 @@
 """What runs on every node of a Ray cluster for `doctor --ray`, `ps --ray`, `devices --ray`.
 
 A Ray task pinned to its node, in the node's own Python: it has Ray, and xpuctl's package only
-because the task shipped it (runtime_env py_modules). So this module and what it imports stay
-below the CLI: no typer, no rich. The node honours its own XPUCTL_ROOT (its raylet's
+because the task shipped it (its sources as one zip, `xpuctl.ray.child.on_node`). So this
+module and what it imports stay below the CLI: no typer, no rich. The node honours its own XPUCTL_ROOT (its raylet's
 environment: a container that mounts the host at /host sets it there); the caller's --root is
 not sent. Ray actors on the node are tied through the node's own connection to Ray.
 """
