@@ -13,6 +13,7 @@ its own process group and the reaper token (tests/raytools.py), never by name.
 
     python bench/ray.py                    # N = 1, 3; 5 rounds
     python bench/ray.py --sizes 1,3,6 --rounds 7 --json
+    python bench/ray.py --compare /tmp/old   # also an older xpuctl (its parent dir), interleaved
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def breakdown(address: str, env: dict[str, str]) -> dict:
             "node_doctor_max_s": max((r.get("seconds") or 0.0 for r in results), default=0.0)}
 
 
-def measure(n: int, rounds: int) -> dict:
+def measure(n: int, rounds: int, compare: str | None = None) -> dict:
     token = new_token()
     roots = [StandInRoot(n_devices=2) for _ in range(n)]
     auth = Path(tempfile.mkdtemp(prefix="xpuctl-ray-bench-"))
@@ -86,7 +87,9 @@ def measure(n: int, rounds: int) -> dict:
     started = time.perf_counter() - t0
     try:
         one_round(cluster.address, client)  # warm-up: the package upload, the first workers
-        walls, slowest, overheads, runnable, parts = [], [], [], [], []
+        walls, slowest, overheads, runnable, parts, old = [], [], [], [], [], []
+        if compare:
+            one_round(cluster.address, {**client, "PYTHONPATH": compare})  # its warm-up
         for _ in range(rounds):  # interleaved: a CLI round, then a broken-down call
             runnable.append(loadavg())
             wall, slow, _ = one_round(cluster.address, client)
@@ -94,6 +97,9 @@ def measure(n: int, rounds: int) -> dict:
             slowest.append(slow)
             overheads.append(wall - slow)
             parts.append(breakdown(cluster.address, client))
+            if compare:
+                wall, slow, _ = one_round(cluster.address, {**client, "PYTHONPATH": compare})
+                old.append(wall - slow)
     finally:
         cluster.stop()
         reap_token(token)
@@ -106,6 +112,7 @@ def measure(n: int, rounds: int) -> dict:
             "overhead_median_s": round(statistics.median(overheads), 3),
             "overhead_min_s": round(min(overheads), 3), "overhead_max_s": round(max(overheads), 3),
             "target_met": statistics.median(overheads) <= TARGET_MARGIN,
+            "compared_overhead_median_s": round(statistics.median(old), 3) if old else None,
             "breakdown_median": {k: round(statistics.median(p[k] or 0.0 for p in parts), 3)
                                  for k in parts[0]},
             "contention": runnable}
@@ -116,8 +123,9 @@ def main() -> int:
     ap.add_argument("--sizes", default="1,3")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--compare", metavar="DIR", help="the parent directory of another xpuctl")
     args = ap.parse_args()
-    results = [measure(int(n), args.rounds) for n in args.sizes.split(",")]
+    results = [measure(int(n), args.rounds, args.compare) for n in args.sizes.split(",")]
     if args.json:
         print(json.dumps(results, indent=2))
     for r in results:
@@ -127,6 +135,8 @@ def main() -> int:
               f"(target <= {TARGET_MARGIN}s: {'met' if r['target_met'] else 'MISSED'}); "
               f"cluster start {r['cluster_start_s']:.1f}s; runnable {','.join(r['contention'])}",
               file=sys.stderr)
+        if r["compared_overhead_median_s"] is not None:
+            print(f"    compared xpuctl: overhead {r['compared_overhead_median_s']:.2f}s median", file=sys.stderr)
         print("    breakdown (medians): " + ", ".join(f"{k} {v:.2f}" for k, v in r["breakdown_median"].items()),
               file=sys.stderr)
     return 0 if all(r["target_met"] for r in results) else 1

@@ -15,6 +15,7 @@ import io
 import re
 
 import fakehost
+
 from xpuctl.core.cluster import ClusterResult, node_result
 from xpuctl.core.model import Process, Scan
 from xpuctl.host.seam import Host
