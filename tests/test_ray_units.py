@@ -155,3 +155,48 @@ def test_ps_and_devices_over_a_cluster_use_the_tables_of_one_host(tmp_path, monk
     local = io.StringIO()
     print_devices(Console(file=local, width=160, color_system=None), node.scan)
     assert local.getvalue() in _printed(devices)
+
+
+ON_NODE = """
+import hashlib, json, os, sys
+from xpuctl.ray import child
+package = child.package_zip(os.path.join(sys.argv[1], "xpuctl"))
+digest = hashlib.sha256(package).hexdigest()[:16]
+answer = child.on_node(package, digest, "xpuctl.ray.node", "ps", {})
+print(json.dumps({"digest": digest, "schema": answer["document"]["schema"],
+                  "from": sys.modules["xpuctl.ray.node"].__file__}))
+"""
+
+
+def _on_node(tmp_path, env_extra: dict, name: str) -> dict:
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    host = fakehost.clean_host(tmp_path / name)
+    res = subprocess.run([sys.executable, "-c", ON_NODE, str(repo)], capture_output=True,
+                         text=True, timeout=120,
+                         env={**os.environ, "XPUCTL_ROOT": str(host.root), **env_extra})
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+def test_a_node_imports_xpuctl_from_the_shipped_zip_in_a_directory_of_its_own(tmp_path):
+    import os
+    import stat
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    got = _on_node(tmp_path, {"TMPDIR": str(tmp)}, "first")
+    mine = tmp / f"xpuctl-ray-{os.getuid()}"
+    assert got["schema"] == "xpuctl.ps/1"
+    assert got["from"].startswith(str(mine / f"{got['digest']}.zip"))
+    assert stat.S_IMODE(mine.stat().st_mode) == 0o700
+    # a directory anyone may write to is not used, nor what was put in it
+    os.chmod(mine, 0o777)
+    (mine / f"{got['digest']}.zip").write_bytes(b"not a zip")
+    again = _on_node(tmp_path, {"TMPDIR": str(tmp)}, "again")
+    assert again["schema"] == "xpuctl.ps/1" and not again["from"].startswith(str(mine))

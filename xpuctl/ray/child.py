@@ -185,15 +185,25 @@ def package_zip(package: str) -> bytes:
 def on_node(package: bytes, digest: str, runner: str, command: str,
             options: dict[str, Any]) -> Any:
     """The task on a node (sent by value: this file runs as __main__): import xpuctl from
-    the zip of the caller's sources, written once per digest to the node's temporary
-    directory, and run `runner.run(command, options)`. A pooled worker keeps the modules of
-    the same digest imported from one call to the next; those of another xpuctl (another
-    digest, an installed one) are dropped first."""
+    the zip of the caller's sources, written once per digest into a directory of this user's
+    own under the node's temporary directory (mode 0700: a file another user put there first
+    is never imported), and run `runner.run(command, options)`. A pooled worker keeps the
+    modules of the same digest imported from one call to the next; those of another xpuctl
+    (another digest, an installed one) are dropped first."""
     import importlib
+    import stat
     import sys
     import tempfile
 
-    path = os.path.join(tempfile.gettempdir(), f"xpuctl-ray-{digest}.zip")
+    base = os.path.join(tempfile.gettempdir(), f"xpuctl-ray-{os.getuid()}")
+    try:
+        os.mkdir(base, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(base)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        base = tempfile.mkdtemp(prefix="xpuctl-ray-")  # not ours: one of our own, this once
+    path = os.path.join(base, f"{digest}.zip")
     if not os.path.exists(path):
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "wb") as f:
