@@ -327,7 +327,8 @@ def main(argv: list[str]) -> int:
             # address): an address where nothing listens is refused at once
             check_listening(explicit)
         enable_token()
-        answer: dict[str, Any] = {"ok": True, **op(req)}
+        answer: dict[str, Any] = {"ok": True, **op(req),
+                                  "import_seconds": req.get("import_seconds")}
     except BaseException as exc:
         failure = classify(exc)
         answer = {"ok": False, "kind": failure.kind, "detail": failure.args[0]}
