@@ -13,6 +13,7 @@ its own process group and the reaper token (tests/support/raytools.py), never by
 
     python bench/ray.py                    # N = 1, 3; 5 rounds
     python bench/ray.py --sizes 1,3,6 --rounds 7 --json
+    python bench/ray.py --compare /tmp/old   # also an older xpuctl (its parent dir), interleaved
 """
 
 from __future__ import annotations
@@ -54,7 +55,27 @@ def one_round(address: str, env: dict[str, str]) -> tuple[float, float, list[flo
     return wall, max(nodes), nodes
 
 
-def measure(n: int, rounds: int) -> dict:
+def breakdown(address: str, env: dict[str, str]) -> dict:
+    """Where one `doctor --ray` call's time goes, as the Ray child and the nodes report it:
+    the child's `import ray`, zipping xpuctl's sources, `ray.init`, the tasks (scheduling,
+    the object's transfer, the nodes' imports of xpuctl and their doctor), and per node its
+    import of xpuctl and its doctor."""
+    from xpuctl.ray import bridge
+    from xpuctl.ray.cluster import DEADLINE, NODE_TIMEOUT
+
+    t0 = time.perf_counter()
+    answer = bridge.call("cluster", {"command": "doctor", "options": {}, "runner": "xpuctl.ray.node",
+                                     "node_timeout": NODE_TIMEOUT}, address,
+                         bridge.ray_python(env), timeout=DEADLINE, environ=env)
+    results = [n.get("result") or {} for n in answer["nodes"]]
+    return {"call_s": round(time.perf_counter() - t0, 3),
+            "child_s": answer.get("child_seconds"), "import_ray_s": answer.get("import_seconds"),
+            **{f"{k}_s": v for k, v in answer.get("timing", {}).items()},
+            "node_import_max_s": max((r.get("import_seconds") or 0.0 for r in results), default=0.0),
+            "node_doctor_max_s": max((r.get("seconds") or 0.0 for r in results), default=0.0)}
+
+
+def measure(n: int, rounds: int, compare: str | None = None) -> dict:
     token = new_token()
     roots = [StandInRoot(n_devices=2) for _ in range(n)]
     auth = Path(tempfile.mkdtemp(prefix="xpuctl-ray-bench-"))
@@ -66,13 +87,19 @@ def measure(n: int, rounds: int) -> dict:
     started = time.perf_counter() - t0
     try:
         one_round(cluster.address, client)  # warm-up: the package upload, the first workers
-        walls, slowest, overheads, runnable = [], [], [], []
-        for _ in range(rounds):
+        walls, slowest, overheads, runnable, parts, old = [], [], [], [], [], []
+        if compare:
+            one_round(cluster.address, {**client, "PYTHONPATH": compare})  # its warm-up
+        for _ in range(rounds):  # interleaved: a CLI round, then a broken-down call
             runnable.append(loadavg())
             wall, slow, _ = one_round(cluster.address, client)
             walls.append(wall)
             slowest.append(slow)
             overheads.append(wall - slow)
+            parts.append(breakdown(cluster.address, client))
+            if compare:
+                wall, slow, _ = one_round(cluster.address, {**client, "PYTHONPATH": compare})
+                old.append(wall - slow)
     finally:
         cluster.stop()
         reap_token(token)
@@ -85,6 +112,9 @@ def measure(n: int, rounds: int) -> dict:
             "overhead_median_s": round(statistics.median(overheads), 3),
             "overhead_min_s": round(min(overheads), 3), "overhead_max_s": round(max(overheads), 3),
             "target_met": statistics.median(overheads) <= TARGET_MARGIN,
+            "compared_overhead_median_s": round(statistics.median(old), 3) if old else None,
+            "breakdown_median": {k: round(statistics.median(p[k] or 0.0 for p in parts), 3)
+                                 for k in parts[0]},
             "contention": runnable}
 
 
@@ -93,8 +123,9 @@ def main() -> int:
     ap.add_argument("--sizes", default="1,3")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--compare", metavar="DIR", help="the parent directory of another xpuctl")
     args = ap.parse_args()
-    results = [measure(int(n), args.rounds) for n in args.sizes.split(",")]
+    results = [measure(int(n), args.rounds, args.compare) for n in args.sizes.split(",")]
     if args.json:
         print(json.dumps(results, indent=2))
     for r in results:
@@ -103,6 +134,10 @@ def main() -> int:
               f"overhead {r['overhead_median_s']:.2f}s [{r['overhead_min_s']:.2f}-{r['overhead_max_s']:.2f}] "
               f"(target <= {TARGET_MARGIN}s: {'met' if r['target_met'] else 'MISSED'}); "
               f"cluster start {r['cluster_start_s']:.1f}s; runnable {','.join(r['contention'])}",
+              file=sys.stderr)
+        if r["compared_overhead_median_s"] is not None:
+            print(f"    compared xpuctl: overhead {r['compared_overhead_median_s']:.2f}s median", file=sys.stderr)
+        print("    breakdown (medians): " + ", ".join(f"{k} {v:.2f}" for k, v in r["breakdown_median"].items()),
               file=sys.stderr)
     return 0 if all(r["target_met"] for r in results) else 1
 

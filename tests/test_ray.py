@@ -232,11 +232,13 @@ def _actor_pids(root: StandInRoot, n: int) -> list[int]:
     return found
 
 
-def _run(rig: Rig, token: str, run_id: str, cluster: bool, tp: int = 2):
+def _run(rig: Rig, token: str, run_id: str, cluster: bool, tp: int = 2,
+         extra_env: dict[str, str] | None = None):
     """A fake vLLM Ray run carrying the test's own reaper token (its local Ray too); actors on
     the cluster are the cluster's processes and die with their driver."""
     env = {k: v for k, v in rig.env.items() if k != TOKEN_VAR}
     env["XPUCTL_RUN_ID"] = run_id
+    env.update(extra_env or {})
     if cluster:
         env.update(RAY_ADDRESS=rig.cluster.address, FAKE_VLLM_RAY_RESOURCES='{"live": 1}')
     fv = start_fake_vllm(token, rig.live.root, tp=tp, env=env, workdir=rig.base,
@@ -311,6 +313,21 @@ def test_existing_cluster_actors_are_tied_through_ray_state(rig, proc_token):
         assert set(actors) <= set(doc_of(out)["targets"][0]["processes"])
         assert wait_for(lambda: all(is_gone(pid) for pid in actors + [core["pid"]]), 30)
         assert wait_for(lambda: not any(holders(rig.live.node(i)) for i in range(2)), 10)
+    finally:
+        reap_token(fv.token)
+
+
+def test_an_actor_class_defined_in_a_function_is_tied_too(rig, proc_token):
+    """Ray's state names such a class by its qualified name, the title by its own (issue 23)."""
+    fv = _run(rig, proc_token, "nested-run", cluster=True, tp=1,
+              extra_env={"FAKE_VLLM_RAY_NESTED": "1"})
+    try:
+        actors = _actor_pids(rig.live, 1)
+        procs = _procs(_doctor(rig))
+        p = procs[actors[0]]
+        assert p["argv"][0].startswith("ray::RayWorkerProc"), p
+        assert p["ray"]["class_name"] == "nested_worker_class.<locals>.RayWorkerProc", p
+        assert p["role"] == "worker" and p["run_id"] == "nested-run" and p["top"] == fv.pid, p
     finally:
         reap_token(fv.token)
 

@@ -96,15 +96,18 @@ def diagnose(
         expect_idle=expect_idle,
         unattributed_threshold=deep.unattributed_threshold if deep else 1 << 30,
     )
-    if deep is not None:
-        env = dict(os.environ) if caller_env is None else caller_env
-        snap = deep_scan(host, env, deep, port=opts.port, caller_env=caller_env)
-    else:
-        snap = take_scan(host, port=opts.port, caller_env=caller_env)
-    from xpuctl.ray.actors import with_ray
+    from xpuctl.ray.actors import scan_with_ray
 
+    # the command's environment, the probes' and Ray's (this process's when none is given)
     env = dict(os.environ) if caller_env is None else caller_env
-    snap = with_ray(host, snap, env, ray_address, ray_fetch)
+
+    def deep_scanned() -> Scan:
+        assert deep is not None
+        return deep_scan(host, env, deep, port=opts.port, caller_env=caller_env)
+
+    snap = scan_with_ray(host, env, address=ray_address, fetch=ray_fetch,
+                         scan=deep_scanned if deep is not None else None,
+                         port=opts.port, caller_env=caller_env)
     ns = pid_namespace_issue(host)
     if ns is not None:
         snap = snap._replace(issues=snap.issues + (ns,))

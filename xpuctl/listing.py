@@ -3,6 +3,7 @@ the devices themselves report under --deep (and the idle baseline it can record)
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from xpuctl.core.model import Process, Scan
@@ -16,17 +17,16 @@ class ProcessListing(NamedTuple):
 
 
 def list_processes(host: Host, specs: list[str], show_all: bool, state_dir: str | None,
-                   environ: dict[str, str] | None = None) -> ProcessListing:
+                   environ: Mapping[str, str]) -> ProcessListing:
     """vLLM processes (every device holder with `show_all`), narrowed to the trees that hold
     the devices in `specs` (a tree's members without a device stay with it). Ray actors
     holding devices are tied to their run through Ray's state (`environ`: where Ray is)."""
     from xpuctl.host.devices import resolve_device_specs
-    from xpuctl.host.scan import take_scan
-    from xpuctl.ray.actors import with_ray
+    from xpuctl.ray.actors import scan_with_ray
     from xpuctl.state.live import live_runs
 
     bdfs = set(resolve_device_specs(host, specs))
-    snap = with_ray(host, take_scan(host, port=None, artifacts=False), dict(environ or {}))
+    snap = scan_with_ray(host, environ, port=None, artifacts=False)
     procs = [
         p
         for p in snap.processes
@@ -46,10 +46,9 @@ def list_devices(host: Host, environ: dict[str, str], deep: Any, record_baseline
     `replayed`: a --deep snapshot's probes, shown as devices --deep showed them."""
     scan: dict[str, Any] = {"port": None, "want_env": False, "artifacts": False}
     if deep is None and replayed is None:
-        from xpuctl.host.scan import take_scan
-        from xpuctl.ray.actors import with_ray
+        from xpuctl.ray.actors import scan_with_ray
 
-        return with_ray(host, take_scan(host, **scan), environ), None
+        return scan_with_ray(host, environ, **scan), None
     from xpuctl.doctor import DeepOptions, deep_scan
 
     if deep is not None and record_baseline:

@@ -17,7 +17,7 @@ xpuctl itself or one of its ancestors.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -25,7 +25,7 @@ from xpuctl import pausepoint
 from xpuctl.actions.cleanup import Removal, may_delete, removable, remove
 from xpuctl.actions.signals import can_signal, target_of
 from xpuctl.core.checks import Options, evaluate
-from xpuctl.core.model import Artifact, Finding, Process, Report, Scan
+from xpuctl.core.model import EMPTY_ENV, Artifact, Finding, Process, Report, Scan
 from xpuctl.core.rules import CCL_PID
 from xpuctl.errors import UsageError
 from xpuctl.host.processes import live_stats
@@ -166,11 +166,12 @@ def _kept_only_by(a: Artifact, snap: Scan, orphans: set[int]) -> bool:
 
 
 def make_plan(host: Host, bdfs: tuple[str, ...], port: int | None, device_reset: bool,
-              kill_holders: bool = False) -> Plan:
-    from xpuctl.ray.actors import with_ray
+              environ: Mapping[str, str], kill_holders: bool = False) -> Plan:
+    """`environ`: the command's (where Ray is)."""
+    from xpuctl.ray.actors import scan_with_ray
 
     # Ray actors of an orphaned driver are orphans of its tree (Ray's state ties them)
-    snap = with_ray(host, take_scan(host, port=port or DEFAULT_PORT), dict(os.environ))
+    snap = scan_with_ray(host, environ, port=port or DEFAULT_PORT)
     wanted = set(bdfs)
     notes: list[str] = []
     orphans = [
@@ -274,6 +275,7 @@ class Request(NamedTuple):
     kill_after: float = 10.0
     device_reset: bool = False
     kill_holders: bool = False
+    environ: Mapping[str, str] = EMPTY_ENV  # the command's environment (where Ray is)
 
 
 class Planned(NamedTuple):
@@ -309,7 +311,8 @@ def run(host: Host, request: Request, state_dir: str | None,
     from xpuctl.state.lastrun import last_run
 
     bdfs = resolve_device_specs(host, list(request.devices))
-    plan = make_plan(host, bdfs, request.port, request.device_reset, request.kill_holders)
+    plan = make_plan(host, bdfs, request.port, request.device_reset, request.environ,
+                     request.kill_holders)
     advice = last_run_findings(last_run(state_dir))
     on_event(Planned(plan, advice))
     out = Outcome(plan, advice)

@@ -53,7 +53,7 @@ def reset(
     a = app_context(ctx)
     stream = sys.stderr if as_json else sys.stdout
     request = flow.Request(tuple(device or []), port, dry_run, timeout, kill_after, device_reset,
-                           kill_holders)
+                           kill_holders, a.environ)
 
     def show(ev: flow.Planned | str) -> None:
         if isinstance(ev, str):

@@ -61,7 +61,8 @@ def shutdown(
     age = own_age_seconds()
     request = flow.Request(name, pid, port, tuple(device or []), all_, timeout, kill_after,
                            release_timeout, dry_run,
-                           since=time.monotonic() - age if age is not None else None)
+                           since=time.monotonic() - age if age is not None else None,
+                           environ=a.environ)
     flow.check(request, a.host)  # before the state directory is resolved (run checks it too)
 
     def show(ev: flow.Found | Event) -> None:

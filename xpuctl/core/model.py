@@ -11,10 +11,15 @@ command pays at start-up. Change one with `_replace`. A record holding a dict (`
 from __future__ import annotations
 
 import stat as _stat
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import NamedTuple
 
 from xpuctl.parse.probes import ProbeProcess, ProbeResult
 from xpuctl.parse.vllmlog import LogSignature
+
+# An environment with nothing in it (a request's default, read only).
+EMPTY_ENV: Mapping[str, str] = MappingProxyType({})
 
 SEVERITIES = ("info", "warn", "fail")
 

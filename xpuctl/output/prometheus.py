@@ -10,6 +10,7 @@ from typing import Any
 
 from xpuctl import __version__
 from xpuctl.core.checks import CHECKS
+from xpuctl.core.cluster import Family, Sample
 from xpuctl.core.model import Report, Scan
 from xpuctl.output.safetext import prom_label
 
@@ -29,25 +30,38 @@ def sample_value(value: float) -> str:
 
 
 Samples = list[tuple[dict[str, Any], float]]
-# (name, help, samples): every family is a gauge
-Family = tuple[str, str, Samples]
+# (name, help, samples): every family is a gauge; `families` types them
+_Family = tuple[str, str, Samples]
 STATUSES = ("clean", "busy", "dirty", "unknown")
 STALE_KINDS = ("shm", "filestore", "ccl-socket", "zmq-socket")
 
 
 def prometheus(report: Report) -> str:
-    families = [*_doctor_families(report), *_device_families(report.scan), *_file_families(report.scan)]
+    return exposition(families(report))
+
+
+def families(report: Report) -> list[Family]:
+    """doctor's metric families, typed (a Ray node sends these with its document)."""
+    raw = [*_doctor_families(report), *_device_families(report.scan), *_file_families(report.scan)]
+    return [Family(name, help_, tuple(Sample({k: str(v) for k, v in labels.items()}, float(value))
+                                      for labels, value in samples))
+            for name, help_, samples in raw]
+
+
+def exposition(fams: list[Family]) -> str:
+    """The text exposition: one HELP and TYPE per family, then its samples."""
     lines: list[str] = []
-    for name, help_, samples in families:
-        lines.append(f"# HELP {name} {help_}")
-        lines.append(f"# TYPE {name} gauge")
-        for labels, value in samples:
-            lab = ",".join(f'{k}="{prom_label(v)}"' for k, v in labels.items())
-            lines.append(f"{name}{{{lab}}} {sample_value(value)}" if lab else f"{name} {sample_value(value)}")
+    for f in fams:
+        lines.append(f"# HELP {f.name} {f.help}")
+        lines.append(f"# TYPE {f.name} gauge")
+        for s in f.samples:
+            lab = ",".join(f'{k}="{prom_label(v)}"' for k, v in s.labels.items())
+            value = sample_value(s.value)
+            lines.append(f"{f.name}{{{lab}}} {value}" if lab else f"{f.name} {value}")
     return "\n".join(lines) + "\n"
 
 
-def _doctor_families(report: Report) -> list[Family]:
+def _doctor_families(report: Report) -> list[_Family]:
     worst: dict[str, int] = dict.fromkeys(CHECKS, 0)
     rank = {"info": 0, "warn": 1, "fail": 2}
     for f in report.findings:
@@ -67,9 +81,9 @@ def _doctor_families(report: Report) -> list[Family]:
     ]
 
 
-def _device_families(snap: Scan) -> list[Family]:
+def _device_families(snap: Scan) -> list[_Family]:
     devs = [d for d in snap.devices if d.is_intel]
-    out: list[Family] = [
+    out: list[_Family] = [
         ("xpuctl_device_holder_processes", "Processes holding the device open.",
          [({"device": d.bdf}, float(len(snap.holders(d.bdf)))) for d in devs]),
         ("xpuctl_device_orphan_processes", "Orphaned vLLM processes holding the device.",
@@ -93,7 +107,7 @@ def _device_families(snap: Scan) -> list[Family]:
     return out
 
 
-def _file_families(snap: Scan) -> list[Family]:
+def _file_families(snap: Scan) -> list[_Family]:
     stale = [a for a in snap.artifacts if a.stale]
     return [
         ("xpuctl_stale_files", "Stale shm/IPC files by kind.",

@@ -133,9 +133,19 @@ def ray_actor_class(argv: list[str] | tuple[str, ...]) -> str | None:
     return argv[0][len("ray::"):].split(" ", 1)[0].split(".", 1)[0] or None
 
 
+def ray_class_name(qualified: str | None) -> str | None:
+    """The class as Ray titles its process: the last dotted part of the name Ray's state
+    gives. Ray's state names a class by its qualified name (`make.<locals>.RayWorkerProc`
+    for one defined in a function), the title by the class's own name
+    (`ray::RayWorkerProc.run`): seen with Ray 2.60."""
+    return (qualified.rsplit(".", 1)[-1] or None) if qualified else None
+
+
 def is_vllm_actor(class_name: str | None, name: str | None) -> bool:
-    """vLLM's Ray worker actor, by class (V1 and V2 executors) or by V2's actor name."""
+    """vLLM's Ray worker actor, by class (V1 and V2 executors, wherever the class is
+    defined) or by V2's actor name."""
+    cls = ray_class_name(class_name)
     return bool(
-        (class_name and class_name.startswith(_RAY_WORKER_CLASSES))
+        (cls and cls.startswith(_RAY_WORKER_CLASSES))
         or (name and name.startswith("vllm_Worker_"))
     )

@@ -7,17 +7,21 @@ process holds a device and the process tree did not tie it (a run's own local Ra
 through the tree, for free). When Ray cannot be asked, the scan stays as it was and says so
 once (an inspection finding with the fix).
 
-`tie` is pure (a Scan and Ray's state in, a Scan out); `attach` asks Ray.
+`tie` is pure (a Scan and Ray's state in, a Scan out); `attach` asks Ray; `scan_with_ray` is
+the one scan with Ray every command takes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from xpuctl.core.model import Issue, Process, RayActor, Scan
 from xpuctl.errors import RayError
 from xpuctl.parse import roles as R
+
+if TYPE_CHECKING:
+    from xpuctl.host.seam import Host
 
 StateFetch = Callable[[list[Process]], dict[str, Any]]
 
@@ -60,7 +64,7 @@ def tie(snap: Scan, state: dict[str, Any], alive: Callable[[int], bool]) -> Scan
     orphan_tops: dict[str, int] = {}  # job -> the first orphaned actor's pid (one tree per job)
     for p in untied(snap):
         a = by_pid.get(p.pid)
-        if a is None or a.get("class_name") != R.ray_actor_class(p.cmdline):
+        if a is None or R.ray_class_name(a.get("class_name")) != R.ray_actor_class(p.cmdline):
             continue  # not this host's actor of that pid (pids repeat across hosts)
         job = jobs.get(a.get("job_id"))
         same_host = job is not None and job.get("driver_ip") == node_ip.get(a.get("node_id"))
@@ -99,14 +103,13 @@ def attach(snap: Scan, fetch: StateFetch, alive: Callable[[int], bool]) -> Scan:
     return tie(snap, state, alive)
 
 
-def fetcher(host: Any, environ: dict[str, str], address: str | None = None) -> StateFetch:
-    """Ask Ray's state API from a child: in XPUCTL_RAY_PYTHON, else the Python the actor
-    itself runs (it has ray), else ours."""
-    import os
-
+def fetcher(host: Host, environ: Mapping[str, str], address: str | None = None) -> StateFetch:
+    """Ask Ray's state API from a child, in `environ` (the command's: it carries PATH, HOME
+    and Ray's token variables): in XPUCTL_RAY_PYTHON, else the Python the actor itself runs
+    (it has ray), else ours."""
     from xpuctl.ray import bridge
 
-    environ = environ or dict(os.environ)  # the child needs PATH and HOME (the token)
+    env = dict(environ)
 
     def fetch(waiting: list[Process]) -> dict[str, Any]:
         hint = None
@@ -115,14 +118,14 @@ def fetcher(host: Any, environ: dict[str, str], address: str | None = None) -> S
                 hint = host.readlink(f"/proc/{waiting[0].pid}/exe")
             except OSError:
                 hint = None
-        python = bridge.ray_python(environ, hint)
-        return bridge.call("state", {}, bridge.ray_address(address, environ), python,
-                           timeout=15.0, environ=environ)
+        python = bridge.ray_python(env, hint)
+        return bridge.call("state", {}, bridge.ray_address(address, env), python,
+                           timeout=15.0, environ=env)
 
     return fetch
 
 
-def alive_on(host: Any) -> Callable[[int], bool]:
+def alive_on(host: Host) -> Callable[[int], bool]:
     from xpuctl.host.processes import stat_of
 
     def alive(pid: int) -> bool:
@@ -132,10 +135,21 @@ def alive_on(host: Any) -> Callable[[int], bool]:
     return alive
 
 
-def with_ray(host: Any, snap: Scan, environ: dict[str, str], address: str | None = None,
-             fetch: StateFetch | None = None) -> Scan:
-    """The scan with its Ray actors tied (a live /proc only: a fake tree's or an archive's
-    pids are not the cluster's)."""
+def scan_with_ray(host: Host, environ: Mapping[str, str], *, address: str | None = None,
+                  fetch: StateFetch | None = None, scan: Callable[[], Scan] | None = None,
+                  **options: Any) -> Scan:
+    """The one "scan, then tie Ray actors": `take_scan(host, **options)` (or `scan()`, a
+    scan the caller takes its own way), with the Ray actors that hold devices tied to their
+    run through Ray's state. `environ` is the command's own environment (the context's, or a
+    Ray node's): where Ray is (RAY_ADDRESS, XPUCTL_RAY_PYTHON, the token). `address`: `--ray
+    ADDRESS`; `fetch`: Ray's state another way (a Ray node's own connection). A fake tree's
+    or an archive's pids are not the cluster's: Ray is asked for a live /proc only."""
+    if scan is None:
+        from xpuctl.host.scan import take_scan
+
+        snap = take_scan(host, **options)
+    else:
+        snap = scan()
     if not host.proc_is_live:
         return snap
     return attach(snap, fetch or fetcher(host, environ, address), alive_on(host))

@@ -12,9 +12,10 @@ from __future__ import annotations
 import socket
 from typing import Any
 
+from xpuctl.core.cluster import ClusterResult
 from xpuctl.errors import XpuctlError
 from xpuctl.ray import bridge
-from xpuctl.ray.cluster import ClusterResult, gather
+from xpuctl.ray.cluster import gather
 
 LOCAL = "local"
 
@@ -35,13 +36,13 @@ def cluster_of(env: dict[str, str]) -> str:
 
 def refusal(result: ClusterResult) -> str | None:
     """The preflight's one-line refusal naming every failing node (short id, IP, findings)."""
-    bad = [n for n in result.nodes if n.exit_code != 0]
+    bad = result.failing
     if not bad:
         return None
     parts = []
     for n in bad:
-        findings = [f for f in (n.document or {}).get("findings", []) if f.get("severity") == "fail"]
-        what = "; ".join(f"{f['check']}: {f['message']}" for f in findings[:3]) or n.error or n.status
+        fails = [f for f in n.findings if f.severity == "fail"]
+        what = "; ".join(f"{f.check}: {f.message}" for f in fails[:3]) or n.error or n.status
         parts.append(f"node {n.short_id} ({n.ip or '?'}): {what}")
     return (f"preflight failed on {len(bad)} of {len(result.nodes)} Ray node(s) of "
             f"{result.address}: " + " | ".join(parts) +

@@ -1,8 +1,8 @@
 """What runs on every node of a Ray cluster for `doctor --ray`, `ps --ray`, `devices --ray`.
 
 A Ray task pinned to its node, in the node's own Python: it has Ray, and xpuctl's package only
-because the task shipped it (runtime_env py_modules). So this module and what it imports stay
-below the CLI: no typer, no rich. The node honours its own XPUCTL_ROOT (its raylet's
+because the task shipped it (its sources as one zip, `xpuctl.ray.child.on_node`). So this
+module and what it imports stay below the CLI: no typer, no rich. The node honours its own XPUCTL_ROOT (its raylet's
 environment: a container that mounts the host at /host sets it there); the caller's --root is
 not sent. Ray actors on the node are tied through the node's own connection to Ray.
 """
@@ -26,57 +26,59 @@ def _state(waiting: Any) -> dict[str, Any]:
         raise RayError(classify(exc).args[0]) from None
 
 
-def _doctor(host: Any, options: dict[str, Any]) -> tuple[dict[str, Any], str, int]:
+def _doctor(host: Any, environ: dict[str, str], options: dict[str, Any]) -> tuple[dict[str, Any], list[Any], int]:
+    from xpuctl.core.cluster import family_to_data
     from xpuctl.doctor import blocking, diagnose
     from xpuctl.output.documents import doctor_dict
-    from xpuctl.output.prometheus import prometheus
+    from xpuctl.output.prometheus import families
     from xpuctl.state.statedir import resolve_state_dir
 
+    # the environment check judges a caller's environment: a node's task has none ({})
     report = diagnose(host, list(options.get("devices") or []), options.get("port"),
                       bool(options.get("expect_idle")), {},
-                      state_dir=resolve_state_dir(host, None, dict(os.environ)), ray_fetch=_state)
+                      state_dir=resolve_state_dir(host, None, environ), ray_fetch=_state)
     code = 1 if blocking(report, bool(options.get("strict"))) else 0
-    return doctor_dict(report), prometheus(report), code
+    return doctor_dict(report), [family_to_data(f) for f in families(report)], code
 
 
-def _scan(host: Any) -> Any:
-    from xpuctl.host.scan import take_scan
-    from xpuctl.ray.actors import with_ray
+def _scan(host: Any, environ: dict[str, str]) -> Any:
+    from xpuctl.ray.actors import scan_with_ray
 
-    snap = take_scan(host, port=None, want_env=False, artifacts=False)
-    return with_ray(host, snap, {}, fetch=_state)
+    return scan_with_ray(host, environ, fetch=_state, port=None, want_env=False, artifacts=False)
 
 
-def _ps(host: Any, options: dict[str, Any]) -> dict[str, Any]:
+def _ps(host: Any, environ: dict[str, str], options: dict[str, Any]) -> dict[str, Any]:
     from xpuctl.output.documents import ps_document
 
-    snap = _scan(host)
+    snap = _scan(host, environ)
     show_all = bool(options.get("all"))
-    return ps_document([], [p for p in snap.processes if p.role is not None or show_all])
+    return ps_document([], [p for p in snap.processes if p.role is not None or show_all], snap)
 
 
-def _devices(host: Any) -> dict[str, Any]:
+def _devices(host: Any, environ: dict[str, str]) -> dict[str, Any]:
     from xpuctl.output.documents import devices_document, process_dict
 
-    snap = _scan(host)
+    snap = _scan(host, environ)
     return {**devices_document(snap, None), "processes": [process_dict(p) for p in snap.processes]}
 
 
 def run(command: str, options: dict[str, Any]) -> dict[str, Any]:
-    """One node's answer: {hostname, root, document, prometheus, exit_code, seconds}."""
+    """One node's answer: {hostname, root, document, metrics (doctor's families), exit_code,
+    seconds}. The node's environment (its raylet's) is the command's environment here."""
     from xpuctl.host.seam import Host
 
     started = time.monotonic()
-    root = os.environ.get("XPUCTL_ROOT") or "/"
+    environ = dict(os.environ)
+    root = environ.get("XPUCTL_ROOT") or "/"
     host = Host(root)
-    prometheus = None
+    metrics: list[Any] = []
     code = 0
     if command == "doctor":
-        doc, prometheus, code = _doctor(host, options)
+        doc, metrics, code = _doctor(host, environ, options)
     elif command == "ps":
-        doc = _ps(host, options)
+        doc = _ps(host, environ, options)
     else:
-        doc = _devices(host)
+        doc = _devices(host, environ)
     return {"hostname": socket.gethostname(), "root": root, "document": doc,
-            "prometheus": prometheus, "exit_code": code,
+            "metrics": metrics, "exit_code": code,
             "seconds": round(time.monotonic() - started, 3)}

@@ -9,11 +9,12 @@ renders the outcome and maps it to an exit code.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from xpuctl.actions.signals import can_signal
+from xpuctl.core.model import EMPTY_ENV
 from xpuctl.errors import UsageError
 from xpuctl.host.seam import Host
 from xpuctl.shutdown import ladder, plan
@@ -34,6 +35,7 @@ class Request(NamedTuple):
     release_timeout: float = 30.0
     dry_run: bool = False
     since: float | None = None  # time.monotonic() when the command started: the resolve time
+    environ: Mapping[str, str] = EMPTY_ENV  # the command's environment (where Ray is)
 
     @property
     def names_something(self) -> bool:
@@ -79,7 +81,7 @@ def run(host: Host, request: Request, state_dir: str | None,
     nothing). `on_event` hears `Found` once, then each step of the ladder."""
     check(request, host)
     trees = plan.find_targets(host, state_dir, request.name, request.pid, request.port,
-                              list(request.devices), request.all_)
+                              list(request.devices), request.all_, request.environ)
     if request.dry_run or not trees:
         return Outcome(trees, plan.planned_members(host, trees), skipped=ladder.skipped_lines(host))
     plan.mark_records(state_dir, trees, state="stopping")

@@ -5,16 +5,17 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from xpuctl.host.seam import Host
 
 
 def find_targets(host: Host, state_dir: str | None, name: str | None, pid: int | None, port: int | None,
-                 specs: list[str], all_: bool) -> list[Any]:
-    """The trees to stop (NotFoundError, exit 3, when NAME, --pid or --port match nothing)."""
+                 specs: list[str], all_: bool, environ: Mapping[str, str]) -> list[Any]:
+    """The trees to stop (NotFoundError, exit 3, when NAME, --pid or --port match nothing).
+    `environ`: the command's (where Ray is)."""
     from xpuctl.host.devices import resolve_device_specs
-    from xpuctl.host.scan import take_scan
     from xpuctl.shutdown import targets
     from xpuctl.state import runs
 
@@ -22,10 +23,10 @@ def find_targets(host: Host, state_dir: str | None, name: str | None, pid: int |
     if state_dir and os.path.isdir(state_dir):
         records = runs.list_records(runs.ensure_state_dir(state_dir, create=False))
     bdfs = resolve_device_specs(host, specs)
-    from xpuctl.ray.actors import with_ray
+    from xpuctl.ray.actors import scan_with_ray
 
     # finding trees needs no files; Ray actors on an existing cluster join their run's tree
-    snap = with_ray(host, take_scan(host, port=port, artifacts=False), dict(os.environ))
+    snap = scan_with_ray(host, environ, port=port, artifacts=False)
     return targets.find_trees(host, snap, records, name, pid, port, bdfs, all_)
 
 
