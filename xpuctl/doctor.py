@@ -106,6 +106,10 @@ def diagnose(
 
     env = dict(os.environ) if caller_env is None else caller_env
     snap = with_ray(host, snap, env, ray_address, ray_fetch)
+    from xpuctl.host.kernel import read_kernel
+
+    log, dumps, kernel_issues = read_kernel(host, snap.devices)
+    snap = snap._replace(kernel=log, coredumps=dumps, issues=snap.issues + tuple(kernel_issues))
     ns = pid_namespace_issue(host)
     if ns is not None:
         snap = snap._replace(issues=snap.issues + (ns,))

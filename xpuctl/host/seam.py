@@ -47,6 +47,39 @@ def _readonce(path: str, limit: int) -> bytes:
         os.close(fd)
 
 
+def _readrecords(path: str, hostpath: str, limit: int) -> bytes:
+    """A record device read to its end without blocking (/dev/kmsg: one record per read(2),
+    EAGAIN after the last, EPIPE when records were overwritten meanwhile: skipped), or a
+    plain file of such records to its end. When there is more than `limit`, the newest is kept."""
+    progress = _readchild.current
+    if progress is not None:
+        progress.enter(hostpath)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            chunks: list[bytes] = []
+            total = 0
+            while True:
+                try:
+                    chunk = os.read(fd, 16384)
+                except BlockingIOError:
+                    break  # EAGAIN: no record left
+                except BrokenPipeError:
+                    continue  # EPIPE: the records we were at were overwritten
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                total += len(chunk)
+                while total > limit and len(chunks) > 1:
+                    total -= len(chunks.pop(0))
+            return b"".join(chunks)[-limit:]
+        finally:
+            os.close(fd)
+    finally:
+        if progress is not None:
+            progress.leave()
+
+
 #: fd names tried in order before falling back to listing /proc/<pid>/fd (see fd_links).
 _FD_NAMES = tuple(map(str, range(1024)))
 
@@ -142,6 +175,15 @@ class Host:
             return _readall(self.root + hostpath, limit or self.READ_LIMIT)
         finally:
             progress.leave()
+
+    def read_records(self, hostpath: str, limit: int | None = None) -> bytes:
+        """A record device such as /dev/kmsg, every record it holds, without blocking
+        (see `_readrecords`); a plain file under a root is read the same way."""
+        reader = self.reader
+        if reader is not None:
+            return reader.call(_readrecords, self.root + hostpath, hostpath,  # type: ignore[no-any-return]
+                               limit or self.READ_LIMIT)
+        return _readrecords(self.root + hostpath, hostpath, limit or self.READ_LIMIT)
 
     def read_text(self, hostpath: str, limit: int | None = None) -> str:
         return self.read_bytes(hostpath, limit).decode("utf-8", "surrogateescape")
