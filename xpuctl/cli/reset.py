@@ -32,6 +32,8 @@ def reset(
         bool,
         typer.Option("--kill-holders", help="Also stop processes that hold the devices and are not vLLM (never a live server's)."),
     ] = False,
+    rebind: Annotated[bool, typer.Option("--rebind", help="Root: unbind and bind the one --device's driver (the kernel's recovery of a wedged card), then check it again. Refuses while anything holds it, unless --kill-holders.")] = False,
+    bind_timeout: Annotated[float, typer.Option("--bind-timeout", min=0, help="--rebind: seconds to wait for the DRM nodes to go after the unbind, and for the render node after the bind.")] = 30.0,
     state_dir: StateDirOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -52,6 +54,17 @@ def reset(
 
     a = app_context(ctx)
     bdfs = resolve_device_specs(a.host, list(device or []))
+    if rebind:
+        from xpuctl.rebind import run as rebind_run
+
+        if device_reset:
+            raise UsageError("--rebind and --device-reset are two different recoveries: pick one")
+        raise typer.Exit(rebind_run(
+            a.host, bdfs, dry_run=dry_run, yes=yes, kill_holders=kill_holders,
+            kill_after=kill_after, timeout=timeout, bind_timeout=bind_timeout,
+            state_dir=state_dir, environ=a.environ, as_json=as_json,
+            say=lambda line: emit(sys.stderr if as_json else sys.stdout, line), confirm=_confirm,
+            write_json=lambda doc: sys.stdout.write(documents.to_json(doc) + "\n")))
     plan = reset_flow.make_plan(a.host, bdfs, port, device_reset, kill_holders)
     advice = relaunch_advice(a.host, state_dir, a.environ)
     stream = sys.stderr if as_json else sys.stdout
