@@ -256,3 +256,12 @@ def test_a_non_ascii_digit_device_spec_is_a_usage_error_not_a_crash(spec):
                  render_node="/dev/dri/renderD128", card_node=None, minors=(128,),
                  memory_total_bytes=None, index=0)
     assert find_device([dev], spec) is None
+
+
+@given(st.text(max_size=2000))
+def test_kmsg_never_raises(text: str) -> None:
+    from xpuctl.parse import kmsg
+
+    records = kmsg.parse_kmsg(text)
+    kmsg.gpu_events(records)
+    kmsg.gpu_events(kmsg.parse_kmsg(kmsg.relevant_text(text), relevant_only=True))

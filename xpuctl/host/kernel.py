@@ -4,7 +4,7 @@
 `--root`, ROOT/dev/kmsg is a plain file of records. Reading it needs root or CAP_SYSLOG when
 `kernel.dmesg_restrict` is 1: unreadable, it is one inspection note, never a finding.
 
-A devcoredump (drivers/base/devcoredump.c) appears as `devcoredump/data` in the failing
+A devcoredump (Linux drivers/base/devcoredump.c) appears as `devcoredump/data` in the failing
 device's sysfs directory (xe says "Check your /sys/class/drm/cardN/device/devcoredump/data",
 xe_devcoredump.c) until it is read and freed, or times out (5 minutes by default). Its age
 is that of the driver's "coredump has been created" record when the log has one, else the
