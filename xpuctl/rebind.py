@@ -208,7 +208,7 @@ def outcome_dict(out: RebindOutcome) -> dict[str, Any]:
 def run(host: Host, bdfs: tuple[str, ...], *, dry_run: bool, yes: bool, kill_holders: bool,
         kill_after: float, timeout: float | None, bind_timeout: float, state_dir: str | None,
         environ: dict[str, str], as_json: bool, say: Callable[[str], None],
-        confirm: Callable[[], None], write_json: Callable[[dict[str, Any]], None]) -> int:
+        confirm: Callable[[], None], write_json: Callable[[dict[str, Any]], object]) -> int:
     """The whole `reset --rebind`; returns the exit code."""
     from xpuctl.output import lines
     from xpuctl.state.statedir import resolve_state_dir
