@@ -249,3 +249,28 @@ def test_snapshot_keeps_the_gpu_records_and_doctor_from_agrees(tmp_path: Path,
     code, data = doctor(h.root)
     assert code == 1
     assert findings(data, "device-wedged") and findings(data, "gpu-hang") and findings(data, "devcoredump")
+
+
+def test_wedged_message_gives_the_wall_time(tmp_path: Path) -> None:
+    import time
+
+    h = clean_host(tmp_path / "h")
+    write_kmsg(h.root, rec(I915_WEDGED, 1, 7200, BDF1))
+    _, data = doctor(h.root)
+    [f] = findings(data, "device-wedged")
+    assert time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(h.at(7200))) in f["message"]
+    assert "xpuctl reset --device 1 --rebind" in f["remedy"]
+
+
+def test_coredump_age_comes_from_the_drivers_record_when_there_is_one(tmp_path: Path) -> None:
+    import time
+
+    h = clean_host(tmp_path / "h")
+    write_kmsg(h.root, rec(XE_COREDUMP, 1, time.time() - h.boot_time - 90))
+    dump = h.path("/sys/class/drm/card0/device") / "devcoredump"
+    dump.mkdir()
+    (dump / "data").write_text("dump\n")
+    os.utime(dump / "data", (h.at(0), h.at(0)))  # an mtime of boot: not what is reported
+    _, data = doctor(h.root)
+    assert 60 <= device(data, BDF0)["coredump"]["age_seconds"] <= 3600
+    assert findings(data, "gpu-hang")  # the dump's record is a hang record too

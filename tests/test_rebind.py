@@ -201,3 +201,13 @@ def test_kill_holders_stops_the_holder_first(tmp_path: Path, proc_token, driver_
                 holder.kill()
             holder.wait()
     shutil.rmtree(tmp_path / "state", ignore_errors=True)
+
+
+def test_rebind_only_rebinds_xe_and_i915(tmp_path: Path) -> None:
+    from fakehost import mixed_vendor_host
+
+    h = mixed_vendor_host(tmp_path / "h")
+    amd = next(e.name for e in sorted((h.root / "sys/bus/pci/devices").iterdir())
+               if (e / "driver").resolve().name == "amdgpu")
+    result = reset(h.root, tmp_path / "state", "--device", amd, "--rebind", "--yes")
+    assert result.exit_code == 2 and "xe and i915 devices only" in result.output
