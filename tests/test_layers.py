@@ -24,7 +24,7 @@ LAYERS = [
     ("xpuctl.actions", "xpuctl.probes"),
     ("xpuctl.doctor", "xpuctl.listing", "xpuctl.ray"),
     ("xpuctl.shutdown", "xpuctl.logs", "xpuctl.archive"),
-    ("xpuctl.reset", "xpuctl.serve"),
+    ("xpuctl.reset", "xpuctl.rebind", "xpuctl.serve"),
     ("xpuctl.cli", "xpuctl.__main__"),
 ]
 # pure leaves any layer may use: exit codes, the escaping of host text, units

@@ -302,3 +302,12 @@ def test_engine_death_never_raises(lines):
 
     found = engine_death(lines)
     assert found is None or found.line in {line.strip() for line in lines}
+
+
+@given(st.text(max_size=2000))
+def test_kmsg_never_raises(text: str) -> None:
+    from xpuctl.parse import kmsg
+
+    records = kmsg.parse_kmsg(text)
+    kmsg.gpu_events(records)
+    kmsg.gpu_events(kmsg.parse_kmsg(kmsg.relevant_text(text), relevant_only=True))

@@ -108,6 +108,10 @@ def diagnose(
     snap = scan_with_ray(host, env, address=ray_address, fetch=ray_fetch,
                          scan=deep_scanned if deep is not None else None,
                          port=opts.port, caller_env=caller_env)
+    from xpuctl.host.kernel import read_kernel
+
+    log, dumps, kernel_issues = read_kernel(host, snap.devices)
+    snap = snap._replace(kernel=log, coredumps=dumps, issues=snap.issues + tuple(kernel_issues))
     ns = pid_namespace_issue(host)
     if ns is not None:
         snap = snap._replace(issues=snap.issues + (ns,))

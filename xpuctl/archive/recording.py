@@ -14,6 +14,7 @@ from typing import Any
 
 from xpuctl.core.model import FileInfo
 from xpuctl.host.seam import Host
+from xpuctl.parse.kmsg import relevant_text
 
 #: An OSError as recorded: (errno, strerror, filename) or (None, message, None).
 ErrorRec = tuple[Any, str, Any]
@@ -100,6 +101,19 @@ class RecordingHost(Host):
 
     def read_once(self, hostpath: str, limit: int = 4096) -> bytes:
         return self._content(hostpath, self.inner.read_once, limit)
+
+    def read_records(self, hostpath: str, limit: int | None = None) -> bytes:
+        """The kernel log: only its GPU driver records are kept (never the rest of it), which
+        is all doctor judges."""
+        try:
+            data = self.inner.read_records(hostpath, limit)
+        except OSError as exc:
+            if hostpath not in self.contents:
+                self.read_errors.setdefault(hostpath, error_rec(exc))
+            raise
+        kept = relevant_text(data.decode("utf-8", "surrogateescape")).encode("utf-8", "surrogateescape")
+        self._content(hostpath, lambda *_: kept)
+        return data
 
     @staticmethod
     def _answer(table: dict, key: Any, call: Any, *args: Any) -> Any:

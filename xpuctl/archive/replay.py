@@ -102,6 +102,9 @@ class ArchiveHost(Host):
             raise_rec(self.index.read_errors[hostpath])
         return super().read_once(hostpath, limit)
 
+    def read_records(self, hostpath: str, limit: int | None = None) -> bytes:
+        return self.read_bytes(hostpath, limit)  # a plain file of the records kept
+
     def listdir(self, hostpath: str) -> list[str]:
         self._inside(hostpath)
         if hostpath in self.index.lists:

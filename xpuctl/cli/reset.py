@@ -15,7 +15,7 @@ from xpuctl.errors import ExitCode, UsageError
 from xpuctl.output.safetext import emit
 
 if TYPE_CHECKING:  # types only: the command's modules load when it runs
-    from xpuctl.reset import Plan
+    pass
 
 app = command_app()
 
@@ -35,6 +35,8 @@ def reset(
         bool,
         typer.Option("--kill-holders", help="Also stop processes that hold the devices and are not vLLM (never a live server's)."),
     ] = False,
+    rebind: Annotated[bool, typer.Option("--rebind", help="Root: unbind and bind the one --device's driver (the kernel's recovery of a wedged card), then check it again. Refuses while anything holds it, unless --kill-holders.")] = False,
+    bind_timeout: Annotated[float, typer.Option("--bind-timeout", min=0, help="--rebind: seconds to wait for the DRM nodes to go after the unbind, and for the render node after the bind.")] = 30.0,
     state_dir: StateDirOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -51,6 +53,19 @@ def reset(
     from xpuctl.state.statedir import resolve_state_dir
 
     a = app_context(ctx)
+    if rebind:
+        from xpuctl.host.devices import resolve_device_specs
+        from xpuctl.rebind import run as rebind_run
+
+        bdfs = resolve_device_specs(a.host, list(device or []))
+        if device_reset:
+            raise UsageError("--rebind and --device-reset are two different recoveries: pick one")
+        raise typer.Exit(rebind_run(
+            a.host, bdfs, dry_run=dry_run, yes=yes, kill_holders=kill_holders,
+            kill_after=kill_after, timeout=timeout, bind_timeout=bind_timeout,
+            state_dir=state_dir, environ=a.environ, as_json=as_json,
+            say=lambda line: emit(sys.stderr if as_json else sys.stdout, line), confirm=_confirm,
+            write_json=lambda doc: sys.stdout.write(documents.to_json(doc) + "\n")))
     stream = sys.stderr if as_json else sys.stdout
     request = flow.Request(tuple(device or []), port, dry_run, timeout, kill_after, device_reset,
                            kill_holders, a.environ)
@@ -83,7 +98,7 @@ def reset(
     raise typer.Exit(ExitCode.PROBLEMS if out.remaining else ExitCode.OK)
 
 
-def _confirm(plan: Plan) -> bool:
+def _confirm(_plan: object = None) -> bool:
     """Ask on the terminal; no terminal is a usage error, a "no" exits 1 and changes nothing
     (Ctrl-C at the prompt: 130, in the guard)."""
     if not sys.stdin.isatty():

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import NamedTuple
 
+from xpuctl.parse.kmsg import HANG, INITIALIZED, WEDGED, GpuEvent
 from xpuctl.parse.probes import ProbeProcess, ProbeResult
 from xpuctl.parse.vllmlog import LogSignature
 
@@ -212,6 +213,39 @@ class LastRun(NamedTuple):
     ended_at: float | None = None
 
 
+class KernelLog(NamedTuple):
+    """What the kernel log said about the GPUs (parse/kmsg.py): their driver records in log
+    order, and the boot time that dates them."""
+
+    events: tuple[GpuEvent, ...]
+    boot_time: float | None  # seconds since the epoch (/proc/stat btime)
+
+    def _since_init(self, bdf: str) -> list[GpuEvent]:
+        """The device's records after its last "Initialized" (a rebind starts afresh)."""
+        mine = [e for e in self.events if e.bdf == bdf]
+        last = max((i for i, e in enumerate(mine) if e.kind == INITIALIZED), default=-1)
+        return mine[last + 1:]
+
+    def wedged(self, bdf: str) -> GpuEvent | None:
+        """The first record that declared the device wedged, when it was not initialised again."""
+        return next((e for e in self._since_init(bdf) if e.kind == WEDGED), None)
+
+    def hangs(self, bdf: str) -> tuple[GpuEvent, ...]:
+        """Hang and reset records of the device since it was last initialised."""
+        return tuple(e for e in self._since_init(bdf) if e.kind == HANG)
+
+    def wall_time(self, event: GpuEvent) -> float | None:
+        return self.boot_time + event.record.seconds if self.boot_time is not None else None
+
+
+class Coredump(NamedTuple):
+    """A GPU crash dump the kernel holds for a device (devcoredump) until it is read or freed."""
+
+    bdf: str
+    path: str  # host path of its data file
+    age_seconds: float | None
+
+
 class Scan(NamedTuple):
     """Everything one scan saw, before any judgement."""
 
@@ -230,6 +264,8 @@ class Scan(NamedTuple):
     last_run: LastRun | None = None  # the state directory's newest run (doctor, reset)
     unreadable_processes: tuple[Unreadable, ...] = ()
     blocked: tuple[Issue, ...] = ()  # every read that did not answer (path, reason)
+    kernel: KernelLog | None = None  # the kernel log's GPU records (doctor); None: not read
+    coredumps: tuple[Coredump, ...] = ()  # pending devcoredumps of the devices (doctor)
 
     def process(self, pid: int) -> Process | None:
         for p in self.processes:

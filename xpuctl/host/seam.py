@@ -120,6 +120,11 @@ class Host:
     def read_bytes(self, hostpath: str, limit: int | None = None) -> bytes:
         return self._reads.read(self.root, "all", hostpath, limit or self.READ_LIMIT)  # type: ignore[no-any-return]
 
+    def read_records(self, hostpath: str, limit: int | None = None) -> bytes:
+        """A record device such as /dev/kmsg, every record it holds, without blocking
+        (`reads.protocol.read_records`); a plain file under a root is read the same way."""
+        return self._reads.read(self.root, "records", hostpath, limit or self.READ_LIMIT)  # type: ignore[no-any-return]
+
     def read_text(self, hostpath: str, limit: int | None = None) -> str:
         return self.read_bytes(hostpath, limit).decode("utf-8", "surrogateescape")
 

@@ -68,6 +68,19 @@ def device_dict(d: Device, snap: Scan) -> dict[str, Any]:
         "unknown_holders": list(snap.unknown_holders(d.bdf)),
         "runtime": runtime_dict(view),  # --deep only
         "unattributed_bytes": view.unattributed_bytes if view else None,
+        **kernel_dict(d, snap),
+    }
+
+
+def kernel_dict(d: Device, snap: Scan) -> dict[str, Any]:
+    """What the kernel said of the device: declared wedged (and not initialised since), a
+    pending crash dump."""
+    event = snap.kernel.wedged(d.bdf) if snap.kernel is not None else None
+    dump = next((c for c in snap.coredumps if c.bdf == d.bdf), None)
+    return {
+        "wedged": {"since_boot_seconds": round(event.record.seconds, 6),
+                   "record": event.record.text} if event is not None else None,
+        "coredump": {"path": dump.path, "age_seconds": dump.age_seconds} if dump else None,
     }
 
 

@@ -9,7 +9,7 @@ with `@check("id")` in the module of its area, and its id in `CHECKS`.
 
 from __future__ import annotations
 
-from xpuctl.core.checks import deep, files, inspection, lastrun, processes, serving  # noqa: F401 (they register)
+from xpuctl.core.checks import deep, files, inspection, kernel, lastrun, processes, serving  # noqa: F401 (they register)
 from xpuctl.core.checks.lastrun import last_run_findings, last_run_keys
 from xpuctl.core.checks.registry import REGISTRY, Ctx, Options
 from xpuctl.core.model import Process, Report, Scan
@@ -19,6 +19,7 @@ __all__ = ["CHECKS", "REGISTRY", "Options", "evaluate", "last_run_findings", "la
 # Output order of the ids; every registered check has a place here (a test holds them equal).
 CHECKS = (
     "no-device",
+    "device-wedged",
     "device-holders",
     "orphans",
     "device-memory",
@@ -29,6 +30,8 @@ CHECKS = (
     "env",
     "unattributed-memory",
     "device-lost",
+    "gpu-hang",
+    "devcoredump",
     "probe-timeout",
     "last-run",
     "blocked-reads",

@@ -32,8 +32,7 @@ from xpuctl.host.reads.protocol import (
     BlockedRead,
     group_of,
     pid_of,
-    read_all,
-    read_once,
+    read_kind,
     receive,
     send,
 )
@@ -64,9 +63,7 @@ class Published:
     def read(self, root: str, kind: str, hostpath: str, limit: int) -> bytes:
         self.enter(hostpath)
         try:
-            if kind == "once":
-                return read_once(root + hostpath, limit)
-            return read_all(root + hostpath, limit)
+            return read_kind(root + hostpath, kind, limit)
         finally:
             self.leave()
 

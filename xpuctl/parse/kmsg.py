@@ -1,0 +1,187 @@
+"""The kernel log as /dev/kmsg gives it, and the GPU driver records xpuctl acts on.
+
+Format (Linux Documentation/ABI/testing/dev-kmsg): one record per read(2) of /dev/kmsg,
+`PRI,SEQ,USEC,FLAGS;TEXT\\n`, PRI = facility * 8 + level, USEC = microseconds since boot,
+FLAGS `-` (or `c` for a continuation on old kernels); bytes below 0x20 (an embedded newline),
+0x7f and above, and the backslash itself are escaped as `\\xNN` in TEXT; the record may be
+followed by dictionary lines that start with a space (` SUBSYSTEM=pci`, ` DEVICE=+pci:BDF`).
+Under `--root` the file is these records one after the other.
+
+The driver records (see docs/kernel.md for each message's source):
+
+- wedged: xe_device_declare_wedged (Linux drivers/gpu/drm/xe/xe_device.c) "CRITICAL: Xe has
+  declared device BDF as wedged."; i915 (Linux drivers/gpu/drm/i915/i915_gem.c, i915_gem_pm.c,
+  intel_reset.c) "Failed to initialize GPU, declaring it wedged!", "Failed to re-initialize
+  GPU, declaring it wedged!", "Failed to idle engines, declaring wedged!", "Failed to reset chip";
+- hang or reset (a warning): i915's "GPU HANG: ecode …" (i915_gpu_error.c) and "Resetting chip
+  for …" / "Resetting ENGINE for …" (intel_reset.c, intel_engine_heartbeat.c); xe's "Timedout
+  job: …" (xe_guc_submit.c), "GT0: reset failed", "GuC engine reset request failed", "Xe
+  device coredump has been created" (xe_gt.c, xe_guc_submit.c, xe_devcoredump.c);
+- initialised: drm_dev_register's "[drm] Initialized DRIVER X.Y.Z [DATE] for BDF on minor N"
+  (Linux drivers/gpu/drm/drm_drv.c): the device came back (a rebind, a module reload).
+
+The device of a record is the BDF in its dev_printk prefix (`xe 0000:03:00.0: [drm] …`), else
+its DEVICE=+pci:BDF dictionary line, else a BDF named in the text.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import NamedTuple
+
+_BDF = r"[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]"
+_HEADER = re.compile(r"^(\d+),(\d+),(\d+),([^;,]*)[^;]*;")
+_ESCAPE = re.compile(r"\\x([0-9a-fA-F]{2})")
+_PREFIX = re.compile(rf"^(xe|i915) ({_BDF}): ")
+_DEVICE = re.compile(rf"^DEVICE=\+pci:({_BDF})$")
+_ANY_BDF = re.compile(_BDF)
+
+#: Texts that mark a record the drivers care about: records without one are dropped early
+#: (a kernel log holds thousands of other records).
+DRIVERS = ("xe", "i915")
+_RELEVANT = ("xe ", "i915 ", "[drm]", "Xe ", "GPU HANG")
+
+
+class KmsgRecord(NamedTuple):
+    """One record of the kernel log."""
+
+    level: int  # 0 emerg .. 7 debug
+    facility: int  # 0 kernel
+    seq: int
+    usec: int  # since boot
+    text: str  # unescaped: an embedded newline is a newline again
+    device: str | None  # DEVICE=+pci:BDF of its dictionary, when there is one
+
+    @property
+    def seconds(self) -> float:
+        return self.usec / 1e6
+
+    def line(self) -> str:
+        """Its first line, as `dmesg` shows it (without the time)."""
+        return self.text.split("\n", 1)[0]
+
+
+#: What a driver record says about its device.
+WEDGED = "wedged"
+HANG = "hang"
+INITIALIZED = "initialized"
+
+
+class GpuEvent(NamedTuple):
+    kind: str  # wedged | hang | initialized
+    bdf: str
+    driver: str | None
+    record: KmsgRecord
+
+
+_WEDGED = (
+    re.compile(rf"CRITICAL: Xe has declared device ({_BDF}) as wedged"),
+    re.compile(r"Failed to (?:re-)?initialize GPU, declaring it wedged"),
+    re.compile(r"Failed to idle engines, declaring wedged"),
+    re.compile(r"Failed to reset chip"),
+)
+_HANGS = (
+    re.compile(r"GPU HANG: ecode"),
+    re.compile(r"Resetting chip for "),
+    re.compile(r"Resetting \w+ for "),
+    re.compile(r"Timedout job: "),
+    re.compile(r"GT\d+: reset failed"),
+    re.compile(r"GuC engine reset request failed"),
+    re.compile(r"Xe device coredump has been created"),
+)
+_INITIALIZED = re.compile(rf"\[drm\] Initialized (xe|i915) \S+(?: \d+)? for ({_BDF}) on minor (\d+)")
+
+
+def _unescape(text: str) -> str:
+    return _ESCAPE.sub(lambda m: chr(int(m.group(1), 16)), text) if "\\x" in text else text
+
+
+def parse_kmsg(text: str, relevant_only: bool = False) -> list[KmsgRecord]:
+    """Every well-formed record, in order; a malformed line is skipped. `relevant_only`:
+    only the records that may concern a GPU driver (cheaper on a long log)."""
+    out: list[KmsgRecord] = []
+    current: KmsgRecord | None = None
+    for line in text.split("\n"):
+        if line.startswith(" "):
+            if current is not None:
+                m = _DEVICE.match(line[1:])
+                if m and current.device is None:
+                    current = current._replace(device=m.group(1).lower())
+            continue
+        if current is not None:
+            out.append(current)
+            current = None
+        if relevant_only and not any(word in line for word in _RELEVANT):
+            continue  # the common case on a long log: no regex for it
+        m = _HEADER.match(line)
+        if m is None:
+            continue
+        body = line[m.end():]
+        if relevant_only and not any(word in body for word in _RELEVANT):
+            continue
+        pri = int(m.group(1))
+        current = KmsgRecord(pri & 7, pri >> 3, int(m.group(2)), int(m.group(3)),
+                             _unescape(body), None)
+    if current is not None:
+        out.append(current)
+    return out
+
+
+def relevant_text(text: str) -> str:
+    """The records of `text` that may concern a GPU driver, in kmsg format again: what a
+    snapshot keeps of the kernel log (never the rest of it)."""
+    keep: list[str] = []
+    taking = False
+    for line in text.split("\n"):
+        if line.startswith(" "):
+            if taking:
+                keep.append(line)
+            continue
+        m = _HEADER.match(line)
+        taking = m is not None and any(word in line[m.end():] for word in _RELEVANT)
+        if taking:
+            keep.append(line)
+    return "".join(f"{line}\n" for line in keep)
+
+
+def _device_of(rec: KmsgRecord) -> tuple[str | None, str | None]:
+    m = _PREFIX.match(rec.text)
+    if m:
+        return m.group(2).lower(), m.group(1)
+    if rec.device:
+        return rec.device, None
+    found = _ANY_BDF.search(rec.text)
+    return (found.group(0).lower() if found else None), None
+
+
+def gpu_events(records: list[KmsgRecord]) -> list[GpuEvent]:
+    """The records that say a GPU was declared wedged, hung or was reset, or initialised,
+    with the device they name, in log order. A record without a device is left out."""
+    out: list[GpuEvent] = []
+    for rec in records:
+        text = rec.text
+        init = _INITIALIZED.search(text)
+        if init:
+            out.append(GpuEvent(INITIALIZED, init.group(2).lower(), init.group(1), rec))
+            continue
+        kind = None
+        named: str | None = None
+        for pattern in _WEDGED:
+            m = pattern.search(text)
+            if m:
+                kind = WEDGED
+                named = m.group(1).lower() if m.groups() else None
+                break
+        else:
+            if any(p.search(text) for p in _HANGS):
+                kind = HANG
+        if kind is None:
+            continue
+        bdf, driver = _device_of(rec)
+        bdf = named or bdf
+        if bdf is None:
+            continue
+        if driver is None and "Xe " in text:
+            driver = "xe"
+        out.append(GpuEvent(kind, bdf, driver, rec))
+    return out
