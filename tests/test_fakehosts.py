@@ -31,6 +31,7 @@ CHECKS = {
     "unattributed-memory",
     "device-lost",
     "probe-timeout",
+    "collective",
     "last-run",
     "blocked-reads",
     "inspection",

@@ -207,6 +207,44 @@ class LastRun(NamedTuple):
     ended_at: float | None = None
 
 
+class CollectiveRank(NamedTuple):
+    """One rank of the collective check: its device, the last phase it entered, how it ended."""
+
+    rank: int
+    device: int  # the torch.xpu index it used
+    bdf: str
+    phase: str | None
+    returncode: int | None  # None: still running at the deadline (killed with the group)
+    error: str | None
+
+
+class AloneRun(NamedTuple):
+    """One device's rerun alone (world size 1) after its group hung or failed."""
+
+    bdf: str
+    verdict: str  # ok | hung | failed | unavailable
+    phase: str | None
+
+
+class CollectiveResult(NamedTuple):
+    """`doctor --collective` (probes/collective.run_collective): one init_process_group,
+    all_reduce and destroy across the devices, bounded."""
+
+    verdict: str  # ok | hung | failed | unavailable
+    backend: str | None
+    world_size: int
+    seconds: float
+    stuck_phase: str | None  # hung or failed: the phase it stopped in
+    reason: str | None
+    ranks: tuple[CollectiveRank, ...] = ()
+    alone: tuple[AloneRun, ...] = ()
+    files: tuple[str, ...] = ()  # oneCCL-like files the ranks made (removed once they are gone)
+
+    @property
+    def bdfs(self) -> tuple[str, ...]:
+        return tuple(r.bdf for r in self.ranks)
+
+
 class Scan(NamedTuple):
     """Everything one scan saw, before any judgement."""
 
@@ -225,6 +263,7 @@ class Scan(NamedTuple):
     last_run: LastRun | None = None  # the state directory's newest run (doctor, reset)
     unreadable_processes: tuple[Unreadable, ...] = ()
     blocked: tuple[Issue, ...] = ()  # every read that did not answer (path, reason)
+    collective: CollectiveResult | None = None  # doctor --collective
 
     def process(self, pid: int) -> Process | None:
         for p in self.processes:

@@ -29,13 +29,37 @@ class _Prepared(NamedTuple):
     keys: list[str]
 
 
+def _collective(opts: ServeOptions, plan: LaunchPlan, out: Callable[[str], None]) -> object | None:
+    """doctor.CollectiveOptions for the run's own environment (its ZE_AFFINITY_MASK, CCL_*,
+    PCI device order unless it says otherwise) when `--preflight collective` asks for the
+    collective check, or, without an explicit --preflight, when the last run on one of the
+    run's devices did not end cleanly (said in one line); else None."""
+    from xpuctl.doctor import CollectiveOptions
+    from xpuctl.state.lastrun import unclean_run_on
+
+    if not opts.collective_preflight:
+        last = unclean_run_on(opts.state_dir, plan.bdfs) if opts.collective_auto else None
+        if last is None:
+            return None
+        out(f"xpuctl: preflight: the last run on these devices ({safe(last[0])}) {safe(last[1])}: "
+            "running the collective check first (skip it with --preflight fast)")
+    env = dict(plan.env)
+    env.setdefault("ZE_ENABLE_PCI_ID_DEVICE_ORDER", "1")  # the mask's indices are in PCI order
+    return CollectiveOptions(opts.collective_timeout, env)
+
+
 def _preflight(host: Host, opts: ServeOptions, plan: LaunchPlan,
-               show_findings: Callable[[object], None]) -> None:
-    """doctor on the run's devices and port; XpuctlError when they are not clean."""
+               show_findings: Callable[[object], None], out: Callable[[str], None]) -> None:
+    """doctor on the run's devices and port (and the collective check when asked for or
+    after an unclean last run); XpuctlError when they are not clean."""
     from xpuctl.doctor import diagnose
 
+    coll = _collective(opts, plan, out)
     report = diagnose(host, plan.bdfs or None, plan.port, caller_env=plan.env,
-                      deep=opts.deep_preflight)
+                      deep=opts.deep_preflight, collective=coll)
+    for f in report.findings:
+        if f.check == "collective" and f.severity == "info":
+            out(f"xpuctl: preflight: {safe(f.message)}")
     if report.failed:
         show_findings(report)
         raise XpuctlError(
@@ -91,7 +115,7 @@ def _prepare(host: Host, opts: ServeOptions, environ: dict[str, str], out: Calla
     _last_run_advice(state_dir, out)  # also with --force: advice only, it refuses nothing
     cluster = _ray_preflight(plan, opts, out)
     if not opts.force:
-        _preflight(host, opts, plan, show_findings)
+        _preflight(host, opts, plan, show_findings, out)
     log_path = os.path.join(state_dir, "logs", f"{name}.log")
     rec = RunRecord(name=name, run_id=run_id, pid=None, start_ticks=None, session=None,
                     command=plan.argv, devices=plan.bdfs, port=plan.port, host=plan.bind or "127.0.0.1",

@@ -30,6 +30,7 @@ CHECKS = (
     "unattributed-memory",
     "device-lost",
     "probe-timeout",
+    "collective",
     "last-run",
     "blocked-reads",
     "inspection",

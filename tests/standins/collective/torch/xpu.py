@@ -1,0 +1,26 @@
+"""torch.xpu of the collective stand-in."""
+
+import scenario
+
+current = None
+
+
+def is_available():
+    return scenario.conf().get("devices", 2) > 0 and scenario.conf().get("available", True)
+
+
+def device_count():
+    n = scenario.conf().get("devices", 2)
+    mask = __import__("os").environ.get("ZE_AFFINITY_MASK")
+    return len([p for p in mask.split(",") if p.strip()]) if mask else n
+
+
+def set_device(i):
+    global current
+    if i >= device_count():
+        raise RuntimeError(f"Invalid device index {i}")
+    current = i
+
+
+def synchronize():
+    pass
