@@ -275,3 +275,56 @@ def test_unclean_last_run_on_the_runs_devices(tmp_path):
     assert unclean_run_on(sd, [BDF1]) is None
     rec("c", [BDF1], "failed", 300.0, notes=["not ready after 900s"])
     assert unclean_run_on(sd, [BDF1]) == ("c", "was not ready in time")
+
+
+def _serve(tmp: Path, root: str, env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    cmd = [*XPUCTL, "--root", root, "serve", "--vllm", "/bin/false never-started", "--state-dir",
+           str(tmp / "state"), "--collective-timeout", "3", *args, "model", "--port", "1"]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180,
+                          stdin=subprocess.DEVNULL)
+
+
+@pytest.fixture
+def serve_root(tmp_path):
+    from proctools import StandInRoot
+
+    root = StandInRoot(tmp_path, n_devices=2)
+    _, env = setup(tmp_path, {"hang": {"1": "init"}, "pidfile": str(tmp_path / "pids")})
+    for k in ("ZE_AFFINITY_MASK", "ONEAPI_DEVICE_SELECTOR", "XPUCTL_ROOT"):
+        env.pop(k, None)
+    try:
+        yield root.root, env
+    finally:
+        root.close()
+
+
+def test_serve_preflight_collective_uses_the_runs_mask_and_refuses_a_hang(tmp_path, serve_root):
+    root, env = serve_root
+    # --devices 1: the run's ZE_AFFINITY_MASK=1 makes torch index 0 the card with doctor index 1
+    out = _serve(tmp_path, root, env, "--devices", "1", "--preflight", "fast,collective")
+    assert out.returncode == 1, out.stderr
+    assert "xpuctl: preflight fail collective: collective check hung in init on 0000:04:00.0" in out.stderr
+    assert "preflight failed" in out.stderr
+    assert not (tmp_path / "state" / "runs" / "vllm-1.json").exists()
+    assert pids(tmp_path) and all(gone(p) for p in pids(tmp_path))
+    ok = _serve(tmp_path, root, env, "--devices", "0", "--preflight", "collective")
+    assert "collective check passed" in ok.stderr, ok.stderr  # then /bin/false ran
+
+
+def test_serve_runs_it_after_an_unclean_last_run_unless_fast_or_force(tmp_path, serve_root):
+    from xpuctl.state.runs import RunRecord, ensure_state_dir, write_record
+
+    root, env = serve_root
+    sd = ensure_state_dir(str(tmp_path / "state"))
+    write_record(sd, RunRecord(name="old", run_id="old", pid=None, start_ticks=None, session=None,
+                               command=["vllm"], devices=[BDF1], port=8000, host="127.0.0.1",
+                               shutdown_timeout=None, drain_timeout=1, teardown_timeout=1,
+                               log_path="", state="failed", exit_code=137, stopped_at=1.0))
+    out = _serve(tmp_path, root, env, "--devices", "1")
+    assert out.returncode == 1, out.stderr
+    assert ("xpuctl: preflight: the last run on these devices (old) failed (exit 137)"
+            in out.stderr), out.stderr
+    assert "preflight fail collective" in out.stderr
+    for args in (["--preflight", "fast"], ["--force"]):
+        skipped = _serve(tmp_path, root, env, "--devices", "1", *args)
+        assert "collective" not in skipped.stderr, skipped.stderr
