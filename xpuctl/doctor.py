@@ -55,13 +55,14 @@ def check_collective(host: Host, bdfs: tuple[str, ...] | list[str] | None, envir
     env = opts.env if opts.env is not None else runner.probe_env(environ)
     result = collective.run_collective(host, bdfs, env, opts.timeout)
     if result.files:
-        remove_collective_files(result.files, state_dir)
+        result = result._replace(files=remove_collective_files(result.files, state_dir))
     return result
 
 
-def remove_collective_files(paths: tuple[str, ...], state_dir: str | None) -> None:
+def remove_collective_files(paths: tuple[str, ...], state_dir: str | None) -> tuple[str, ...]:
     """Delete the files the collective check's ranks made, when the stale-file rules
-    (core/rules: no live process has them open or mapped, the owner's pid is gone) agree."""
+    (core/rules: no live process has them open or mapped, the owner's pid is gone) agree,
+    on a fresh scan of this machine. The ones kept, each with why ("path: reason")."""
     from contextlib import nullcontext
 
     from xpuctl.actions import cleanup
@@ -69,11 +70,15 @@ def remove_collective_files(paths: tuple[str, ...], state_dir: str | None) -> No
 
     live = Host("/")
     snap = take_scan(live, port=None, want_env=False)
-    planned = [a for a in cleanup.removable(snap) if a.path in set(paths)]
-    if not planned:
-        return
-    with audit.recording(state_dir, "doctor") if state_dir else nullcontext():
-        cleanup.remove(live, planned, snap)
+    wanted = set(paths)
+    seen = {a.path: a for a in snap.artifacts if a.path in wanted}
+    planned = [a for a in cleanup.removable(snap) if a.path in wanted]
+    kept = [f"{a.path}: {a.reason}" for p, a in sorted(seen.items()) if a not in planned]
+    if planned:
+        with audit.recording(state_dir, "doctor") if state_dir else nullcontext():
+            kept += [f"{r.path}: {r.reason}" for r in cleanup.remove(live, planned, snap)
+                     if not r.removed]
+    return tuple(kept)
 
 
 def pid_namespace_issue(host: Host) -> Issue | None:

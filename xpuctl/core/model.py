@@ -238,7 +238,9 @@ class CollectiveResult(NamedTuple):
     reason: str | None
     ranks: tuple[CollectiveRank, ...] = ()
     alone: tuple[AloneRun, ...] = ()
-    files: tuple[str, ...] = ()  # oneCCL-like files the ranks made (removed once they are gone)
+    # oneCCL-like files the ranks made (probes/collective), then, once doctor removed what
+    # the stale-file rules allow, those kept ("path: why")
+    files: tuple[str, ...] = ()
 
     @property
     def bdfs(self) -> tuple[str, ...]:

@@ -16,7 +16,8 @@ by PCI address) when the environment has no ZE_AFFINITY_MASK (doctor drops it), 
 position in that mask (serve keeps the run's own). `env` is the ranks' whole environment
 except MASTER_ADDR (127.0.0.1), MASTER_PORT (a free one), RANK, LOCAL_RANK, WORLD_SIZE,
 set here. The files in /tmp and /dev/shm that appeared during the check under a name the
-stale-file rules know (`core.rules`) and carry a rank's pid are returned in `files`; removing them is not done here
+stale-file rules know (`core.rules`) and carry a rank's pid, or that a rank still running
+at the kill had open, mapped or bound, are returned in `files`; removing them is not done here
 (only actions/ deletes: `doctor.remove_collective_files`).
 """
 
@@ -37,6 +38,7 @@ from xpuctl.core.model import AloneRun, CollectiveRank, CollectiveResult, Device
 from xpuctl.host.devices import scan_devices
 from xpuctl.host.seam import Host
 from xpuctl.parse.collective import RankReport, earliest_phase, parse_events
+from xpuctl.parse.net import parse_unix_paths
 from xpuctl.probes.runner import probe_python, xpuctl_path
 from xpuctl.state import audit
 
@@ -76,10 +78,58 @@ def _spec(slot: int, rank: int, world: int, device: int, port: int,
 
 
 class _Outcome:
-    def __init__(self, reports: dict[int, RankReport], timed_out: bool, stuck: tuple[int, ...]) -> None:
+    def __init__(self, reports: dict[int, RankReport], timed_out: bool, stuck: tuple[int, ...],
+                 opened: tuple[str, ...] = ()) -> None:
         self.reports = reports
         self.timed_out = timed_out
         self.stuck = stuck  # ranks still alive after SIGKILL (in the kernel)
+        self.opened = opened  # files in /tmp and /dev/shm the ranks had open right before the kill
+
+
+def _in_dirs(path: str) -> bool:
+    return any(path.startswith(d + "/") and "/" not in path[len(d) + 1:] for d in FILE_DIRS)
+
+
+def open_paths(host: Host, pids: tuple[int, ...]) -> tuple[str, ...]:
+    """Files directly in /tmp or /dev/shm that these processes have open, mapped or bound
+    (a unix socket: its inode in /proc/net/unix), read through the host's bounded reader;
+    () when the reads do not answer."""
+    if host.reader is not None:
+        try:
+            return tuple(host.reader.call(open_paths, host, pids))
+        except Exception:  # noqa: BLE001 - a read that blocked: no file is taken for ours
+            return ()
+    paths: set[str] = set()
+    inodes: set[int] = set()
+    for pid in pids:
+        try:
+            fds = host.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                link = host.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:[") and link.endswith("]") and link[8:-1].isdigit():
+                inodes.add(int(link[8:-1]))
+            elif _in_dirs(link):
+                paths.add(link)
+        try:
+            maps = host.read_text(f"/proc/{pid}/maps", 8 << 20)
+        except OSError:
+            maps = ""
+        for line in maps.splitlines():
+            parts = line.split(None, 5)
+            if len(parts) == 6 and _in_dirs(parts[5].strip()):
+                paths.add(parts[5].strip())
+    if inodes:
+        try:
+            unix = parse_unix_paths(host.read_text("/proc/net/unix", 8 << 20))
+        except OSError:
+            unix = {}
+        paths.update(p for p, ino in unix.items() if ino in inodes and _in_dirs(p))
+    return tuple(sorted(paths))
 
 
 def _alive_in_group(pid: int, pgid: int) -> bool:
@@ -131,6 +181,9 @@ def _run_group(specs: list[dict[str, object]], env: dict[str, str], timeout: flo
                 if any(r.failed or r.unavailable for r in reports.values()):
                     deadline = min(deadline, time.monotonic() + GRACE)
     finally:
+        reports = parse_events(out.decode("ascii", "replace"))
+        running = tuple(r.pid for r in reports.values() if r.pid and not r.exited)
+        opened = open_paths(Host("/"), running) if running else ()
         _kill(proc.pid)
         proc.wait()
         if proc.stdout is not None:
@@ -141,7 +194,7 @@ def _run_group(specs: list[dict[str, object]], env: dict[str, str], timeout: flo
     while any(_alive_in_group(p, proc.pid) for p in pids) and time.monotonic() < end:
         time.sleep(0.01)
     stuck = tuple(r.slot for r in reports.values() if r.pid and _alive_in_group(r.pid, proc.pid))
-    return _Outcome(reports, timed_out, stuck)
+    return _Outcome(reports, timed_out, stuck, opened)
 
 
 def _kill(pgid: int) -> None:
@@ -173,14 +226,16 @@ def _verdict(reports: list[RankReport], timeout: float) -> tuple[str, str | None
     return "hung", phase, f"no answer within {timeout:g} s (stuck in {phase})"
 
 
-def _new_files(before: set[str], pids: set[int]) -> tuple[str, ...]:
-    """The known-name files that appeared during the check and carry one of the ranks' pids
-    in their name (oneCCL names its fd-exchange sockets after the process); a file of
-    another process that appeared meanwhile is never one of ours."""
+def _new_files(before: set[str], pids: set[int], opened: set[str]) -> tuple[str, ...]:
+    """The known-name files that appeared during the check and either carry one of the
+    ranks' pids in their name (oneCCL names its fd-exchange sockets after the process) or
+    were open, mapped or bound by a rank right before the kill (oneCCL's handle sockets,
+    libfabric's /dev/shm files); a file of another process that appeared meanwhile is
+    never one of ours."""
     out = []
     for path in sorted(_known_files() - before):
         name = path.rsplit("/", 1)[-1]
-        if any(re.search(rf"(?<![0-9]){pid}(?![0-9])", name) for pid in pids):
+        if path in opened or any(re.search(rf"(?<![0-9]){pid}(?![0-9])", name) for pid in pids):
             out.append(path)
     return tuple(out)
 
@@ -231,6 +286,7 @@ def run_collective(host: Host, devices: Sequence[str] | None, env: dict[str, str
                   for r in reports)
     alone: tuple[AloneRun, ...] = ()
     pids = {r.pid for r in reports if r.pid}
+    opened = set(group.opened)
     if world > 1 and verdict in ("hung", "failed"):
         specs = [_spec(i, 0, 1, index[i], free_port(), env) for i in range(world)]
         solo = _run_group(specs, env, timeout)
@@ -241,6 +297,7 @@ def run_collective(host: Host, devices: Sequence[str] | None, env: dict[str, str
             runs.append(AloneRun(d.bdf, v, p))
             if rep.pid:
                 pids.add(rep.pid)
+        opened.update(solo.opened)
         alone = tuple(runs)
     return CollectiveResult(verdict, backend, world, round(time.monotonic() - t0, 3), phase,
-                            reason, ranks, alone, _new_files(before, pids))
+                            reason, ranks, alone, _new_files(before, pids, opened))

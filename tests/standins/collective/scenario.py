@@ -9,7 +9,10 @@ where that device's rank never returns (a grandchild sleeps beside it, in its gr
 dies (SIGSEGV-like `os._exit(-11)` is impossible, so exit 139 after a line on stderr).
 `hang_group`: every rank hangs in that phase when the world size is above 1 (two cards that
 are fine alone). `files`: each rank makes oneCCL-like files named with TOKEN at init.
-`pidfile`: each rank appends "pid" there (the test checks none survives).
+`pidfile`: each rank appends "pid" there (the test checks none survives). `hold`: with
+`files`, each rank also binds a listening /tmp/ccl-handle-TOKEN-r<rank>-x socket and keeps
+/dev/shm/ze_TOKEN_held<rank>_x open, names without its pid (oneCCL's handle sockets carry
+rank, comm, sched and op ids, not the pid).
 """
 
 import json
@@ -55,10 +58,21 @@ def at(phase, device, world):
         time.sleep(600)
 
 
+_held = []
+
+
 def make_files(rank):
     token = conf().get("files")
     if not token:
         return []
+    if conf().get("hold"):  # names without the pid, kept open/bound like oneCCL's handle sockets
+        import socket
+
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.bind(f"/tmp/ccl-handle-{token}-r{rank}-x")
+        s.listen(1)
+        _held.append(s)
+        _held.append(open(f"/dev/shm/ze_{token}_held{rank}_x", "w"))
     pid = os.getpid()
     paths = [f"/tmp/ccl-ipc-fd-sock-{pid}:{rank}-{token}", f"/tmp/ccl-handle-{token}-{pid}",
              f"/dev/shm/ze_{token}_{pid}"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from xpuctl.core.checks.registry import Ctx, check
-from xpuctl.core.model import Finding, RuntimeView
+from xpuctl.core.model import CollectiveResult, Finding, RuntimeView
 from xpuctl.output.units import human_bytes
 
 
@@ -106,6 +106,16 @@ def collective(c: Ctx) -> list[Finding]:
     if r is None:
         return []
     devices = _bdfs(r.bdfs)
+    out = [] if not r.files else [Finding(
+        "collective", "warn",
+        f"{len(r.files)} file(s) the collective check's ranks left were kept: "
+        + "; ".join(r.files[:4]),
+        "rerun `xpuctl doctor`: once nothing holds them they are stale-ipc/stale-shm, which "
+        "`xpuctl reset` removes", paths=tuple(f.split(": ", 1)[0] for f in r.files))]
+    return out + _verdict_findings(r, devices)
+
+
+def _verdict_findings(r: CollectiveResult, devices: str) -> list[Finding]:
     if r.verdict == "ok":
         return [Finding("collective", "info",
                         f"collective check passed: {r.backend} init_process_group, all_reduce and "
