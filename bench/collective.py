@@ -33,11 +33,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO))
 
-import fakehost as fh  # noqa: E402
+import fakehost as fh
 
-from xpuctl.host.seam import Host  # noqa: E402
-from xpuctl.probes.collective import run_collective  # noqa: E402
-from xpuctl.probes.runner import probe_env, probe_python  # noqa: E402
+from xpuctl.host.seam import Host
+from xpuctl.probes.collective import run_collective
+from xpuctl.probes.runner import probe_env, probe_python
 
 STANDINS = REPO / "tests" / "standins" / "collective"
 

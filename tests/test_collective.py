@@ -197,7 +197,7 @@ def test_device_selects_and_prometheus_says_it_per_device(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert f'xpuctl_collective_ok{{device="{BDF1}"}} 1' in p.stdout
-    assert BDF0 not in [ln for ln in p.stdout.splitlines() if ln.startswith("xpuctl_collective_ok")][0]
+    assert BDF0 not in next(ln for ln in p.stdout.splitlines() if ln.startswith("xpuctl_collective_ok"))
 
 
 def test_old_torch_uses_ccl_after_ipex_and_the_bindings(tmp_path):
@@ -229,7 +229,7 @@ def test_a_host_without_an_intel_gpu_says_so(tmp_path):
 
 
 def test_collective_refuses_a_snapshot_or_a_cluster(tmp_path):
-    root, env = setup(tmp_path, {})
+    _, env = setup(tmp_path, {})
     p = subprocess.run([*XPUCTL, "doctor", "--collective", "--ray", "auto"], env=env,
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "--collective" in p.stderr

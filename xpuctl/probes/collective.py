@@ -97,7 +97,7 @@ def open_paths(host: Host, pids: tuple[int, ...]) -> tuple[str, ...]:
     if host.reader is not None:
         try:
             return tuple(host.reader.call(open_paths, host, pids))
-        except Exception:  # noqa: BLE001 - a read that blocked: no file is taken for ours
+        except Exception:
             return ()
     paths: set[str] = set()
     inodes: set[int] = set()

@@ -8,7 +8,7 @@ import re
 import sys
 import uuid
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from xpuctl.actions.signals import can_signal
 from xpuctl.errors import UsageError, XpuctlError
@@ -21,6 +21,9 @@ from xpuctl.serve.supervise import RunSupervisor
 from xpuctl.state import audit
 from xpuctl.state.runs import Locks, RunRecord, ensure_state_dir
 
+if TYPE_CHECKING:  # types only: doctor is imported where used
+    from xpuctl.doctor import CollectiveOptions
+
 
 class _Prepared(NamedTuple):
     state_dir: str
@@ -29,7 +32,8 @@ class _Prepared(NamedTuple):
     keys: list[str]
 
 
-def _collective(opts: ServeOptions, plan: LaunchPlan, out: Callable[[str], None]) -> object | None:
+def _collective(opts: ServeOptions, plan: LaunchPlan,
+                out: Callable[[str], None]) -> CollectiveOptions | None:
     """doctor.CollectiveOptions for the run's own environment (its ZE_AFFINITY_MASK, CCL_*,
     PCI device order unless it says otherwise) when `--preflight collective` asks for the
     collective check, or, without an explicit --preflight, when the last run on one of the

@@ -72,7 +72,7 @@ def make_files(rank):
         s.bind(f"/tmp/ccl-handle-{token}-r{rank}-x")
         s.listen(1)
         _held.append(s)
-        _held.append(open(f"/dev/shm/ze_{token}_held{rank}_x", "w"))
+        _held.append(open(f"/dev/shm/ze_{token}_held{rank}_x", "w"))  # noqa: SIM115 (kept open until the rank dies)
     pid = os.getpid()
     paths = [f"/tmp/ccl-ipc-fd-sock-{pid}:{rank}-{token}", f"/tmp/ccl-handle-{token}-{pid}",
              f"/dev/shm/ze_{token}_{pid}"]

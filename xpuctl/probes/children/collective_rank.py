@@ -119,7 +119,7 @@ def rank() -> None:
         emit("done", sum=got, backend=backend)
     except Unavailable as exc:
         emit("unavailable", reason=str(exc)[:400])
-    except Exception as exc:  # noqa: BLE001 - report, never a traceback on stdout
+    except Exception as exc:
         emit("error", phase=phase, error=f"{type(exc).__name__}: {exc}"[:400])
         os._exit(1)
 

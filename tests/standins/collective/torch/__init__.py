@@ -9,7 +9,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import scenario  # noqa: E402
+import scenario
 
 __version__ = scenario.conf().get("version", "2.9.0+xpu")
 
@@ -36,5 +36,4 @@ def _parse(v):
     return int(major), int(minor)
 
 
-from torch import xpu  # noqa: E402
-from torch import distributed  # noqa: E402
+from torch import distributed, xpu  # noqa: E402, F401 (torch.xpu and torch.distributed are attributes of torch)

@@ -9,9 +9,10 @@ import sys
 import time
 
 import scenario
+
 import torch
 
-_group = None
+_state = {}
 
 
 def is_xccl_available():
@@ -19,11 +20,10 @@ def is_xccl_available():
 
 
 def _device():
-    return torch.xpu.current
+    return torch.xpu._state["current"]
 
 
 def init_process_group(backend, init_method="env://", rank=None, world_size=None, **_):
-    global _group
     if backend == "xccl" and not is_xccl_available():
         raise RuntimeError("Invalid backend: 'xccl'")
     if backend == "ccl" and "oneccl_bindings_for_pytorch" not in sys.modules:
@@ -47,7 +47,7 @@ def init_process_group(backend, init_method="env://", rank=None, world_size=None
             except ConnectionRefusedError:
                 time.sleep(0.02)
         peers = [s]
-    _group = (rank, world_size, peers)
+    _state["group"] = (rank, world_size, peers)
 
 
 def _recv(s):
@@ -61,7 +61,7 @@ def _recv(s):
 
 
 def all_reduce(t):
-    rank, world, peers = _group
+    rank, world, peers = _state["group"]
     scenario.at("all_reduce", _device(), world)
     if rank == 0:
         total = t.value + sum(_recv(p) for p in peers)
@@ -74,9 +74,8 @@ def all_reduce(t):
 
 
 def destroy_process_group():
-    global _group
-    rank, world, peers = _group
+    _, world, peers = _state["group"]
     scenario.at("destroy", _device(), world)
     for p in peers:
         p.close()
-    _group = None
+    _state.pop("group")

@@ -2,7 +2,7 @@
 
 import scenario
 
-current = None
+_state = {"current": None}
 
 
 def is_available():
@@ -16,10 +16,9 @@ def device_count():
 
 
 def set_device(i):
-    global current
     if i >= device_count():
         raise RuntimeError(f"Invalid device index {i}")
-    current = i
+    _state["current"] = i
 
 
 def synchronize():
