@@ -140,7 +140,9 @@ def test_without_the_flag_collective_is_null(tmp_path):
 
 def test_two_healthy_devices_pass_with_the_backend_and_leave_nothing(tmp_path):
     token = uuid.uuid4().hex[:12]
-    _, env = setup(tmp_path, {"files": token, "pidfile": str(tmp_path / "pids")})
+    _, env = setup(tmp_path, {"files": token, "pidfile": str(tmp_path / "pids"),
+                              "record_env": str(tmp_path / "env")})
+    env.update(ZE_AFFINITY_MASK="1", ONEAPI_DEVICE_SELECTOR="level_zero:1")
     code, data, _ = doctor(tmp_path, env, "--collective")
     c = data["collective"]
     assert code == 0, data["findings"]
@@ -150,6 +152,12 @@ def test_two_healthy_devices_pass_with_the_backend_and_leave_nothing(tmp_path):
     assert c["alone"] == [] and c["stuck_phase"] is None
     f = finding(data)
     assert f["severity"] == "info" and "xccl" in f["message"] and BDF1 in f["message"]
+    seen = [json.loads(p.read_text()) for p in tmp_path.glob("env.*")]
+    assert {e["RANK"] for e in seen} == {"0", "1"} and {e["MASTER_PORT"] for e in seen} != {""}
+    assert all("ZE_AFFINITY_MASK" not in e and "ONEAPI_DEVICE_SELECTOR" not in e
+               and e["ZE_ENABLE_PCI_ID_DEVICE_ORDER"] == "1"
+               and e["ZE_FLAT_DEVICE_HIERARCHY"] == "COMPOSITE" and e["WORLD_SIZE"] == "2"
+               for e in seen)
     assert pids(tmp_path) and all(gone(p) for p in pids(tmp_path))
     # the ranks' oneCCL-like files were removed once they were gone; the scan saw none
     assert_no_files(token)
@@ -324,8 +332,16 @@ def test_serve_preflight_collective_uses_the_runs_mask_and_refuses_a_hang(tmp_pa
     assert "preflight failed" in out.stderr
     assert not (tmp_path / "state" / "runs" / "vllm-1.json").exists()
     assert pids(tmp_path) and all(gone(p) for p in pids(tmp_path))
-    ok = _serve(tmp_path, root, env, "--devices", "0", "--preflight", "collective")
+    scen = json.loads((tmp_path / "scenario.json").read_text())
+    scen["collective"]["record_env"] = str(tmp_path / "env")
+    (tmp_path / "scenario.json").write_text(json.dumps(scen))
+    ok = _serve(tmp_path, root, env, "--devices", "0", "-e", "CCL_ATL_TRANSPORT=ofi",
+                "--preflight", "collective")
     assert "collective check passed" in ok.stderr, ok.stderr  # then /bin/false ran
+    seen = [json.loads(p.read_text()) for p in tmp_path.glob("env.*")]
+    assert seen and all(e["ZE_AFFINITY_MASK"] == "0" and e["CCL_ATL_TRANSPORT"] == "ofi"
+                        and e["MASTER_ADDR"] == "127.0.0.1" and e["WORLD_SIZE"] == "1"
+                        and "XPUCTL_RUN_ID" not in e for e in seen)
 
 
 def test_serve_runs_it_after_an_unclean_last_run_unless_fast_or_force(tmp_path, serve_root):

@@ -47,7 +47,8 @@ def _collective(opts: ServeOptions, plan: LaunchPlan,
             return None
         out(f"xpuctl: preflight: the last run on these devices ({safe(last[0])}) {safe(last[1])}: "
             "running the collective check first (skip it with --preflight fast)")
-    env = dict(plan.env)
+    # the run's tag stays off the ranks: they are not the run's processes
+    env = {k: v for k, v in plan.env.items() if k not in ("XPUCTL_RUN_ID", "XPUCTL_ROOT")}
     env.setdefault("ZE_ENABLE_PCI_ID_DEVICE_ORDER", "1")  # the mask's indices are in PCI order
     return CollectiveOptions(opts.collective_timeout, env)
 

@@ -9,6 +9,7 @@ where that device's rank never returns (a grandchild sleeps beside it, in its gr
 dies (SIGSEGV-like `os._exit(-11)` is impossible, so exit 139 after a line on stderr).
 `hang_group`: every rank hangs in that phase when the world size is above 1 (two cards that
 are fine alone). `files`: each rank makes oneCCL-like files named with TOKEN at init.
+`record_env`: each rank writes its environment to PATH.<pid>.
 `pidfile`: each rank appends "pid" there (the test checks none survives). `hold`: with
 `files`, each rank also binds a listening /tmp/ccl-handle-TOKEN-r<rank>-x socket and keeps
 /dev/shm/ze_TOKEN_held<rank>_x open, names without its pid (oneCCL's handle sockets carry
@@ -45,6 +46,9 @@ def at(phase, device, world):
     if c.get("pidfile"):
         with open(c["pidfile"], "a") as f:
             f.write(f"{os.getpid()}\n")
+    if c.get("record_env"):
+        with open(f"{c['record_env']}.{os.getpid()}", "w") as f:
+            json.dump(dict(os.environ), f)
     if key is not None and c.get("crash", {}).get(key) == phase:
         sys.stderr.write(f"stand-in: device {key} crashed in {phase}\n")
         sys.stderr.flush()
