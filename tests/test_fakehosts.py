@@ -34,6 +34,7 @@ CHECKS = {
     "device-wedged",
     "gpu-hang",
     "devcoredump",
+    "collective",
     "last-run",
     "blocked-reads",
     "inspection",

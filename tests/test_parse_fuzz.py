@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from xpuctl.errors import UsageError
 from xpuctl.parse import (
+    collective,
     envvars,
     fdinfo,
     kmd,
@@ -311,3 +312,26 @@ def test_kmsg_never_raises(text: str) -> None:
     records = kmsg.parse_kmsg(text)
     kmsg.gpu_events(records)
     kmsg.gpu_events(kmsg.parse_kmsg(kmsg.relevant_text(text), relevant_only=True))
+
+
+# the collective check's rank events (xpuctl's own format, xpuctl/parse/collective.py): any
+# text, and marker lines carrying any JSON, fold without raising
+near_events = st.lists(
+    st.one_of(texts, json_values.map(lambda v: collective.MARKER + json.dumps(v)),
+              st.fixed_dictionaries({
+                  "ev": st.sampled_from(collective.EVENTS) | st.text(max_size=5),
+                  "slot": st.integers(-3, 2000) | st.none() | st.booleans(),
+                  "phase": st.sampled_from(collective.PHASES) | json_values,
+                  "error": json_values, "pid": json_values, "returncode": json_values,
+              }).map(lambda d: collective.MARKER + json.dumps(d))),
+    max_size=12,
+).map("\n".join)
+
+
+@FUZZ
+@given(near_events)
+def test_collective_events_never_raise(text):
+    for slot, r in collective.parse_events(text).items():
+        assert r.slot == slot and 0 <= slot < collective.MAX_SLOTS
+        assert r.phase is None or r.phase in collective.PHASES
+        assert r.error is None or (isinstance(r.error, str) and len(r.error) <= collective.MAX_TEXT)

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from xpuctl.core.checks import Options, evaluate
-from xpuctl.core.model import Issue, Report, Scan
+from xpuctl.core.model import CollectiveResult, Issue, Report, Scan
 from xpuctl.host.devices import resolve_device_specs
 from xpuctl.host.scan import DEFAULT_PORT, take_scan
 from xpuctl.host.seam import Host
@@ -35,6 +35,49 @@ class DeepOptions(NamedTuple):
     state_dir: str | None = None  # where the idle baseline is kept
     since: float | None = None  # time.monotonic() of the command's start: the deadline counts from it
     recorded: RecordedProbes | None = None  # a snapshot's probes: nothing is run
+
+
+class CollectiveOptions(NamedTuple):
+    """`--collective`: the bounded oneCCL/XCCL check (probes/collective) before the scan."""
+
+    timeout: float = 30.0
+    env: dict[str, str] | None = None  # the ranks' environment; None: the probes' (doctor's)
+
+
+def check_collective(host: Host, bdfs: tuple[str, ...] | list[str] | None, environ: dict[str, str],
+                     opts: CollectiveOptions, state_dir: str | None = None) -> CollectiveResult:
+    """The collective check, then the oneCCL-like files its ranks left (this machine's /tmp
+    and /dev/shm), removed once the ranks are gone by the stale-file rules, each removal an
+    audit line (in `state_dir` when given). The only files doctor deletes are its own."""
+    from xpuctl.probes import collective, runner
+
+    env = opts.env if opts.env is not None else runner.probe_env(environ)
+    result = collective.run_collective(host, bdfs, env, opts.timeout)
+    if result.files:
+        result = result._replace(files=remove_collective_files(result.files, state_dir))
+    return result
+
+
+def remove_collective_files(paths: tuple[str, ...], state_dir: str | None) -> tuple[str, ...]:
+    """Delete the files the collective check's ranks made, when the stale-file rules
+    (core/rules: no live process has them open or mapped, the owner's pid is gone) agree,
+    on a fresh scan of this machine. The ones kept, each with why ("path: reason")."""
+    from contextlib import nullcontext
+
+    from xpuctl.actions import cleanup
+    from xpuctl.state import audit
+
+    live = Host("/")
+    snap = take_scan(live, port=None, want_env=False)
+    wanted = set(paths)
+    seen = {a.path: a for a in snap.artifacts if a.path in wanted}
+    planned = [a for a in cleanup.removable(snap) if a.path in wanted]
+    kept = [f"{a.path}: {a.reason}" for p, a in sorted(seen.items()) if a not in planned]
+    if planned:
+        with audit.recording(state_dir, "doctor") if state_dir else nullcontext():
+            kept += [f"{r.path}: {r.reason}" for r in cleanup.remove(live, planned, snap)
+                     if not r.removed]
+    return tuple(kept)
 
 
 def pid_namespace_issue(host: Host) -> Issue | None:
@@ -84,10 +127,12 @@ def diagnose(
     state_dir: str | None = None,
     ray_address: str | None = None,
     ray_fetch: StateFetch | None = None,
+    collective: CollectiveOptions | CollectiveResult | None = None,
 ) -> Report:
     """Scan and judge. `state_dir`: also read its newest run for the relaunch advice.
     Ray actors holding devices are tied to their run through Ray's state (`ray_address`, or
-    `ray_fetch`, a function returning that state: a Ray node's own)."""
+    `ray_fetch`, a function returning that state: a Ray node's own). `collective`: run the
+    collective check first (its options), or judge a result already taken."""
     bdfs = resolve_device_specs(host, devices or [])
     opts = Options(
         devices=bdfs,
@@ -96,10 +141,12 @@ def diagnose(
         expect_idle=expect_idle,
         unattributed_threshold=deep.unattributed_threshold if deep else 1 << 30,
     )
-    from xpuctl.ray.actors import scan_with_ray
-
-    # the command's environment, the probes' and Ray's (this process's when none is given)
+    # the command's environment, the probes', the ranks' and Ray's (this process's when none is given)
     env = dict(os.environ) if caller_env is None else caller_env
+    checked = collective if isinstance(collective, CollectiveResult) else None
+    if isinstance(collective, CollectiveOptions):  # first: its ranks and files are gone before the scan
+        checked = check_collective(host, bdfs, env, collective, state_dir)
+    from xpuctl.ray.actors import scan_with_ray
 
     def deep_scanned() -> Scan:
         assert deep is not None
@@ -119,6 +166,8 @@ def diagnose(
         from xpuctl.state.lastrun import last_run
 
         snap = snap._replace(last_run=last_run(state_dir))
+    if checked is not None:
+        snap = snap._replace(collective=checked)
     return evaluate(snap, opts)
 
 

@@ -61,6 +61,19 @@ def doctor(
         typer.Option("--unattributed-threshold", metavar="SIZE",
                      help="With --deep: device memory no visible process explains above this fails."),
     ] = "1GiB",
+    collective: Annotated[
+        bool,
+        typer.Option("--collective", help="Also run oneCCL/XCCL init, one all_reduce and destroy "
+                     "across the devices (one rank per device, child processes on the Python "
+                     "running xpuctl, as --deep's torch probe), bounded; a hang names its phase "
+                     "and, rerun alone, its card."),
+    ] = False,
+    collective_timeout: Annotated[
+        float,
+        typer.Option("--collective-timeout", min=0.5, metavar="SECONDS",
+                     help="With --collective: kill the ranks (as one session) after SECONDS; the "
+                     "runs alone after a failure get as long again."),
+    ] = 30.0,
     state_dir: StateDirOpt = None,
     from_: FromOpt = None,
     ray: RayOpt = None,
@@ -70,6 +83,11 @@ def doctor(
     With --deep the devices are asked too (unattributed memory, lost devices, hung runtimes);
     the probes briefly open the devices. The state directory gives the last run's advice and,
     with --deep, the idle baseline of `devices --deep --record-baseline`.
+
+    With --collective, one rank per device (default: every Intel GPU; --device selects)
+    runs what vLLM's XPU workers do first: init_process_group (xccl; ccl before torch 2.8),
+    an all_reduce, destroy_process_group. A hang or failure fails (exit 1); no torch with XPU
+    or no backend is a warning. The files its ranks leave are removed once they are gone.
 
     With --ray [ADDRESS], doctor runs on every alive node of that Ray cluster (one section per
     node, the worst node's exit code).
@@ -84,16 +102,23 @@ def doctor(
     a = app_context(ctx)
     out_fmt = _format(fmt, as_json, textfile)
     _check_sources(ray, from_, deep, wait_clean)
+    if collective and (ray is not None or from_ is not None):
+        raise UsageError("--collective runs on this host's devices: drop --ray and --from")
     if ray is not None:
         on_cluster(a, "doctor", ray, {"devices": list(device or []), "port": port,
                                       "strict": strict, "expect_idle": expect_idle}, out_fmt, textfile)
     host, environ, replayed = open_source(ctx, from_)
     sdir = resolve_state_dir(host, state_dir, environ)
     deep_opts = _deep(deep, replayed, probe_timeout, unattributed_threshold, sdir)
+    # --collective runs once: a --wait-clean re-check carries its first result
+    coll: list[Any] = [doctor_core.CollectiveOptions(collective_timeout) if collective else None]
 
     def run() -> Any:
-        return doctor_core.diagnose(host, list(device or []), port, expect_idle, environ,
-                                    deep=deep_opts, state_dir=sdir, ray_address=ray)
+        report = doctor_core.diagnose(host, list(device or []), port, expect_idle, environ,
+                                      deep=deep_opts, state_dir=sdir, ray_address=ray,
+                                      collective=coll[0])
+        coll[0] = report.scan.collective
+        return report
 
     report = run()
     clean = not doctor_core.blocking(report, strict)

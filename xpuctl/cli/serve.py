@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-from enum import StrEnum
 from typing import Annotated, Any
 
 import typer
@@ -28,9 +27,19 @@ app = command_app()
 SHARED_SERVE_OPTIONS = frozenset({"--port", "--host"})
 
 
-class Preflight(StrEnum):
-    fast = "fast"
-    deep = "deep"
+PREFLIGHTS = ("fast", "deep", "collective")
+
+
+def parse_preflight(value: str | None) -> set[str]:
+    """`--preflight` is one value or a comma list (`deep,collective`); UsageError otherwise."""
+    if value is None:
+        return set()
+    chosen = {v.strip() for v in value.split(",") if v.strip()}
+    bad = sorted(chosen - set(PREFLIGHTS))
+    if bad or not chosen:
+        raise UsageError(f"--preflight {safe(value)}: use {', '.join(PREFLIGHTS)} or a comma "
+                         "list of them (deep,collective)")
+    return chosen
 
 
 @app.command(
@@ -60,10 +69,20 @@ def serve(
     kill_after: KillAfterOpt = 10.0,
     detach: Annotated[bool, typer.Option("--detach", help="Return once ready (exit 0) or failed; keep supervising in the background.")] = False,
     preflight: Annotated[
-        Preflight,
-        typer.Option("--preflight", help="fast: doctor from /proc and sysfs; deep: doctor --deep "
-                     "(also asks the devices: unattributed memory, lost devices, hung runtimes)."),
-    ] = Preflight.fast,
+        str | None,
+        typer.Option("--preflight", metavar="KIND[,KIND]", show_default="fast",
+                     help="fast: doctor from /proc and sysfs; deep: doctor --deep (also asks the "
+                     "devices: unattributed memory, lost devices, hung runtimes); collective: "
+                     "doctor --collective on the run's devices in the run's environment (ranks on "
+                     "the Python running xpuctl). Comma list: deep,collective. Without it, the "
+                     "collective check runs when the last run on these devices did not end "
+                     "cleanly; an explicit fast skips it. --force skips every preflight."),
+    ] = None,
+    collective_timeout: Annotated[
+        float,
+        typer.Option("--collective-timeout", min=0.5, metavar="SECONDS",
+                     help="The collective preflight's bound (and again for its runs alone)."),
+    ] = 30.0,
     probe_timeout: ProbeTimeoutOpt = 10.0,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No live status line or phase lines while vLLM starts.")] = False,
     port: Annotated[int | None, port_option("vLLM's port, passed on to vLLM (before or after MODEL).",
@@ -84,6 +103,7 @@ def serve(
     a = app_context(ctx)
     passed = list(vllm_args or []) + list(ctx.args)
     _check_serve_args(ctx, model, passed)
+    kinds = parse_preflight(preflight)
     from xpuctl.state.statedir import resolve_state_dir
 
     sdir = resolve_state_dir(a.host, state_dir, a.environ)  # None: serve refuses this host
@@ -94,7 +114,9 @@ def serve(
         state_dir=sdir, ready_timeout=ready_timeout,
         detach=detach, kill_after=kill_after,
         deep_preflight=(deep_options(probe_timeout, "1GiB", sdir)
-                        if preflight is Preflight.deep else None),
+                        if "deep" in kinds else None),
+        collective_preflight="collective" in kinds, collective_auto=preflight is None,
+        collective_timeout=collective_timeout,
         quiet=quiet, port=port, bind=bind,
     )
     code = start.serve(a.host, opts, a.environ, _say, _print_preflight)

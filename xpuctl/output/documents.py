@@ -15,6 +15,7 @@ from typing import Any
 from xpuctl import __version__
 from xpuctl.core.model import (
     Artifact,
+    CollectiveResult,
     Device,
     Finding,
     Port,
@@ -189,6 +190,18 @@ def doctor_dict(report: Report) -> dict[str, Any]:
         "unreadable_processes": [unreadable_dict(u) for u in snap.unreadable_processes],
         "blocked_reads": blocked_dicts(snap),
         "probes": [probe_dict(r) for r in snap.deep.probes] if snap.deep else [],
+        "collective": collective_dict(snap.collective) if snap.collective else None,
+    }
+
+
+def collective_dict(r: CollectiveResult) -> dict[str, Any]:
+    """`doctor --collective`'s result (issue 21's shape)."""
+    return {
+        "verdict": r.verdict, "backend": r.backend, "world_size": r.world_size,
+        "seconds": r.seconds, "stuck_phase": r.stuck_phase, "reason": r.reason,
+        "ranks": [{"rank": k.rank, "device": k.device, "bdf": k.bdf, "phase": k.phase,
+                   "returncode": k.returncode, "error": k.error} for k in r.ranks],
+        "alone": [{"bdf": a.bdf, "verdict": a.verdict, "phase": a.phase} for a in r.alone],
     }
 
 

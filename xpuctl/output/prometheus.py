@@ -104,6 +104,13 @@ def _device_families(snap: Scan) -> list[_Family]:
                     "Device memory in use that no visible process holds, minus the idle baseline (--deep).",
                     [({"device": v.bdf}, float(v.unattributed_bytes))
                      for v in snap.deep.devices if v.unattributed_bytes is not None]))
+    c = snap.collective
+    if c is not None and c.verdict != "unavailable":
+        # every device of the group is 0 when the group hung or failed: that is what a
+        # launch on them does (the finding names the card at fault from the runs alone)
+        out.append(("xpuctl_collective_ok",
+                    "1 when oneCCL init, an all_reduce and destroy passed on the device's group (--collective).",
+                    [({"device": b}, 1.0 if c.verdict == "ok" else 0.0) for b in c.bdfs]))
     return out
 
 

@@ -35,11 +35,22 @@ DEFAULT_TIMEOUT = 10.0
 OUTPUT_LIMIT = 4 << 20
 
 
+def probe_python() -> str:
+    """The Python every probe child runs (the torch probe of --deep, the collective check's
+    ranks): the one running xpuctl, so torch must be installed beside xpuctl."""
+    return sys.executable
+
+
 def probe_env(environ: dict[str, str]) -> dict[str, str]:
     env = {k: v for k, v in environ.items() if k not in DROP_ENV}
     env.update(SET_ENV)
-    # the child imports xpuctl itself: make sure it finds this copy (appended: stand-ins and
-    # the caller's own path entries keep precedence)
+    return xpuctl_path(env)
+
+
+def xpuctl_path(environ: dict[str, str]) -> dict[str, str]:
+    """`environ` with this copy of xpuctl on PYTHONPATH: the child imports xpuctl itself
+    (appended: stand-ins and the caller's own path entries keep precedence)."""
+    env = dict(environ)
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     if here not in parts:
@@ -236,7 +247,7 @@ def start(environ: dict[str, str], timeout: float = DEFAULT_TIMEOUT,
     try:
         for name in names:
             if name in MODULES:
-                launch(name, [sys.executable, "-m", MODULES[name]])
+                launch(name, [probe_python(), "-m", MODULES[name]])
             elif name == "xpu-smi":
                 exe = shutil.which("xpu-smi", path=env.get("PATH", os.defpath))
                 if exe is None:

@@ -48,6 +48,9 @@ class ServeOptions:
     detach: bool = False
     kill_after: float = 10.0
     deep_preflight: DeepOptions | None = None  # `--preflight deep`
+    collective_preflight: bool = False  # `--preflight collective`
+    collective_auto: bool = True  # run it after an unclean last run (off: an explicit --preflight)
+    collective_timeout: float = 30.0
     quiet: bool = False
     port: int | None = None  # --port/--host given before MODEL (passed on to vLLM once)
     bind: str | None = None  # --host: the address vLLM binds

@@ -8,7 +8,7 @@ import re
 import sys
 import uuid
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from xpuctl.actions.signals import can_signal
 from xpuctl.errors import UsageError, XpuctlError
@@ -21,6 +21,9 @@ from xpuctl.serve.supervise import RunSupervisor
 from xpuctl.state import audit
 from xpuctl.state.runs import Locks, RunRecord, ensure_state_dir
 
+if TYPE_CHECKING:  # types only: doctor is imported where used
+    from xpuctl.doctor import CollectiveOptions
+
 
 class _Prepared(NamedTuple):
     state_dir: str
@@ -29,13 +32,39 @@ class _Prepared(NamedTuple):
     keys: list[str]
 
 
+def _collective(opts: ServeOptions, plan: LaunchPlan,
+                out: Callable[[str], None]) -> CollectiveOptions | None:
+    """doctor.CollectiveOptions for the run's own environment (its ZE_AFFINITY_MASK, CCL_*,
+    PCI device order unless it says otherwise) when `--preflight collective` asks for the
+    collective check, or, without an explicit --preflight, when the last run on one of the
+    run's devices did not end cleanly (said in one line); else None."""
+    from xpuctl.doctor import CollectiveOptions
+    from xpuctl.state.lastrun import unclean_run_on
+
+    if not opts.collective_preflight:
+        last = unclean_run_on(opts.state_dir, plan.bdfs) if opts.collective_auto else None
+        if last is None:
+            return None
+        out(f"xpuctl: preflight: the last run on these devices ({safe(last[0])}) {safe(last[1])}: "
+            "running the collective check first (skip it with --preflight fast)")
+    # the run's tag stays off the ranks: they are not the run's processes
+    env = {k: v for k, v in plan.env.items() if k not in ("XPUCTL_RUN_ID", "XPUCTL_ROOT")}
+    env.setdefault("ZE_ENABLE_PCI_ID_DEVICE_ORDER", "1")  # the mask's indices are in PCI order
+    return CollectiveOptions(opts.collective_timeout, env)
+
+
 def _preflight(host: Host, opts: ServeOptions, plan: LaunchPlan,
-               show_findings: Callable[[object], None]) -> None:
-    """doctor on the run's devices and port; XpuctlError when they are not clean."""
+               show_findings: Callable[[object], None], out: Callable[[str], None]) -> None:
+    """doctor on the run's devices and port (and the collective check when asked for or
+    after an unclean last run); XpuctlError when they are not clean."""
     from xpuctl.doctor import diagnose
 
+    coll = _collective(opts, plan, out)
     report = diagnose(host, plan.bdfs or None, plan.port, caller_env=plan.env,
-                      deep=opts.deep_preflight)
+                      deep=opts.deep_preflight, collective=coll)
+    for f in report.findings:
+        if f.check == "collective" and f.severity == "info":
+            out(f"xpuctl: preflight: {safe(f.message)}")
     if report.failed:
         show_findings(report)
         raise XpuctlError(
@@ -91,7 +120,7 @@ def _prepare(host: Host, opts: ServeOptions, environ: dict[str, str], out: Calla
     _last_run_advice(state_dir, out)  # also with --force: advice only, it refuses nothing
     cluster = _ray_preflight(plan, opts, out)
     if not opts.force:
-        _preflight(host, opts, plan, show_findings)
+        _preflight(host, opts, plan, show_findings, out)
     log_path = os.path.join(state_dir, "logs", f"{name}.log")
     rec = RunRecord(name=name, run_id=run_id, pid=None, start_ticks=None, session=None,
                     command=plan.argv, devices=plan.bdfs, port=plan.port, host=plan.bind or "127.0.0.1",

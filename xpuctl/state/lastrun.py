@@ -78,3 +78,37 @@ def last_run(state_dir: str | None) -> LastRun | None:
         signatures=tuple(hang_signatures(lines, ever_ready)),
         ended_at=rec.stopped_at,
     )
+
+
+def unclean_run_on(state_dir: str | None, bdfs: list[str] | tuple[str, ...]) -> tuple[str, str] | None:
+    """(run name, why) when the newest run recorded on any of `bdfs` did not end cleanly:
+    it failed (killed, exited by itself with an error, left leftovers), was never ready in
+    time, or is recorded as running while its supervisor is gone. None when it ended
+    cleanly, or there is none (serve's automatic collective check)."""
+    if not state_dir or not os.path.isdir(state_dir):
+        return None
+    from xpuctl.state.runs import list_records
+
+    wanted = set(bdfs)
+    mine = [r for r in list_records(state_dir) if not wanted or wanted & set(r.devices)]
+    if not mine:
+        return None
+    rec = max(mine, key=lambda r: r.stopped_at or r.ready_at or r.started_at or 0.0)
+    if any(n.startswith(NOT_READY_NOTE) for n in rec.notes):
+        return rec.name, "was not ready in time"
+    if rec.state == "failed":
+        code = f" (exit {rec.exit_code})" if rec.exit_code is not None else ""
+        return rec.name, f"failed{code}: killed, an error, or leftovers"
+    if rec.state in ACTIVE_STATES and rec.supervisor_pid and not _alive(rec.supervisor_pid):
+        return rec.name, f"is recorded as {rec.state} but its supervisor {rec.supervisor_pid} is gone"
+    return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

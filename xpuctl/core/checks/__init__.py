@@ -33,6 +33,7 @@ CHECKS = (
     "gpu-hang",
     "devcoredump",
     "probe-timeout",
+    "collective",
     "last-run",
     "blocked-reads",
     "inspection",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from xpuctl.core.checks.registry import Ctx, check
-from xpuctl.core.model import Finding, RuntimeView
+from xpuctl.core.model import CollectiveResult, Finding, RuntimeView
 from xpuctl.output.units import human_bytes
 
 
@@ -93,3 +93,60 @@ def probe_timeout(c: Ctx) -> list[Finding]:
         for r in (deep.probes if deep else ())
         if r.timed_out
     ]
+
+
+def _bdfs(bdfs: tuple[str, ...]) -> str:
+    return ", ".join(bdfs) or "no device"
+
+
+@check("collective")
+def collective(c: Ctx) -> list[Finding]:
+    """--collective: oneCCL/XCCL init, one all_reduce and destroy across the devices, bounded."""
+    r = c.snap.collective
+    if r is None:
+        return []
+    devices = _bdfs(r.bdfs)
+    out = [] if not r.files else [Finding(
+        "collective", "warn",
+        f"{len(r.files)} file(s) the collective check's ranks left were kept: "
+        + "; ".join(r.files[:4]),
+        "rerun `xpuctl doctor`: once nothing holds them they are stale-ipc/stale-shm, which "
+        "`xpuctl reset` removes", paths=tuple(f.split(": ", 1)[0] for f in r.files))]
+    return out + _verdict_findings(r, devices)
+
+
+def _verdict_findings(r: CollectiveResult, devices: str) -> list[Finding]:
+    if r.verdict == "ok":
+        return [Finding("collective", "info",
+                        f"collective check passed: {r.backend} init_process_group, all_reduce and "
+                        f"destroy on {r.world_size} device(s) ({devices}) in {r.seconds:g} s")]
+    if r.verdict == "unavailable":
+        return [Finding("collective", "warn",
+                        f"collective check could not run on {devices}: {r.reason}",
+                        "install torch with XPU support beside xpuctl (torch 2.8 or later has "
+                        "the xccl backend; older torch needs intel-extension-for-pytorch and "
+                        "oneccl_bind_pt), then rerun `xpuctl doctor --collective`")]
+    bad = [a.bdf for a in r.alone if a.verdict != "ok"]
+    if r.alone and bad:
+        alone = "; alone: " + ", ".join(f"{a.bdf} {a.verdict}" + (f" in {a.phase}" if a.phase else "")
+                                        for a in r.alone)
+        blame = f"the card(s) at fault: {', '.join(bad)}"
+    elif r.alone:
+        alone, blame = "; every device passes alone", "the devices pass alone but not together"
+    else:
+        alone, blame = "", f"the device(s): {devices}"
+    what = "hung" if r.verdict == "hung" else "failed"
+    culprits = bad or list(r.bdfs)
+    first = culprits[0] if culprits else "N"
+    return [Finding(
+        "collective",
+        "fail",
+        f"collective check {what} in {r.stuck_phase} on {devices} ({r.backend or 'no backend'}; "
+        f"{r.reason}){alone}: a vLLM launch on them will {'hang' if what == 'hung' else 'fail'} "
+        f"there ({blame})",
+        "stop every process on the device(s) (`xpuctl doctor` names them), then reset or "
+        f"rebind the card(s) as root (`xpuctl reset --device {first} "
+        "--device-reset`) and rerun `xpuctl doctor --collective`; when the devices pass alone "
+        "but not together, look at the link between them (CCL_* settings, the fabric) first",
+        culprits[0] if len(culprits) == 1 else None,
+    )]

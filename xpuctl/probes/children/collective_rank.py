@@ -1,0 +1,128 @@
+"""One rank of the collective check (child process only): what vLLM's XPU workers do first.
+
+Run as `python -m xpuctl.probes.children.collective_rank` by the group's leader
+(`collective_group`), with MASTER_ADDR, MASTER_PORT, RANK, LOCAL_RANK and WORLD_SIZE set, and
+XPUCTL_COLLECTIVE_DEVICE (the torch.xpu index this rank uses) and XPUCTL_COLLECTIVE_SLOT (its
+slot in the leader's report). It reports each phase as it enters it, so that a hang has one:
+
+- import: `import torch`; torch < 2.8 also imports intel_extension_for_pytorch and
+  oneccl_bindings_for_pytorch (backend `ccl`), torch >= 2.8 has `xccl` built in;
+  `torch.xpu.set_device(i)`;
+- init: `torch.distributed.init_process_group(backend, init_method="env://", rank, world_size)`;
+- all_reduce: one all_reduce of a one-element tensor of ones on `xpu:i`, then
+  `torch.xpu.synchronize()`; the sum must be the world size;
+- destroy: `torch.distributed.destroy_process_group()`.
+
+Only public torch APIs. Events go to stdout (`xpuctl.parse.collective`), each one line
+written whole. Test-only: XPUCTL_TEST_COLLECTIVE_BACKEND=gloo runs the same code over
+`gloo` on CPU tensors (no torch.xpu), so tests exercise a real torch.distributed rendezvous
+on a machine without an Intel GPU; never set it outside tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any
+
+MARKER = "XPUCTL-COLLECTIVE "  # xpuctl.parse.collective.MARKER
+TEST_BACKEND = "XPUCTL_TEST_COLLECTIVE_BACKEND"
+SLOT = int(os.environ.get("XPUCTL_COLLECTIVE_SLOT", "0") or 0)
+
+
+def emit(ev: str, **fields: Any) -> None:
+    data = (MARKER + json.dumps({"ev": ev, "slot": SLOT, **fields}, ensure_ascii=True)[:3000]
+            + "\n").encode("ascii")
+    while data:
+        data = data[os.write(1, data):]
+
+
+def _version(text: str) -> tuple[int, int]:
+    m = re.match(r"^\s*(\d+)\.(\d+)", text or "")
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+class Unavailable(Exception):
+    """The check cannot run here (no torch with XPU, no backend): not a device's fault."""
+
+
+def _backend(torch: Any) -> str:
+    """xccl (torch >= 2.8) or ccl (older torch, with IPEX and oneCCL's bindings)."""
+    import torch.distributed as dist
+
+    version = str(getattr(torch, "__version__", "") or "")
+    if _version(version) >= (2, 8):
+        check = getattr(dist, "is_xccl_available", None)
+        if check is not None and not check():
+            raise Unavailable(f"torch {version} was built without the xccl backend "
+                              "(install torch's XPU wheel: pip install torch --index-url "
+                              "https://download.pytorch.org/whl/xpu)")
+        return "xccl"
+    for module, package in (("intel_extension_for_pytorch", "intel-extension-for-pytorch"),
+                            ("oneccl_bindings_for_pytorch", "oneccl_bind_pt")):
+        try:
+            __import__(module)
+        except ImportError as exc:
+            raise Unavailable(f"torch {version} needs {package} for the ccl backend: {exc} "
+                              "(or use torch 2.8 or later, which has xccl)") from None
+    return "ccl"
+
+
+def _device(torch: Any, index: int) -> Any:
+    xpu = getattr(torch, "xpu", None)
+    if xpu is None or not xpu.is_available():
+        raise Unavailable(f"torch {getattr(torch, '__version__', '?')} sees no XPU "
+                          "(a CPU-only build, or no Intel GPU driver)")
+    count = int(xpu.device_count())
+    if index >= count:
+        raise RuntimeError(f"torch sees {count} XPU device(s); device {index} is not among them")
+    xpu.set_device(index)
+    return xpu
+
+
+def rank() -> None:
+    phase = "import"
+    emit("phase", phase=phase)
+    try:
+        try:
+            import torch
+        except ImportError as exc:
+            raise Unavailable(f"torch is not installed ({exc}): pip install 'xpuctl[torch]'") from None
+        import torch.distributed as dist
+
+        index = int(os.environ["XPUCTL_COLLECTIVE_DEVICE"])
+        world = int(os.environ["WORLD_SIZE"])
+        gloo = os.environ.get(TEST_BACKEND) == "gloo"
+        if gloo:
+            backend, xpu, where = "gloo", None, "cpu"
+        else:
+            backend = _backend(torch)
+            xpu = _device(torch, index)
+            where = f"xpu:{index}"
+        phase = "init"
+        emit("phase", phase=phase, backend=backend)
+        dist.init_process_group(backend, init_method="env://", rank=int(os.environ["RANK"]),
+                                world_size=world)
+        phase = "all_reduce"
+        emit("phase", phase=phase, backend=backend)
+        t = torch.ones(1, device=where)
+        dist.all_reduce(t)
+        if xpu is not None:
+            xpu.synchronize()
+        got = float(t.item())
+        if got != float(world):
+            raise RuntimeError(f"all_reduce gave {got:g}, expected {world}")
+        phase = "destroy"
+        emit("phase", phase=phase, backend=backend)
+        dist.destroy_process_group()
+        emit("done", sum=got, backend=backend)
+    except Unavailable as exc:
+        emit("unavailable", reason=str(exc)[:400])
+    except Exception as exc:
+        emit("error", phase=phase, error=f"{type(exc).__name__}: {exc}"[:400])
+        os._exit(1)
+
+
+if __name__ == "__main__":
+    rank()
