@@ -20,14 +20,14 @@ XCCL = REAL_0_32[2].replace("backend=gloo", "backend=xccl")
 REAL_LINES = {
     "oneccl-device-fds": [
         # vLLM #14612 (oneCCL's own error line, then vLLM's traceback)
-        ("2025:03:13-10:36:27:(  636) |CCL_ERROR| ze_fd_manager.cpp:214 fill_device_fds: "
-         "condition fds[dev_idx] > 0 failed", "vLLM #14612"),
+        (("2025:03:13-10:36:27:(  636) |CCL_ERROR| ze_fd_manager.cpp:214 fill_device_fds: "
+         "condition fds[dev_idx] > 0 failed"), "vLLM #14612"),
         # issue 22 §4 (the exception vLLM raises)
-        ("RuntimeError: oneCCL: ze_fd_manager.cpp:214 fill_device_fds: EXCEPTION: open failed: "
-         "fd: -1, errno: No such file or directory", "xpuctl issue 22"),
+        (("RuntimeError: oneCCL: ze_fd_manager.cpp:214 fill_device_fds: EXCEPTION: open failed: "
+         "fd: -1, errno: No such file or directory"), "xpuctl issue 22"),
         # ipex-llm #12990 (vLLM in docker, tensor parallel)
-        ("RuntimeError: oneCCL: ze_fd_manager.cpp:144 init_device_fds: EXCEPTION: opendir failed: "
-         "could not open device directory", "ipex-llm #12990"),
+        (("RuntimeError: oneCCL: ze_fd_manager.cpp:144 init_device_fds: EXCEPTION: opendir failed: "
+         "could not open device directory"), "ipex-llm #12990"),
     ],
     "oneccl-workers": [
         ("RuntimeError: oneCCL: exec.cpp:122 start_workers: EXCEPTION: failed to start worker # 0",
@@ -43,13 +43,13 @@ REAL_LINES = {
          "xpuctl issue 22"),
     ],
     "shm-broadcast": [
-        ("(EngineCore_DP0 pid=323240) INFO 12-09 11:25:53 [shm_broadcast.py:466] No available shared "
+        (("(EngineCore_DP0 pid=323240) INFO 12-09 11:25:53 [shm_broadcast.py:466] No available shared "
          "memory broadcast block found in 60 seconds. This typically happens when some processes "
-         "are hanging or doing some time-consuming work (e.g. compilation).", "vllm-ascend #3717"),
-        ("(EngineCore pid=2025) INFO 08-13 11:27:02 [shm_broadcast.py:802] No available shared memory "
+         "are hanging or doing some time-consuming work (e.g. compilation)."), "vllm-ascend #3717"),
+        (("(EngineCore pid=2025) INFO 08-13 11:27:02 [shm_broadcast.py:802] No available shared memory "
          "broadcast block found in 60 seconds. This typically happens when some processes are "
          "hanging or doing some time-consuming work (e.g. compilation, weight/kv cache "
-         "quantization).", "vLLM #51986"),
+         "quantization)."), "vLLM #51986"),
     ],
 }
 CASES = [(key, line) for key, lines in REAL_LINES.items() for line, _src in lines]
@@ -92,8 +92,8 @@ def test_finding_says_crashed_quotes_the_line_and_advises_the_render_nodes(tmp_p
     sd = _state_dir(tmp_path)
     ccl, _ = REAL_LINES["oneccl-device-fds"][0]
     exc, _ = REAL_LINES["oneccl-device-fds"][1]
-    write_run(sd, "crashy", REAL_0_32[:2] + [XCCL, ccl, "open failed: fd: -1, errno: No such file "
-              "or directory", exc], state="failed")
+    write_run(sd, "crashy", REAL_0_32[:2] + [XCCL, ccl, ("open failed: fd: -1, errno: No such file "
+              "or directory"), exc], state="failed")
     (f,) = last_run_findings(lastrun.last_run(str(sd)))
     assert "crashy crashed (in: oneCCL init (xccl))" in f.message
     assert "stuck" not in f.message

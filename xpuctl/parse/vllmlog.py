@@ -146,8 +146,8 @@ _SIGNATURES: tuple[tuple[str, str, str, re.Pattern[str]], ...] = (
     # vLLM #27313, #51986 (shm_broadcast.py): `No available shared memory broadcast block found
     # in 60 seconds. This typically happens when some processes are hanging ...`: a worker
     # stopped answering its engine
-    ("shm-broadcast", "a worker that stopped answering its engine (no shared memory broadcast "
-     "block in 60 s)", "hang",
+    ("shm-broadcast", ("a worker that stopped answering its engine (no shared memory broadcast "
+     "block in 60 s)"), "hang",
      re.compile(r"No available shared memory broadcast block found in \d+ seconds")),
 )
 
