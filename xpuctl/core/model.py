@@ -176,8 +176,8 @@ class RuntimeView(NamedTuple):
     memory_total_bytes: int | None
     processes: tuple[ProbeProcess, ...]  # pids the device reports (not the probes' own)
     process_source: str | None
-    state: str  # ok | lost
-    lost_reasons: tuple[str, ...]  # "probe: why", one per probe that saw it lost
+    state: str  # ok | lost | survivability (xpu-smi v2 device_state: firmware needs recovery)
+    lost_reasons: tuple[str, ...]  # "probe: why", one per probe that saw it lost (or in survivability)
     visible_bytes: int  # fdinfo memory of the holders doctor can see
     baseline_bytes: int  # the idle baseline recorded by `devices --deep --record-baseline`
     unattributed_bytes: int | None  # used − visible − baseline (never below 0)

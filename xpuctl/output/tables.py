@@ -55,7 +55,7 @@ def devices_table(snap: Scan) -> Any:
             "-" if view is None or view.memory_used_bytes is None
             else f"{human_bytes(view.memory_used_bytes)} ({view.source})",
             "-" if view is None or view.unattributed_bytes is None else human_bytes(view.unattributed_bytes),
-            "-" if view is None else (Text("lost", style="bold red") if view.state == "lost" else "ok"),
+            "-" if view is None else (Text(view.state, style="bold red") if view.state != "ok" else "ok"),
         )
         t.add_row(
             "-" if d.index is None else str(d.index),

@@ -29,6 +29,7 @@ CHECKS = (
     "env",
     "unattributed-memory",
     "device-lost",
+    "device-survivability",
     "probe-timeout",
     "last-run",
     "blocked-reads",
