@@ -1,11 +1,11 @@
 """xpu-smi as real versions print it: the version decides the unit of `ps -j` sizes, v2's
 device_state and its `{"device_list": null}`. Through `doctor --deep` with the xpu-smi stand-in.
 
-Sources (intel/xpumanager): the `--version` layout in doc/smi_user_guide.md and
-cli/src/comlet_version.cpp (v1), ial/cli/cli.cpp (v2); `ps` sizes bytes / 1000 before the commit
-of 2025-03-06 ("ps: Use sysman interface...", cli/src/core_stub/lib_core_stub.cpp), / 1024 from
-1.3.1 and in v2 (ial/cmn/cmd_ps.cpp); device_state strings in ial/cmn/cmd_discovery.h; the null
-device list in ial/cmn/cmd_discovery.cpp.
+Sources (intel/xpumanager): the `--version` layout in xpumanager doc/smi_user_guide.md and
+xpumanager cli/src/comlet_version.cpp (v1), xpumanager ial/cli/cli.cpp (v2); `ps` sizes bytes / 1000 before the commit
+of 2025-03-06 ("ps: Use sysman interface...", xpumanager cli/src/core_stub/lib_core_stub.cpp), / 1024 from
+1.3.1 and in v2 (xpumanager ial/cmn/cmd_ps.cpp); device_state strings in xpumanager ial/cmn/cmd_discovery.h; the null
+device list in xpumanager ial/cmn/cmd_discovery.cpp.
 """
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ from test_deep import (
 
 from xpuctl.parse import xpusmi
 
-# doc/smi_user_guide.md (xpumanager 1.x); v2 prints the same lines (ial/cli/cli.cpp)
+# xpumanager doc/smi_user_guide.md (xpumanager 1.x); v2 prints the same lines (xpumanager ial/cli/cli.cpp)
 VERSION_1_0 = ("CLI:\n    Version: 1.0.0.20211217\n    Build ID: f847c0fa\n\nService:\n"
                "    Version: 1.0.0.20211217\n    Build ID: f847c0fa\n    Level Zero Version: 1.6.2\n")
 VERSION_1_2 = VERSION_1_0.replace("1.0.0.20211217", "1.2.39.20240813")  # a later 1.2 (inferred)
 VERSION_2_0 = VERSION_1_0.replace("1.0.0.20211217", "2.0.0.20250225")
 SURVIVABILITY = ("survivability mode (firmware update and cold reset are recommended for device "
-                 "recovery)")  # ial/cmn/cmd_discovery.h
+                 "recovery)")  # xpumanager ial/cmn/cmd_discovery.h
 
 
 @pytest.mark.parametrize(("text", "numbers", "kb"), [

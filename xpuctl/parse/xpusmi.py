@@ -1,17 +1,17 @@
 """xpu-smi's output (`--version`, `discovery -j`, `ps -j`), v1 (xpumanager 1.x) and v2 (text in).
 
-`--version` (xpumanager cli/src/comlet_version.cpp, v2 ial/cli/cli.cpp) prints
+`--version` (xpumanager cli/src/comlet_version.cpp, v2 xpumanager ial/cli/cli.cpp) prints
 `CLI:` then `    Version: 1.2.39.20240813`, `    Build ID: ...`, then `Service:` and the same
 lines; with `-j` v1 prints {"cli_version": ..., "xpum_version": ...}.
 `discovery -j`: {"device_list": [{"device_id": 0, "pci_bdf_address": "0000:03:00.0",
 "device_name": ..., ...}]}; v2 adds "device_state" ("normal", or "survivability mode (firmware
-update and cold reset are recommended for device recovery)": ial/cmn/cmd_discovery.h) and
-prints {"device_list": null} when it finds no device (ial/cmn/cmd_discovery.cpp).
+update and cold reset are recommended for device recovery)": xpumanager ial/cmn/cmd_discovery.h) and
+prints {"device_list": null} when it finds no device (xpumanager ial/cmn/cmd_discovery.cpp).
 `ps -j`: {"device_util_by_proc_list": [{"process_id", "process_name", "device_id",
 "mem_size", "shared_mem_size", ["engines"]}]}; sizes are kB, and which kB depends on the
-version: xpumanager before 1.3.1 divides bytes by 1000 (cli/src/core_stub/lib_core_stub.cpp
+version: xpumanager before 1.3.1 divides bytes by 1000 (xpumanager cli/src/core_stub/lib_core_stub.cpp
 and grpc_stub, changed to 1024 by the commit of 2025-03-06 "ps: Use sysman interface..."),
-1.3.1 and later and v2 (ial/cmn/cmd_ps.cpp) by 1024. An unknown version leaves the sizes
+1.3.1 and later and v2 (xpumanager ial/cmn/cmd_ps.cpp) by 1024. An unknown version leaves the sizes
 unknown. An error reply is {"error": "...", "errno": N}. Every parser raises `XpuSmiError`
 (a ValueError), nothing else.
 """
