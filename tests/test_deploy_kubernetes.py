@@ -43,7 +43,7 @@ GPU_RESOURCES = {"gpu.intel.com/xe", "gpu.intel.com/i915"}
 # metrics of node_exporter itself that the rules may use
 NODE_EXPORTER = {"node_textfile_scrape_error", "node_textfile_mtime_seconds"}
 # check ids that come with `doctor --deep` (issue 9)
-DEEP_CHECKS = {"unattributed-memory", "device-lost", "probe-timeout"}
+DEEP_CHECKS = {"unattributed-memory", "device-lost", "device-survivability", "probe-timeout"}
 # prometheus-operator's CRD: RuleGroup and Rule fields, and its duration pattern
 GROUP_KEYS = {"name", "labels", "interval", "query_offset", "rules", "partial_response_strategy",
               "limit"}

@@ -30,6 +30,7 @@ CHECKS = {
     "env",
     "unattributed-memory",
     "device-lost",
+    "device-survivability",
     "probe-timeout",
     "device-wedged",
     "gpu-hang",

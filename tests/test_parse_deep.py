@@ -130,7 +130,7 @@ DISCOVERY_V1 = """{
 }"""
 DISCOVERY_V2 = json.dumps({"device_list": [
     {"device_id": 0, "device_name": "Intel(R) Arc(TM) Pro B60 Graphics", "device_type": "GPU",
-     "pci_bdf_address": "0000:03:00.0", "device_state": "healthy", "memory_physical_size_byte": 25769803776,
+     "pci_bdf_address": "0000:03:00.0", "device_state": "normal", "memory_physical_size_byte": 25769803776,
      "number_of_tiles": 1},
     {"device_id": 1, "device_name": "Intel(R) Arc(TM) Pro B60 Graphics", "device_type": "GPU",
      "pci_bdf_address": "0000:04:00.0"}]})
@@ -145,10 +145,11 @@ def test_xpusmi_v1_and_v2_golden():
     (d,) = xpusmi.parse_discovery(DISCOVERY_V1)
     assert d == xpusmi.SmiDevice(0, "0000:29:00.0", "Intel(R) Data Center GPU Max 1550", None)
     v2 = xpusmi.parse_discovery(DISCOVERY_V2)
-    assert [x.bdf for x in v2] == ["0000:03:00.0", "0000:04:00.0"] and v2[0].state == "healthy"
+    assert [x.bdf for x in v2] == ["0000:03:00.0", "0000:04:00.0"] and v2[0].state == "normal"
     (p,) = xpusmi.parse_ps(PS_V1)
     assert p == xpusmi.SmiProcess(12345, 0, 61865984 * 1024, 0, "python3")  # kB → bytes
-    r = xpusmi.probe_result((0, DISCOVERY_V2), (0, PS_V2), 0.3)
+    r = xpusmi.probe_result((0, DISCOVERY_V2), (0, PS_V2), 0.3,
+                            version=(0, "CLI:\n    Version: 2.0.0.20250225\n"))
     assert r.available and r.devices[1].processes[0].memory_bytes == GiB
     assert r.devices[0].processes == ()
 

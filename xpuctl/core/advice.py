@@ -1,9 +1,10 @@
-"""What to try before relaunching after a oneCCL hang: documented mitigations and their cost.
+"""What to try before relaunching after a oneCCL hang or crash: mitigations and their cost.
 
 Advice only: xpuctl never sets these itself (docs/oneccl.md has the table). Sources: vLLM
 #50545 / oneCCL #215 (ring all-reduce), vLLM #41663 (IPC handle cache), #48953 and
 llm-scaler #486 (IPC exchange), oneCCL #209 (KVS interface), torch-ccl #71 (sockets exchange
-crash).
+crash), vLLM #14612 and ipex-llm #12990 (render nodes not visible), vLLM #10109 (oneCCL
+workers), vLLM #27313 (shared memory broadcast).
 """
 
 from __future__ import annotations
@@ -51,6 +52,31 @@ DEVICE = Mitigation(
     "a lost device stays wedged until the driver resets it",
     "drops everything on the device; some states recover only with a reboot",
 )
+DRI_VISIBLE = Mitigation(
+    "make every render node and /dev/dri/by-path visible to vLLM",
+    "oneCCL opens the render nodes itself (drmfd exchange, through /dev/dri/by-path) and "
+    "crashes when it cannot (vLLM #14612, ipex-llm #12990); a container needs all of /dev/dri "
+    "(e.g. `--device /dev/dri -v /dev/dri/by-path:/dev/dri/by-path`), and the user the render group",
+    "the container sees every GPU of the host; restrict the ones vLLM uses with ZE_AFFINITY_MASK",
+)
+WORKERS = Mitigation(
+    "check the oneCCL environment (setvars.sh of the same oneAPI as torch/IPEX, CCL_ATL_TRANSPORT, "
+    "CCL_WORKER_COUNT)",
+    "oneCCL could not start its worker threads (vLLM #10109): a mismatched oneCCL or a worker "
+    "setting the host cannot honour",
+    "none; it is a set-up fault, not a mitigation",
+)
+CRASH_LOG = Mitigation(
+    "read the traceback before the quoted line in the run's log (`xpuctl logs`)",
+    "a segmentation fault in a worker ends the start; the frame above it names the library",
+    "none",
+)
+SHM_BROADCAST = Mitigation(
+    "find the worker that stopped answering (`xpuctl doctor`; py-spy dump of the workers)",
+    "vLLM's engine waited 60 s for its workers (shm_broadcast, vLLM #27313); one is hanging in "
+    "a collective or a compilation, or is gone",
+    "none to look; restarting drops the requests in flight",
+)
 READY_TIMEOUT = Mitigation(
     "serve --ready-timeout SECONDS",
     "a start that was still making progress may only have been slow (a large model)",
@@ -65,6 +91,10 @@ BY_SIGNATURE: dict[str, tuple[Mitigation, ...]] = {
     "ipc-handle": (IPC_EXCHANGE, IPC_CACHE),
     "kvs": (IPC_CACHE, KVS_IFACE),
     "device-lost": (RING, DEVICE),
+    "oneccl-device-fds": (DRI_VISIBLE, IPC_EXCHANGE),
+    "oneccl-workers": (WORKERS,),
+    "segfault": (CRASH_LOG, RESET),
+    "shm-broadcast": (SHM_BROADCAST, RESET, RING, IPC_CACHE),
 }
 
 

@@ -61,9 +61,13 @@ class DrmClient(NamedTuple):
     bdf: str | None
     client_id: int | None
     driver: str | None
-    memory_bytes: int | None
+    memory_bytes: int | None  # drm-total of the device regions: private + shared
     pids: tuple[int, ...]
     node: str
+    shared_bytes: int | None = None  # drm-shared: the part of memory_bytes shared with others
+    resident_bytes: int | None = None  # drm-resident
+    memory_source: str | None = None  # fdinfo | sysfs-clients (the i915 backport's clients dir)
+    imported_bytes: int | None = None  # sysfs-clients: imported_bytes (buffers of other clients)
 
 
 class DmabufHold(NamedTuple):
@@ -182,8 +186,8 @@ class RuntimeView(NamedTuple):
     memory_total_bytes: int | None
     processes: tuple[ProbeProcess, ...]  # pids the device reports (not the probes' own)
     process_source: str | None
-    state: str  # ok | lost
-    lost_reasons: tuple[str, ...]  # "probe: why", one per probe that saw it lost
+    state: str  # ok | lost | survivability (xpu-smi v2 device_state: firmware needs recovery)
+    lost_reasons: tuple[str, ...]  # "probe: why", one per probe that saw it lost (or in survivability)
     visible_bytes: int  # fdinfo memory of the holders doctor can see
     baseline_bytes: int  # the idle baseline recorded by `devices --deep --record-baseline`
     unattributed_bytes: int | None  # used − visible − baseline (never below 0)
@@ -334,11 +338,33 @@ class Scan(NamedTuple):
         return tuple(sorted({u.pid for u in self.unreadable_processes if u.blocked}))
 
     def memory_used(self, bdf: str) -> int | None:
-        """De-duplicated device memory: each DRM client's drm-total-vram*/local* counted once.
+        """De-duplicated device memory: each DRM client's drm-total-vram*/local* counted once,
+        and its shared part (drm-shared) once for the device: a buffer shared by two clients is
+        in both their drm-total, and the kernel does not say which buffer, so the device counts
+        every client's private part plus the largest shared part (the least the shared buffers
+        can be); `memory_shared` is the sum of the shared parts, shown apart.
 
         dma-bufs are not added: an exported buffer is already in its exporter's drm-total.
         """
-        sizes = [c.memory_bytes for c in self.clients if c.bdf == bdf and c.memory_bytes is not None]
+        clients = [c for c in self.clients if c.bdf == bdf and c.memory_bytes is not None]
+        if not clients:
+            return None
+        shared = [min(c.shared_bytes or 0, c.memory_bytes or 0) for c in clients]
+        return sum((c.memory_bytes or 0) for c in clients) - sum(shared) + max(shared)
+
+    def memory_shared(self, bdf: str) -> int | None:
+        """The clients' drm-shared device memory, summed (a buffer may be in several)."""
+        sizes = [c.shared_bytes for c in self.clients if c.bdf == bdf and c.shared_bytes is not None]
+        return sum(sizes) if sizes else None
+
+    def memory_source(self, bdf: str) -> str | None:
+        """Where the device's client memory was read: fdinfo, sysfs-clients, or both."""
+        sources = sorted({c.memory_source for c in self.clients if c.bdf == bdf and c.memory_source})
+        return "+".join(sources) or None
+
+    def memory_resident(self, bdf: str) -> int | None:
+        """The clients' drm-resident device memory, summed (shared buffers may repeat)."""
+        sizes = [c.resident_bytes for c in self.clients if c.bdf == bdf and c.resident_bytes is not None]
         return sum(sizes) if sizes else None
 
 

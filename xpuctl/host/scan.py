@@ -27,6 +27,7 @@ from xpuctl.host.processes import FdScan, RawProcess, fill_cmdline, scan_process
 from xpuctl.host.reads.protocol import BlockedRead
 from xpuctl.host.seam import CLK_TCK, Host  # noqa: F401 (CLK_TCK: cli's own-age check)
 from xpuctl.host.split import in_two
+from xpuctl.parse.drmclients import MEMORY_DIR, SysfsClient, parse_client
 from xpuctl.parse.fdinfo import parse_dmabuf, parse_fdinfo
 from xpuctl.parse.net import TcpSocket, parse_tcp, parse_unix_paths
 from xpuctl.parse.procfs import parse_boot_time, parse_environ, parse_maps_paths, parse_status_uid
@@ -144,6 +145,8 @@ def _drm_clients(
                 "client_id": info.client_id if info else None,
                 "driver": (info.driver if info else None) or (dev.driver if dev else None),
                 "memory": None,
+                "shared": None,
+                "resident": None,
                 "pids": [],
                 "node": f"/dev/dri/{name}",
             },
@@ -152,10 +155,16 @@ def _drm_clients(
             rec["pids"].append(pid)
         if info is not None and info.memory_bytes is not None:
             rec["memory"] = max(rec["memory"] or 0, info.memory_bytes)
+        for field, value in (("shared", info.shared_bytes if info else None),
+                             ("resident", info.resident_bytes if info else None)):
+            if value is not None:
+                rec[field] = max(rec[field] or 0, value)
     clients = [
-        DrmClient(r["bdf"], r["client_id"], r["driver"], r["memory"], tuple(r["pids"]), r["node"])
+        DrmClient(r["bdf"], r["client_id"], r["driver"], r["memory"], tuple(r["pids"]), r["node"],
+                  r["shared"], r["resident"], "fdinfo" if r["memory"] is not None else None)
         for r in agg.values()
     ]
+    clients = _sysfs_memory(host, clients, devices)
     held: dict[int, set[str]] = {}
     for c in clients:
         for pid in c.pids:
@@ -163,6 +172,52 @@ def _drm_clients(
             if c.bdf:
                 held[pid].add(c.bdf)
     return clients, held
+
+
+def _sysfs_clients(host: Host, card: str) -> list[SysfsClient]:
+    """The i915 backport's /sys/class/drm/<card>/clients/<id>/ (bounded reads; none: [])."""
+    base = f"/sys/class/drm/{card}/clients"
+    try:
+        ids = sorted(host.listdir(base))[:4096]
+    except OSError:
+        return []
+
+    def text(path: str) -> str | None:
+        raw = _read_opt(host, path, 64)
+        return raw.decode("ascii", "replace") if raw is not None else None
+
+    out = []
+    for cid in ids:
+        d = f"{base}/{cid}"
+        out.append(parse_client(cid, text(f"{d}/pid"), text(f"{d}/name"),
+                                text(f"{d}/{MEMORY_DIR}/created_bytes"),
+                                text(f"{d}/{MEMORY_DIR}/imported_bytes")))
+    return out
+
+
+def _sysfs_memory(host: Host, clients: list[DrmClient], devices: list[Device]) -> list[DrmClient]:
+    """For a device whose clients print no memory in fdinfo (the i915 backport), each pid's
+    memory from the driver's per-client sysfs (created_bytes), on the first of its clients."""
+    out = list(clients)
+    for dev in devices:
+        mine = [i for i, c in enumerate(out) if c.bdf == dev.bdf]
+        if not mine or dev.card_node is None or any(out[i].memory_bytes is not None for i in mine):
+            continue
+        by_pid: dict[int, list[SysfsClient]] = {}
+        for sc in _sysfs_clients(host, dev.card_node.rsplit("/", 1)[-1]):
+            if sc.pid is not None and sc.created_bytes is not None:
+                by_pid.setdefault(sc.pid, []).append(sc)
+        done: set[int] = set()
+        for i in mine:
+            pids = [p for p in out[i].pids if p in by_pid and p not in done]
+            if not pids:
+                continue
+            done.update(pids)
+            created = sum(sc.created_bytes or 0 for p in pids for sc in by_pid[p])
+            imported = [sc.imported_bytes for p in pids for sc in by_pid[p] if sc.imported_bytes is not None]
+            out[i] = out[i]._replace(memory_bytes=created, memory_source="sysfs-clients",
+                                     imported_bytes=sum(imported) if imported else None)
+    return out
 
 
 def _dmabufs(

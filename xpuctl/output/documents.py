@@ -63,7 +63,10 @@ def device_dict(d: Device, snap: Scan) -> dict[str, Any]:
         "vendor_id": d.vendor_id,
         "device_id": d.device_id,
         "intel": d.is_intel,
-        "memory_used_bytes": snap.memory_used(d.bdf),
+        "memory_used_bytes": snap.memory_used(d.bdf),  # fdinfo: shared buffers counted once
+        "memory_shared_bytes": snap.memory_shared(d.bdf),  # fdinfo drm-shared, per client, summed
+        "memory_resident_bytes": snap.memory_resident(d.bdf),  # fdinfo drm-resident
+        "memory_source": snap.memory_source(d.bdf),  # fdinfo | sysfs-clients (i915 backport)
         "memory_total_bytes": d.memory_total_bytes,
         "holders": list(snap.holders(d.bdf)),
         "unknown_holders": list(snap.unknown_holders(d.bdf)),

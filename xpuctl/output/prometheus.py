@@ -92,6 +92,14 @@ def _device_families(snap: Scan) -> list[_Family]:
         ("xpuctl_device_memory_used_bytes", "Device memory held by clients (de-duplicated DRM fdinfo).",
          [({"device": d.bdf}, float(snap.memory_used(d.bdf) or 0)) for d in devs]),
     ]
+    for name, what, fn in (
+            ("xpuctl_device_memory_shared_bytes", "Device memory in DRM fdinfo drm-shared, summed over clients.",
+             snap.memory_shared),
+            ("xpuctl_device_memory_resident_bytes", "Device memory in DRM fdinfo drm-resident, summed over clients.",
+             snap.memory_resident)):
+        samples = [({"device": d.bdf}, float(v)) for d in devs if (v := fn(d.bdf)) is not None]
+        if samples:
+            out.append((name, what, samples))
     totals = [({"device": d.bdf}, float(d.memory_total_bytes)) for d in devs if d.memory_total_bytes]
     if totals:
         out.append(("xpuctl_device_memory_total_bytes", "Device memory size.", totals))

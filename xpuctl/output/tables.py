@@ -24,6 +24,24 @@ _STATUS_STYLE = {"clean": "bold green", "busy": "bold cyan", "dirty": "bold red"
                  "unknown": "bold yellow"}
 
 
+
+def _used_cell(snap: Scan, bdf: str) -> str:
+    """fdinfo's used memory (shared counted once), with what is resident and shared beside it
+    when the driver prints them and they differ from it."""
+    used = snap.memory_used(bdf)
+    if used is None:
+        return "-"
+    extra = []
+    resident = snap.memory_resident(bdf)
+    if resident is not None and resident != used:
+        extra.append(f"{human_bytes(resident)} resident")
+    shared = snap.memory_shared(bdf)
+    if shared:
+        extra.append(f"{human_bytes(shared)} shared")
+    if "sysfs-clients" in (snap.memory_source(bdf) or ""):
+        extra.append("from the i915 clients sysfs")
+    return human_bytes(used) + (f" ({', '.join(extra)})" if extra else "")
+
 def _cell(value: object) -> Any:
     """A table cell holding host text: escaped (safetext.safe), never read as markup."""
     from rich.text import Text
@@ -55,7 +73,7 @@ def devices_table(snap: Scan) -> Any:
             "-" if view is None or view.memory_used_bytes is None
             else f"{human_bytes(view.memory_used_bytes)} ({view.source})",
             "-" if view is None or view.unattributed_bytes is None else human_bytes(view.unattributed_bytes),
-            "-" if view is None else (Text("lost", style="bold red") if view.state == "lost" else "ok"),
+            "-" if view is None else (Text(view.state, style="bold red") if view.state != "ok" else "ok"),
         )
         t.add_row(
             "-" if d.index is None else str(d.index),
@@ -63,7 +81,7 @@ def devices_table(snap: Scan) -> Any:
             _cell((d.render_node or d.card_node or "-").rsplit("/", 1)[-1]),
             _cell(d.driver or "?"),
             _cell(f"{d.vendor_id or '?'}:{d.device_id or '?'}"),  # ? : not read (a device in reset)
-            human_bytes(snap.memory_used(d.bdf)) if snap.memory_used(d.bdf) is not None else "-",
+            _used_cell(snap, d.bdf),
             human_bytes(d.memory_total_bytes) if d.memory_total_bytes else "-",
             ", ".join(map(str, holders)) or "-",
             *extra,

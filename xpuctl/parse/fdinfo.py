@@ -3,7 +3,10 @@
 Lenient by design: any key order, units none/B/KiB/MiB/GiB, garbage lines ignored, a bad
 value never raises. Memory of a client is the sum of its `drm-total-vram<N>` (xe) and
 `drm-total-local<N>` (i915) regions; stolen, system and gtt regions are not device memory
-allocated by the client.
+allocated by the client. As the kernel document defines them, `drm-total-<region>` is the
+client's private plus shared buffers, `drm-shared-<region>` the shared part (buffers shared
+with another file: another client may count the same buffer) and `drm-resident-<region>` what
+is resident in the region; shared and resident are summed over the same device regions.
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ class Fdinfo(NamedTuple):
     memory_bytes: int | None
     regions: dict[str, int]  # drm-total-<region> sizes
     keys: dict[str, str]  # every drm-* key
+    shared_bytes: int | None = None  # drm-shared-<device region>: part of memory_bytes
+    resident_bytes: int | None = None  # drm-resident-<device region>
 
     @property
     def is_drm(self) -> bool:
@@ -68,6 +73,13 @@ def parse_fdinfo(text: str) -> Fdinfo:
             regions[key[len("drm-total-") :]] = size
     device = [size for region, size in regions.items() if _DEVICE_REGION_RE.match(region)]
     cid = keys.get("drm-client-id", "")
+
+    def device_sum(prefix: str) -> int | None:
+        sizes = [parse_size(v) for k, v in keys.items()
+                 if k.startswith(prefix) and _DEVICE_REGION_RE.match(k[len(prefix):])]
+        known = [s for s in sizes if s is not None]
+        return sum(known) if known else None
+
     return Fdinfo(
         driver=keys.get("drm-driver") or None,
         pdev=keys.get("drm-pdev") or None,
@@ -75,6 +87,8 @@ def parse_fdinfo(text: str) -> Fdinfo:
         memory_bytes=sum(device) if device else None,
         regions=regions,
         keys=keys,
+        shared_bytes=device_sum("drm-shared-"),
+        resident_bytes=device_sum("drm-resident-"),
     )
 
 

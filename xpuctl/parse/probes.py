@@ -11,7 +11,8 @@ and `live`; `xpuctl.parse.kmd` and `xpuctl.parse.xpusmi` build the same shape):
                   "processes": [{"pid": 4242, "memory_bytes": 1048576, "shared_bytes": 0}]}]}
 
 `processes` is null when the source could not list them (and `reason` says why); `state` is
-"ok" or "lost". Every parser raises `ProbeOutputError` (a ValueError), nothing else.
+"ok", "lost", or "survivability" (firmware in survivability mode, `reason` quotes it). Every
+parser raises `ProbeOutputError` (a ValueError), nothing else.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import re
 from typing import Any, NamedTuple
 
 SCHEMA = "xpuctl.probes/1"  # every probe's result in one document (`results_to_json`)
-STATES = ("ok", "lost")
+STATES = ("ok", "lost", "survivability")  # survivability: xpu-smi v2 device_state
 _BDF_RE = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
 MAX_TEXT = 400
 
@@ -41,7 +42,7 @@ class ProbeDevice(NamedTuple):
     bdf: str | None  # PCI address when the source gives one
     index: int | None  # type: ignore[assignment]  # shadows tuple.index, never called on a record; position among Intel GPUs in PCI order (torch)
     name: str | None
-    state: str  # ok | lost
+    state: str  # ok | lost | survivability
     memory_total_bytes: int | None
     memory_used_bytes: int | None
     processes: tuple[ProbeProcess, ...] | None  # None: the source could not list them

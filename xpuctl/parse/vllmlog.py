@@ -1,4 +1,4 @@
-"""vLLM's own log lines: start-up phases and known oneCCL hang signatures (text in, records out).
+"""vLLM's own log lines: start-up phases and known oneCCL/vLLM failure signatures (text in, records out).
 
 `PHASES` is the one table of start-up phases. `serve` shows the start as it happens from it,
 the readiness diagnosis names the phase a start got stuck in from it, and doctor's
@@ -24,11 +24,12 @@ from typing import NamedTuple
 
 
 class LogSignature(NamedTuple):
-    """A known oneCCL hang signature found in a run's log."""
+    """A known oneCCL/vLLM failure signature found in a run's log."""
 
-    key: str  # xccl-stuck | ipc-handle | kvs | device-lost
+    key: str  # a key of `_SIGNATURES` (core.advice.BY_SIGNATURE), or xccl-stuck
     what: str
     line: str  # the log line carrying it ("" when it is the absence of progress)
+    kind: str = "hang"  # hang: stopped making progress | crash: the start failed with an error
 
 
 class Phase(NamedTuple):
@@ -112,31 +113,64 @@ def furthest_phase(lines: list[str]) -> Phase:
     return best
 
 
-# -- oneCCL hang signatures (intel.md §5, vllm.md §7) ----------------------------------------
+# -- oneCCL and vLLM failure signatures ----------------------------------------
 
 
-_SIGNATURES: tuple[tuple[str, str, re.Pattern[str]], ...] = (
-    ("ipc-handle", "a Level Zero IPC handle error (zeMemOpenIpcHandle)",
+# (key, what, kind, pattern); each pattern was read in a real log, cited beside it and in
+# the tests (tests/test_log_signatures.py) and docs/formats.md.
+_SIGNATURES: tuple[tuple[str, str, str, re.Pattern[str]], ...] = (
+    # vLLM #14612: `|CCL_ERROR| ze_fd_manager.cpp:214 fill_device_fds: condition fds[dev_idx] > 0
+    # failed` then `open failed: fd: -1, errno: No such file or directory`; as the exception
+    # vLLM raises: `RuntimeError: oneCCL: ze_fd_manager.cpp:214 fill_device_fds: EXCEPTION: open
+    # failed: ...`; ipex-llm #12990: `oneCCL: ze_fd_manager.cpp:144 init_device_fds: EXCEPTION:
+    # opendir failed: could not open device directory` (vLLM in docker)
+    ("oneccl-device-fds", "a oneCCL crash opening the render nodes (ze_fd_manager)", "crash",
+     re.compile(r"ze_fd_manager\.cpp:\d+ \w*device_fds\b|\b(?:fill|init)_device_fds\b.*"
+                r"(?:EXCEPTION|failed)")),
+    # vLLM #10109: `RuntimeError: oneCCL: exec.cpp:122 start_workers: EXCEPTION: failed to start
+    # worker # 0`
+    ("oneccl-workers", "a oneCCL crash starting its workers (start_workers)", "crash",
+     re.compile(r"start_workers: EXCEPTION|failed to start worker")),
+    # the issue's own lines (issue 22 §4): `Segfault encountered` (torch's signal handler)
+    ("segfault", "a segmentation fault", "crash",
+     re.compile(r"Segfault encountered|Segmentation fault|\bSIGSEGV\b")),
+    ("ipc-handle", "a Level Zero IPC handle error (zeMemOpenIpcHandle)", "hang",
      re.compile(r"zeMemOpenIpcHandle")),
-    ("kvs", "a oneCCL KVS (bootstrap) connection error",
-     re.compile(r"(?i)\bkvs\b.*\b(error|fail\w*|timed? ?out|refused|connect\w*)\b|internal_kvs.*error")),
-    ("device-lost", "a lost device (UR_RESULT_ERROR_DEVICE_LOST)",
+    # issue 22 §4: `|CCL_ERROR| internal_kvs.cpp:... kvs_set_value: condition
+    # can_use_internal_kvs() failed`; oneCCL #209: a KVS that never connects (create_comm_id)
+    ("kvs", "a oneCCL KVS (bootstrap) error", "hang",
+     re.compile(r"(?i)internal_kvs|can_use_internal_kvs|\bkvs_(?:set|get|init)\w*|"
+                r"\bkvs\b.*\b(?:error|fail\w*|timed? ?out|refused|connect\w*)\b")),
+    ("device-lost", "a lost device (UR_RESULT_ERROR_DEVICE_LOST)", "hang",
      re.compile(r"UR_RESULT_ERROR_DEVICE_LOST|ZE_RESULT_ERROR_DEVICE_LOST")),
+    # vLLM #27313, #51986 (shm_broadcast.py): `No available shared memory broadcast block found
+    # in 60 seconds. This typically happens when some processes are hanging ...`: a worker
+    # stopped answering its engine
+    ("shm-broadcast", ("a worker that stopped answering its engine (no shared memory broadcast "
+     "block in 60 s)"), "hang",
+     re.compile(r"No available shared memory broadcast block found in \d+ seconds")),
 )
 
 
+def crashed(signatures: list[LogSignature] | tuple[LogSignature, ...]) -> bool:
+    """Did the start end in an error (a crash) rather than stop making progress?"""
+    return any(s.kind == "crash" for s in signatures)
+
+
 def hang_signatures(lines: list[str], ever_ready: bool) -> list[LogSignature]:
-    """Known oneCCL hang signatures in a run's log, first line of each kind.
+    """Known oneCCL/vLLM signatures in a run's log, the first line of each; crashes first.
 
     A start that never became ready and got no further than `backend=xccl` counts too: that
-    is the warm-up all_reduce that hangs forever after an unclean stop."""
+    is the warm-up all_reduce that hangs forever after an unclean stop; unless the log shows
+    a crash, which is why it went no further."""
     out: list[LogSignature] = []
     seen: set[str] = set()
     for line in lines:
-        for key, what, rx in _SIGNATURES:
+        for key, what, kind, rx in _SIGNATURES:
             if key not in seen and rx.search(line):
                 seen.add(key)
-                out.append(LogSignature(key, what, line.strip()))
-    if not ever_ready and furthest_phase(lines).key == "oneccl":
+                out.append(LogSignature(key, what, line.strip(), kind))
+    out.sort(key=lambda s: s.kind != "crash")  # stable: log order within each kind
+    if not ever_ready and not crashed(out) and furthest_phase(lines).key == "oneccl":
         out.insert(0, LogSignature("xccl-stuck", "start-up stuck after backend=xccl", ""))
     return out

@@ -65,8 +65,8 @@ def record_baseline(state_dir: str, snap: Scan) -> list[tuple[str, int | None, s
             out.append((v.bdf, None, f"not recorded: held by pid(s) {', '.join(map(str, sorted(holders)))}"))
         elif used is None:
             out.append((v.bdf, None, "not recorded: no probe reports its used memory"))
-        elif v.state == "lost":
-            out.append((v.bdf, None, "not recorded: the device is lost"))
+        elif v.state != "ok":
+            out.append((v.bdf, None, f"not recorded: the device is {v.state}"))
         else:
             devices[v.bdf] = {"memory_used_bytes": used, "source": v.source, "recorded_at": time.time()}
             out.append((v.bdf, used, f"recorded from {v.source}"

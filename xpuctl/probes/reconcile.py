@@ -71,11 +71,15 @@ def _view(host: Host, snap: Scan, bdf: str, entries: dict[str, Any], own: frozen
     procs, psources, own_bytes = _listed(entries, own)
     if used is not None and source != "torch":
         used = max(0, used - own_bytes)  # the probes' own contexts
-    if used is None and psources:
+    sizes = [p.memory_bytes for p in procs.values() if p.memory_bytes is not None]
+    if used is None and psources and (sizes or not procs):
         # no memory figure: the listed processes' memory is a lower bound of what is used
-        used = sum(p.memory_bytes or 0 for p in procs.values())
+        # (none when the lister gave no sizes: xpu-smi of an unknown version)
+        used = sum(sizes)
         source = psources[0]
     lost = tuple(f"{n}: {e.reason or 'device lost'}" for n, e in sorted(entries.items()) if e.state == "lost")
+    surv = tuple(f"{n}: {e.reason or 'survivability mode'}" for n, e in sorted(entries.items())
+                 if e.state == "survivability")
     visible = snap.memory_used(bdf) or 0
     return RuntimeView(
         bdf=bdf,
@@ -84,8 +88,8 @@ def _view(host: Host, snap: Scan, bdf: str, entries: dict[str, Any], own: frozen
         memory_total_bytes=total,
         processes=tuple(sorted(procs.values())),
         process_source="+".join(psources) or None,
-        state="lost" if lost else "ok",
-        lost_reasons=lost,
+        state="lost" if lost else "survivability" if surv else "ok",
+        lost_reasons=lost or surv,
         visible_bytes=visible,
         baseline_bytes=base,
         unattributed_bytes=max(0, used - visible - base) if used is not None else None,

@@ -195,7 +195,8 @@ class Running:
         for name in PROBES:
             if name == "xpu-smi":
                 if "xpu-smi discovery" in by_name:
-                    results.append(self._xpusmi(by_name["xpu-smi discovery"], by_name["xpu-smi ps"]))
+                    results.append(self._xpusmi(by_name["xpu-smi discovery"], by_name["xpu-smi ps"],
+                                                by_name.get("xpu-smi version")))
             elif name in by_name:
                 results.append(self._child(by_name[name]))
         order = {n: i for i, n in enumerate(PROBES)}
@@ -221,11 +222,13 @@ class Running:
                 why = f"exited with {j.rc}" + (f": {j.last_error_line()}" if j.last_error_line() else "")
             return ProbeResult(j.name, False, why, None, j.seconds, True)
 
-    def _xpusmi(self, disc: _Job, ps: _Job) -> ProbeResult:
+    def _xpusmi(self, disc: _Job, ps: _Job, ver: _Job | None) -> ProbeResult:
         if disc.timed_out or ps.timed_out:
             return self._timed_out("xpu-smi", [disc, ps])
         seconds = max(disc.seconds, ps.seconds)
-        return xpusmi.probe_result((disc.rc, disc.text()), (ps.rc, ps.text()), seconds, True)
+        # a version that did not answer is an unknown version (the sizes go unused), not a timeout
+        version = (ver.rc, ver.text()) if ver is not None and not ver.timed_out else None
+        return xpusmi.probe_result((disc.rc, disc.text()), (ps.rc, ps.text()), seconds, True, version)
 
 
 def start(environ: dict[str, str], timeout: float = DEFAULT_TIMEOUT,
@@ -252,12 +255,18 @@ def start(environ: dict[str, str], timeout: float = DEFAULT_TIMEOUT,
                 exe = shutil.which("xpu-smi", path=env.get("PATH", os.defpath))
                 if exe is None:
                     missing.append(ProbeResult("xpu-smi", False, "xpu-smi is not on PATH", None, None, True))
-                elif launch("xpu-smi discovery", [exe, "discovery", "-j"]) and not launch(
-                    "xpu-smi ps", [exe, "ps", "-j"]
-                ):
-                    gone = jobs.pop()  # half a probe is none: stop the discovery just started
-                    gone.kill_group()
-                    gone.proc.wait()
+                elif launch("xpu-smi discovery", [exe, "discovery", "-j"]):
+                    if not launch("xpu-smi ps", [exe, "ps", "-j"]):
+                        gone = jobs.pop()  # half a probe is none: stop the discovery just started
+                        gone.kill_group()
+                        gone.proc.wait()
+                    else:
+                        # the unit of ps's sizes depends on the version (parse.xpusmi); one
+                        # that cannot start is an unknown version, not a missing probe
+                        try:
+                            jobs.append(_Job("xpu-smi version", [exe, "--version"], env))
+                        except OSError:
+                            pass
     except BaseException:
         for j in jobs:
             j.kill_group()

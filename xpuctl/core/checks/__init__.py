@@ -32,6 +32,7 @@ CHECKS = (
     "device-lost",
     "gpu-hang",
     "devcoredump",
+    "device-survivability",
     "probe-timeout",
     "collective",
     "last-run",

@@ -1,4 +1,4 @@
-"""The last run's oneCCL hang signatures, and what to try before relaunching."""
+"""The last run's oneCCL/vLLM hang and crash signatures, and what to try before relaunching."""
 
 from __future__ import annotations
 
@@ -11,7 +11,10 @@ def last_run_keys(run: LastRun | None) -> list[str]:
     """The advice keys (core.advice.BY_SIGNATURE) of the newest run: none when it went well."""
     if run is None:
         return []
-    return (["not-ready"] if run.not_ready else []) + [s.key for s in run.signatures]
+    keys = [s.key for s in run.signatures]
+    if any(s.kind == "crash" for s in run.signatures):  # the crash's own advice first
+        return keys + (["not-ready"] if run.not_ready else [])
+    return (["not-ready"] if run.not_ready else []) + keys
 
 
 def last_run_findings(run: LastRun | None) -> list[Finding]:
@@ -20,7 +23,11 @@ def last_run_findings(run: LastRun | None) -> list[Finding]:
     if run is None or not keys:
         return []
     said = []
-    if run.not_ready:
+    crash = next((s for s in run.signatures if s.kind == "crash"), None)
+    if crash is not None:
+        # an error ended the start: it crashed (in the phase it reached), it was not stuck
+        said.append(f"crashed (in: {run.phase})")
+    elif run.not_ready:
         said.append(f"was not ready in time (stuck in: {run.phase})")
     shown = [s for s in run.signatures if not (run.not_ready and s.key == "xccl-stuck")]
     if shown:
@@ -41,7 +48,7 @@ def last_run_findings(run: LastRun | None) -> list[Finding]:
 
 @check("last-run")
 def last_run(c: Ctx) -> list[Finding]:
-    """The newest run ended in a readiness timeout or its log shows a oneCCL hang signature."""
+    """The newest run ended in a readiness timeout or its log shows a oneCCL hang or crash."""
     return last_run_findings(c.snap.last_run)
 
 
