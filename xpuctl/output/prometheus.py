@@ -10,7 +10,7 @@ from typing import Any
 
 from xpuctl import __version__
 from xpuctl.core.checks import CHECKS
-from xpuctl.core.model import Report, Scan
+from xpuctl.core.model import Device, Report, Scan
 from xpuctl.output.safetext import prom_label
 
 
@@ -78,6 +78,9 @@ def _device_families(snap: Scan) -> list[Family]:
         ("xpuctl_device_memory_used_bytes", "Device memory held by clients (de-duplicated DRM fdinfo).",
          [({"device": d.bdf}, float(snap.memory_used(d.bdf) or 0)) for d in devs]),
     ]
+    out.append(("xpuctl_device_holder_info",
+                ("A process holding the device, with its vLLM role and its container or pod "
+                 "(empty labels: none)."), _holder_samples(snap, devs)))
     totals = [({"device": d.bdf}, float(d.memory_total_bytes)) for d in devs if d.memory_total_bytes]
     if totals:
         out.append(("xpuctl_device_memory_total_bytes", "Device memory size.", totals))
@@ -90,6 +93,22 @@ def _device_families(snap: Scan) -> list[Family]:
                     "Device memory in use that no visible process holds, minus the idle baseline (--deep).",
                     [({"device": v.bdf}, float(v.unattributed_bytes))
                      for v in snap.deep.devices if v.unattributed_bytes is not None]))
+    return out
+
+
+def _holder_samples(snap: Scan, devs: list[Device]) -> Samples:
+    """One sample per (device, holder): pid, role, and the pod, namespace and container it
+    runs in, so an alert names what an operator can act on."""
+    out: Samples = []
+    for d in devs:
+        for pid in snap.holders(d.bdf):
+            p = snap.process(pid)
+            c = p.container if p else None
+            out.append(({"device": d.bdf, "pid": str(pid), "role": (p.role if p else None) or "",
+                         "runtime": (c.runtime if c else None) or "",
+                         "namespace": (c.namespace if c else None) or "",
+                         "pod": (c.pod if c else None) or "",
+                         "container": (c.name or c.id[:12]) if c else ""}, 1.0))
     return out
 
 
