@@ -107,10 +107,10 @@ class ContainerLookup:
             except OSError:
                 listed = []
             self._pod_logs = {}
-            for name in listed:
-                found = parse_pod_log_dir(name)
+            for listed_name in listed:
+                found = parse_pod_log_dir(listed_name)
                 if found is not None:
-                    self._pod_logs[found.uid] = name
+                    self._pod_logs[found.uid] = listed_name
         entry = self._pod_logs.get(uid)
         if entry is None:
             return names

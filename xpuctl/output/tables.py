@@ -136,7 +136,7 @@ def processes_table(snap: Scan, title: str = "Processes", width: int = 120) -> A
     out = Text()
     out.append(title, style="bold")
     for i, r in enumerate([heads, *rows]):
-        cells = [c.rjust(w) if j < 2 else c.ljust(w) for j, (c, w) in enumerate(zip(r[:7], widths, strict=True))]
+        cells = [c.rjust(w) if j < 2 else c.ljust(w) for j, (c, w) in enumerate(zip(r[:last], widths, strict=True))]
         head = "  ".join(cells) + "  "
         room = max(12, width - len(head))
         cmd = r[last] if len(r[last]) <= room else r[last][: room - 1] + "…"
