@@ -206,18 +206,27 @@ def test_host_processes_have_no_container_and_no_column(tmp_path):
     assert "POD/CONTAINER" not in cli("--root", str(h.root), "ps").stdout
 
 
-def _holder_samples(text: str) -> list[dict[str, str]]:
+def _holder_samples(text: str) -> list[tuple[dict[str, str], float]]:
     fams = {f.name: f for f in text_string_to_metric_families(text)}
-    return [s.labels for s in fams["xpuctl_device_holder_info"].samples]
+    return [(s.labels, s.value) for s in fams["xpuctl_device_container_holder_processes"].samples]
 
 
 def test_prometheus_holder_labels(tmp_path):
     h = served_in_pod(tmp_path / "host")
+    h.add_process(7100, 1, ["/usr/bin/python3", "train.py"], fds={5: "/dev/dri/renderD128"},
+                  fdinfo={5: fh.xe_fdinfo(40, fh.BDF0, [fh.GiB])})  # on the host, no container
     text = cli("--root", str(h.root), "doctor", "--format", "prometheus").stdout
-    samples = _holder_samples(text)
-    mine = [s for s in samples if s["pid"] == "3020"]
-    assert mine == [{"device": fh.BDF0, "pid": "3020", "role": "worker", "runtime": "containerd",
-                     "namespace": "serving", "pod": "llama-0", "container": "vllm"}]
+    mine = sorted((s for s in _holder_samples(text) if s[0]["device"] == fh.BDF0),
+                  key=lambda s: s[0]["pod"])
+    assert mine == [
+        ({"device": fh.BDF0, "runtime": "", "namespace": "", "pod": "", "container": ""}, 1.0),
+        ({"device": fh.BDF0, "runtime": "containerd", "namespace": "serving", "pod": "llama-0",
+          "container": "vllm"}, 2.0),  # the engine and worker 0
+    ]
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    total = [s.value for s in fams["xpuctl_device_holder_processes"].samples
+             if s.labels["device"] == fh.BDF0]
+    assert total == [3.0]
 
 
 def test_docker_holder_named_in_the_finding(tmp_path):
@@ -299,8 +308,8 @@ def test_hostile_names_are_escaped(tmp_path):
         assert "\x1b" not in out and "\x07" not in out
     text = cli("--root", str(h.root), "doctor", "--format", "prometheus").stdout
     assert "\x1b" not in text
-    mine = [s for s in _holder_samples(text) if s["pid"] == "3020"]
-    assert len(mine) == 1 and mine[0]["pod"].startswith('llama"0\n') and mine[0]["pod"].endswith("red\\")
+    pods = [s[0]["pod"] for s in _holder_samples(text) if s[0]["pod"]]
+    assert len(pods) == 1 and pods[0].startswith('llama"0\n') and pods[0].endswith("red\\")
 
 
 def test_snapshot_round_trip_keeps_only_the_annotations(tmp_path, pinned_now):

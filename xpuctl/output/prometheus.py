@@ -78,9 +78,10 @@ def _device_families(snap: Scan) -> list[Family]:
         ("xpuctl_device_memory_used_bytes", "Device memory held by clients (de-duplicated DRM fdinfo).",
          [({"device": d.bdf}, float(snap.memory_used(d.bdf) or 0)) for d in devs]),
     ]
-    out.append(("xpuctl_device_holder_info",
-                ("A process holding the device, with its vLLM role and its container or pod "
-                 "(empty labels: none)."), _holder_samples(snap, devs)))
+    out.append(("xpuctl_device_container_holder_processes",
+                ("Processes holding the device, by the container and pod they run in (empty "
+                 "labels: on the host); they sum to xpuctl_device_holder_processes."),
+                _holder_samples(snap, devs)))
     totals = [({"device": d.bdf}, float(d.memory_total_bytes)) for d in devs if d.memory_total_bytes]
     if totals:
         out.append(("xpuctl_device_memory_total_bytes", "Device memory size.", totals))
@@ -97,18 +98,20 @@ def _device_families(snap: Scan) -> list[Family]:
 
 
 def _holder_samples(snap: Scan, devs: list[Device]) -> Samples:
-    """One sample per (device, holder): pid, role, and the pod, namespace and container it
-    runs in, so an alert names what an operator can act on."""
+    """One sample per device and container holding it (no pid label: one series per process
+    would grow without bound), so an alert names what an operator can act on."""
     out: Samples = []
     for d in devs:
+        counts: dict[tuple[str, str, str, str], int] = {}
         for pid in snap.holders(d.bdf):
             p = snap.process(pid)
             c = p.container if p else None
-            out.append(({"device": d.bdf, "pid": str(pid), "role": (p.role if p else None) or "",
-                         "runtime": (c.runtime if c else None) or "",
-                         "namespace": (c.namespace if c else None) or "",
-                         "pod": (c.pod if c else None) or "",
-                         "container": (c.name or c.id[:12]) if c else ""}, 1.0))
+            key = ((c.runtime or "", c.namespace or "", c.pod or "", c.name or c.id[:12])
+                   if c else ("", "", "", ""))
+            counts[key] = counts.get(key, 0) + 1
+        for (runtime, namespace, pod, container), n in counts.items():
+            out.append(({"device": d.bdf, "runtime": runtime, "namespace": namespace, "pod": pod,
+                         "container": container}, float(n)))
     return out
 
 
