@@ -34,8 +34,9 @@ from xpuctl.archive.recording import RecordingHost
 from xpuctl.core.model import Report
 from xpuctl.doctor import DeepOptions, diagnose
 from xpuctl.errors import UsageError
+from xpuctl.host import containers
 from xpuctl.host.seam import Host
-from xpuctl.parse import redact
+from xpuctl.parse import redact, runtimestate
 from xpuctl.parse.archive import SCHEMA
 from xpuctl.parse.net import TcpSocket, format_tcp, is_v6
 from xpuctl.state import atomic
@@ -44,6 +45,12 @@ LOG_LINES = 200
 _LOG_TAIL_MAX = 4 << 20  # bytes read from the end of a log for its last lines
 _PID_FILE = re.compile(r"^/proc/(\d+)/(environ|maps)$")
 _NET_TCP = ("/proc/net/tcp", "/proc/net/tcp6")
+#: container runtimes' state (host/containers.py): kept reduced to the names read
+_BUNDLE = re.compile("^(?:" + re.escape(containers.CONTAINERD_TASKS)
+                     + r")/[^/]+/[^/]+/config\.json$|^(?:"
+                     + "|".join(re.escape(d) for d in containers.CRIO_STORAGE)
+                     + r")/[^/]+/userdata/config\.json$")
+_DOCKER_CONFIG = re.compile("^" + re.escape(containers.DOCKER_CONTAINERS) + r"/[^/]+/config\.v2\.json$")
 
 
 class Taken(NamedTuple):
@@ -116,6 +123,10 @@ def _contents(rec: RecordingHost, listeners: list[TcpSocket] | None) -> dict[str
             data = redact.net_unix(text, rec.to_host).encode("utf-8", "surrogateescape")
         elif path in _NET_TCP:
             continue  # written below from the sockets doctor found
+        elif _BUNDLE.match(path):
+            data = runtimestate.reduce_bundle(data)  # the annotations read, nothing else
+        elif _DOCKER_CONFIG.match(path):
+            data = runtimestate.reduce_docker(data)
         out[path] = data
     if listeners is not None:
         out["/proc/net/tcp"] = format_tcp([s for s in listeners if not is_v6(s)]).encode()

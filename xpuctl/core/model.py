@@ -93,6 +93,34 @@ class RayActor(NamedTuple):
     driver_gone: bool = False  # the job ended or its driver is not alive
 
 
+class Container(NamedTuple):
+    """The container a process runs in: from its cgroup (runtime, id), named by the runtime's
+    own state (host/containers.py). A name, never a reason to signal anything."""
+
+    runtime: str | None  # docker | containerd | cri-o | podman; None: a pod's, runtime unknown
+    id: str
+    name: str | None  # the container's name (in a pod: the pod spec's container name)
+    pod: str | None
+    namespace: str | None
+
+    @property
+    def label(self) -> str:
+        """`pod serving/llama-0, container vllm`; outside a pod `container vllm (docker)`."""
+        who = self.name or self.id[:12]
+        if self.pod:
+            where = f"{self.namespace}/{self.pod}" if self.namespace else self.pod
+            return f"pod {where}, container {who}"
+        return f"container {who}" + (f" ({self.runtime})" if self.runtime else "")
+
+    @property
+    def short(self) -> str:
+        """For a table cell: `serving/llama-0/vllm`, or the container's name or short id."""
+        who = self.name or self.id[:12]
+        if self.pod:
+            return "/".join(x for x in (self.namespace, self.pod, who) if x)
+        return who
+
+
 class Process(NamedTuple):
     pid: int
     ppid: int
@@ -116,6 +144,7 @@ class Process(NamedTuple):
     env: dict[str, str] | None = None  # read only when asked for (doctor's env check)
     ray: RayActor | None = None  # the Ray actor it runs, when Ray's state was asked
     blocked: str | None = None  # a file of it that did not answer: its role is unknown
+    container: Container | None = None  # its container or pod (listed processes only)
 
     @property
     def is_vllm(self) -> bool:

@@ -22,6 +22,7 @@ from xpuctl.core.model import (
 )
 from xpuctl.core.rules import Facts, judge, match
 from xpuctl.core.trees import Member, resolve
+from xpuctl.host.containers import ContainerLookup
 from xpuctl.host.devices import DRM_MAJOR, scan_devices
 from xpuctl.host.processes import FdScan, RawProcess, fill_cmdline, scan_processes
 from xpuctl.host.reads.protocol import BlockedRead
@@ -514,6 +515,7 @@ def _processes(host: Host, fds: FdScan, lazy: _Lazy, clients: list[DrmClient],
             for pid in c.pids:
                 mem_by_pid[pid] = mem_by_pid.get(pid, 0) + c.memory_bytes
     procs: dict[int, Process] = {}
+    containers = ContainerLookup(host)
     for pid, raw in relevant.items():
         place = placements.get(pid)
         if place is None and pid not in held:
@@ -539,5 +541,6 @@ def _processes(host: Host, fds: FdScan, lazy: _Lazy, clients: list[DrmClient],
             wchan=_wchan(host, pid) if st.state == "D" else None,
             env=env,
             blocked=stuck[pid].path if pid in stuck else None,
+            container=containers.of(pid) if pid not in stuck else None,
         )
     return procs

@@ -16,6 +16,7 @@ from xpuctl import __version__
 from xpuctl.core.model import (
     Artifact,
     CollectiveResult,
+    Container,
     Device,
     Finding,
     Port,
@@ -52,6 +53,15 @@ def runtime_dict(v: RuntimeView | None) -> dict[str, Any] | None:
     }
 
 
+def holder_containers(snap: Scan, bdf: str) -> list[dict[str, Any]]:
+    """Each holder of a device with its container (null when it runs in none)."""
+    out = []
+    for pid in snap.holders(bdf):
+        p = snap.process(pid)
+        out.append({"pid": pid, "container": container_dict(p.container if p else None)})
+    return out
+
+
 def device_dict(d: Device, snap: Scan) -> dict[str, Any]:
     view = snap.deep.device(d.bdf) if snap.deep else None
     return {
@@ -69,6 +79,7 @@ def device_dict(d: Device, snap: Scan) -> dict[str, Any]:
         "memory_source": snap.memory_source(d.bdf),  # fdinfo | sysfs-clients (i915 backport)
         "memory_total_bytes": d.memory_total_bytes,
         "holders": list(snap.holders(d.bdf)),
+        "holder_containers": holder_containers(snap, d.bdf),
         "unknown_holders": list(snap.unknown_holders(d.bdf)),
         "runtime": runtime_dict(view),  # --deep only
         "unattributed_bytes": view.unattributed_bytes if view else None,
@@ -110,7 +121,15 @@ def process_dict(p: Process) -> dict[str, Any]:
         "wchan": p.wchan,
         "ray": ray_dict(p.ray),
         "blocked": p.blocked,
+        "container": container_dict(p.container),
     }
+
+
+def container_dict(c: Container | None) -> dict[str, Any] | None:
+    """The container or pod a process runs in (null: none, or its cgroup names none)."""
+    if c is None:
+        return None
+    return {"runtime": c.runtime, "id": c.id, "name": c.name, "pod": c.pod, "namespace": c.namespace}
 
 
 def ray_dict(actor: Any) -> dict[str, Any] | None:

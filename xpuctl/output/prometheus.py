@@ -11,7 +11,7 @@ from typing import Any
 from xpuctl import __version__
 from xpuctl.core.checks import CHECKS
 from xpuctl.core.cluster import Family, Sample
-from xpuctl.core.model import Report, Scan
+from xpuctl.core.model import Device, Report, Scan
 from xpuctl.output.safetext import prom_label
 
 
@@ -100,6 +100,10 @@ def _device_families(snap: Scan) -> list[_Family]:
         samples = [({"device": d.bdf}, float(v)) for d in devs if (v := fn(d.bdf)) is not None]
         if samples:
             out.append((name, what, samples))
+    out.append(("xpuctl_device_container_holder_processes",
+                ("Processes holding the device, by the container and pod they run in (empty "
+                 "labels: on the host); they sum to xpuctl_device_holder_processes."),
+                _holder_samples(snap, devs)))
     totals = [({"device": d.bdf}, float(d.memory_total_bytes)) for d in devs if d.memory_total_bytes]
     if totals:
         out.append(("xpuctl_device_memory_total_bytes", "Device memory size.", totals))
@@ -119,6 +123,24 @@ def _device_families(snap: Scan) -> list[_Family]:
         out.append(("xpuctl_collective_ok",
                     "1 when oneCCL init, an all_reduce and destroy passed on the device's group (--collective).",
                     [({"device": b}, 1.0 if c.verdict == "ok" else 0.0) for b in c.bdfs]))
+    return out
+
+
+def _holder_samples(snap: Scan, devs: list[Device]) -> Samples:
+    """One sample per device and container holding it (no pid label: one series per process
+    would grow without bound), so an alert names what an operator can act on."""
+    out: Samples = []
+    for d in devs:
+        counts: dict[tuple[str, str, str, str], int] = {}
+        for pid in snap.holders(d.bdf):
+            p = snap.process(pid)
+            c = p.container if p else None
+            key = ((c.runtime or "", c.namespace or "", c.pod or "", c.name or c.id[:12])
+                   if c else ("", "", "", ""))
+            counts[key] = counts.get(key, 0) + 1
+        for (runtime, namespace, pod, container), n in counts.items():
+            out.append(({"device": d.bdf, "runtime": runtime, "namespace": namespace, "pod": pod,
+                         "container": container}, float(n)))
     return out
 
 

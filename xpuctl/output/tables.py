@@ -57,6 +57,17 @@ def _dev_label(snap: Scan, bdf: str) -> str:
     return str(d.index)
 
 
+def _holders_cell(snap: Scan, holders: tuple[int, ...]) -> Any:
+    """The holders' pids, those in a container followed by its pod and name:
+    `3010, 3020 (serving/llama-0/vllm), 4000`."""
+    groups: dict[str | None, list[int]] = {}
+    for pid in holders:
+        p = snap.process(pid)
+        groups.setdefault(p.container.short if p is not None and p.container else None, []).append(pid)
+    parts = [", ".join(map(str, pids)) + (f" ({where})" if where else "") for where, pids in groups.items()]
+    return _cell(", ".join(parts) or "-")
+
+
 def devices_table(snap: Scan) -> Any:
     from rich.table import Table
     from rich.text import Text
@@ -83,7 +94,7 @@ def devices_table(snap: Scan) -> Any:
             _cell(f"{d.vendor_id or '?'}:{d.device_id or '?'}"),  # ? : not read (a device in reset)
             _used_cell(snap, d.bdf),
             human_bytes(d.memory_total_bytes) if d.memory_total_bytes else "-",
-            ", ".join(map(str, holders)) or "-",
+            _holders_cell(snap, holders),
             *extra,
         )
     return t
@@ -117,7 +128,10 @@ def processes_table(snap: Scan, title: str = "Processes", width: int = 120) -> A
     """A ps-style listing (rich's Table squeezes short columns when a command is long)."""
     from rich.text import Text
 
-    heads = ["PID", "PPID", "S", "ROLE", "DEV", "MEMORY", "RUN", "COMMAND"]
+    # a POD/CONTAINER column only when a listed process runs in a container
+    boxed = any(p.container is not None for p in snap.processes)
+    heads = ["PID", "PPID", "S", "ROLE", "DEV", "MEMORY", "RUN",
+             *(["POD/CONTAINER"] if boxed else []), "COMMAND"]
     rows = []
     for p in snap.processes:
         rows.append(
@@ -129,19 +143,21 @@ def processes_table(snap: Scan, title: str = "Processes", width: int = 120) -> A
                 safe(",".join(_dev_label(snap, b) for b in p.devices) or "-", 64),
                 human_bytes(p.memory_bytes) if p.memory_bytes is not None else "-",
                 safe((p.run_id or "-")[:8]),
+                *([safe(p.container.short if p.container else "-", 64)] if boxed else []),
                 safe(p.command),
             ]
         )
     orphan = [False] + [p.orphan for p in snap.processes]
-    widths = [max([len(heads[i])] + [len(r[i]) for r in rows]) for i in range(7)]
+    last = len(heads) - 1  # the command, cut to the room left
+    widths = [max([len(heads[i])] + [len(r[i]) for r in rows]) for i in range(last)]
     role_at = sum(w + 2 for w in widths[:3])
     out = Text()
     out.append(title, style="bold")
     for i, r in enumerate([heads, *rows]):
-        cells = [c.rjust(w) if j < 2 else c.ljust(w) for j, (c, w) in enumerate(zip(r[:7], widths, strict=True))]
+        cells = [c.rjust(w) if j < 2 else c.ljust(w) for j, (c, w) in enumerate(zip(r[:last], widths, strict=True))]
         head = "  ".join(cells) + "  "
         room = max(12, width - len(head))
-        cmd = r[7] if len(r[7]) <= room else r[7][: room - 1] + "…"
+        cmd = r[last] if len(r[last]) <= room else r[last][: room - 1] + "…"
         line = Text((head + cmd).rstrip())
         if i == 0:
             line.stylize("bold")

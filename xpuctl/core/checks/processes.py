@@ -4,9 +4,20 @@ from __future__ import annotations
 
 from xpuctl.core.checks.registry import Ctx, check, pids
 from xpuctl.core.checks.registry import holders as device_holders_of
-from xpuctl.core.model import Finding
+from xpuctl.core.model import Finding, Process
 from xpuctl.output.units import human_bytes, shorten
 from xpuctl.parse import roles
+
+
+def _in(p: Process) -> str:
+    """` in pod serving/llama-0, container vllm` for a process in a container, else ``."""
+    return f" in {p.container.label}" if p.container is not None else ""
+
+
+def _pods(procs: list[Process]) -> str:
+    """`; in pod serving/llama-0, container vllm` for the containers of some processes."""
+    labels = sorted({p.container.label for p in procs if p.container is not None})
+    return f"; in {'; '.join(labels)}" if labels else ""
 
 
 @check("no-device")
@@ -46,6 +57,7 @@ def orphans(c: Ctx) -> list[Finding]:
         held = f"; they hold {', '.join(devs)}" if devs else ""
         if mem:
             held += f" ({human_bytes(mem)} of device memory)"
+        held += _pods(members)
         out.append(
             Finding(
                 "orphans",
@@ -75,7 +87,7 @@ def device_holders(c: Ctx) -> list[Finding]:
                     "device-holders",
                     "fail" if c.opts.expect_idle else "info",
                     f"{dev.bdf} is busy: held by the live vLLM server {', '.join(map(str, tops))} "
-                    f"({len(serving)} process(es))",
+                    f"({len(serving)} process(es)){_pods(serving)}",
                     f"xpuctl shutdown --pid {tops[0]}" if c.opts.expect_idle else None,
                     dev.bdf,
                     pids(serving),
@@ -89,10 +101,10 @@ def device_holders(c: Ctx) -> list[Finding]:
             has_mem = bool(p.memory_bytes)
             sev = "fail" if c.opts.expect_idle else ("warn" if has_mem else "info")
             mem = f" with {human_bytes(p.memory_bytes)} of device memory" if has_mem else ""
-            what = f"pid {p.pid} ({shorten(p.command)})"
+            what = f"pid {p.pid} ({shorten(p.command)}){_in(p)}"
             if p.ray is not None:  # another Ray job's actor: named by Ray, never vLLM's
                 label = f"{p.ray.class_name or '?'}" + (f" '{p.ray.name}'" if p.ray.name else "")
-                what = f"Ray actor {label} of job {p.ray.job_id or '?'} (pid {p.pid})"
+                what = f"Ray actor {label} of job {p.ray.job_id or '?'} (pid {p.pid}){_in(p)}"
             out.append(
                 Finding(
                     "device-holders",
@@ -123,7 +135,8 @@ def device_memory(c: Ctx) -> list[Finding]:
                     "device-memory",
                     "fail",
                     f"{human_bytes(orphan_mem)} of {dev.bdf} memory is held by orphaned vLLM "
-                    "processes; the next server on this device will run out of memory",
+                    f"processes{_pods(orphaned)}; the next server on this device will run out of "
+                    "memory",
                     f"xpuctl shutdown --device {dev.bdf}",
                     dev.bdf,
                     pids(orphaned),
@@ -168,7 +181,7 @@ def stuck_processes(c: Ctx) -> list[Finding]:
                 Finding(
                     "stuck-processes",
                     "fail" if p.orphan or c.opts.expect_idle else "warn",
-                    f"pid {p.pid} ({shorten(p.command, 40)}) is in uninterruptible sleep (D) in "
+                    f"pid {p.pid} ({shorten(p.command, 40)}){_in(p)} is in uninterruptible sleep (D) in "
                     f"{p.wchan or 'an unknown kernel function'}; it cannot die until the driver "
                     "returns",
                     "wait for the driver; if it never returns, the device needs a reset "
