@@ -4,7 +4,7 @@ ranks' own import of torch (target < 2 s), and a hung group's total time (target
 timeout, plus the runs alone, plus 2 s at most). See bench/README.md.
 
 In-process `xpuctl.probes.collective.run_collective` on a fake root with two xe GPUs
-(tests/fakehost.py), rounds interleaved, wall time by `time.perf_counter`:
+(tests/support/fakehost.py), rounds interleaved, wall time by `time.perf_counter`:
 
   standin      the collective stand-ins (tests/standins/collective: torch.xpu and a real TCP
                rendezvous), healthy
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "tests" / "support"))
 sys.path.insert(0, str(REPO))
 
 import fakehost as fh
