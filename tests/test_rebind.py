@@ -211,3 +211,36 @@ def test_rebind_only_rebinds_xe_and_i915(tmp_path: Path) -> None:
                if (e / "driver").resolve().name == "amdgpu")
     result = reset(h.root, tmp_path / "state", "--device", amd, "--rebind", "--yes")
     assert result.exit_code == 2 and "xe and i915 devices only" in result.output
+
+
+STANDINS = Path(__file__).parent / "standins" / "collective"  # the collective check's torch stand-in
+
+
+@pytest.mark.parametrize(("scenario", "code", "verdict"), [
+    ({}, 0, "ok"),
+    ({"crash": {"0": "all_reduce"}}, 1, "failed"),
+])
+def test_rebind_with_collective_checks_the_device_once_it_is_back(
+        tmp_path: Path, driver_for, monkeypatch, scenario, code, verdict) -> None:
+    """issue 21 §4: with --collective the device is checked by the collective check too, once
+    its render node is back; a failure there is what is missing (exit 1)."""
+    h = clean_host(tmp_path / "h")
+    driver_for(h.root)
+    (tmp_path / "scenario.json").write_text(json.dumps({"collective": scenario}))
+    monkeypatch.setenv("XPUCTL_STANDIN", str(tmp_path / "scenario.json"))
+    monkeypatch.setenv("PYTHONPATH", str(STANDINS))
+    monkeypatch.delenv("XPUCTL_TEST_COLLECTIVE_BACKEND", raising=False)
+    result = reset(h.root, tmp_path / "state", "--device", "0", "--rebind", "--yes", "--json",
+                   "--collective", "--collective-timeout", "20")
+    assert result.exit_code == code, result.output
+    data = json.loads(result.stdout)
+    (found,) = [f for f in data["findings"] if f["check"] == "collective"]
+    assert (found["severity"] == "fail") == (verdict != "ok"), found
+    if verdict != "ok":
+        assert any(m.startswith("collective:") for m in data["missing"]), data["missing"]
+
+
+def test_collective_without_rebind_is_a_usage_error(tmp_path: Path) -> None:
+    h = clean_host(tmp_path / "h")
+    result = reset(h.root, tmp_path / "state", "--collective", "--dry-run")
+    assert result.exit_code == 2 and "--collective" in result.output

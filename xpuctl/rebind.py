@@ -157,8 +157,10 @@ def _until(pred: Callable[[], Any], seconds: float) -> Any:
 
 
 def execute(host: Host, plan: RebindPlan, bind_timeout: float, kill_after: float,
-            timeout: float | None, say: Callable[[str], None]) -> RebindOutcome:
-    from xpuctl.doctor import diagnose
+            timeout: float | None, say: Callable[[str], None], collective: float | None = None,
+            environ: dict[str, str] | None = None) -> RebindOutcome:
+    """`collective`: also run the collective check on the device once it is back (its timeout)."""
+    from xpuctl.doctor import CollectiveOptions, diagnose
 
     bdf = plan.device.bdf
     missing: list[str] = []
@@ -189,7 +191,10 @@ def execute(host: Host, plan: RebindPlan, bind_timeout: float, kill_after: float
         missing.append(f"no render node for {bdf} {bind_timeout:g} s after the bind")
         return RebindOutcome((unbind, bind), gone, None, tuple(missing), None)
     say(f"{bdf} is back as {back}")
-    after = diagnose(host, devices=[bdf])
+    if collective is not None:
+        say(f"checking {bdf}: oneCCL init, one all_reduce and destroy (--collective)")
+    after = diagnose(host, devices=[bdf], caller_env=environ,
+                     collective=CollectiveOptions(collective) if collective is not None else None)
     missing.extend(f"{f.check}: {f.message}" for f in after.findings if f.severity == "fail")
     return RebindOutcome((unbind, bind), gone, back, tuple(missing), after)
 
@@ -206,7 +211,8 @@ def outcome_dict(out: RebindOutcome) -> dict[str, Any]:
 
 
 def run(host: Host, bdfs: tuple[str, ...], *, dry_run: bool, yes: bool, kill_holders: bool,
-        kill_after: float, timeout: float | None, bind_timeout: float, state_dir: str | None,
+        kill_after: float, timeout: float | None, bind_timeout: float, collective: float | None,
+        state_dir: str | None,
         environ: dict[str, str], as_json: bool, say: Callable[[str], None],
         confirm: Callable[[], bool], write_json: Callable[[dict[str, Any]], object]) -> int:
     """The whole `reset --rebind`; returns the exit code."""
@@ -225,7 +231,7 @@ def run(host: Host, bdfs: tuple[str, ...], *, dry_run: bool, yes: bool, kill_hol
     if not yes and not confirm():
         return int(ExitCode.PROBLEMS)  # a "no": nothing was changed
     with audit.recording(resolve_state_dir(host, state_dir, environ), "reset") as log:
-        out = execute(host, plan, bind_timeout, kill_after, timeout, say)
+        out = execute(host, plan, bind_timeout, kill_after, timeout, say, collective, environ)
     warning = lines.audit_warning(log)
     if warning:
         say(warning)

@@ -11,6 +11,8 @@ from xpuctl.cli.context import AppContext, app_context, open_source
 from xpuctl.cli.group import command_app
 from xpuctl.cli.guard import guard
 from xpuctl.cli.options import (
+    CollectiveOpt,
+    CollectiveTimeoutOpt,
     DeepOpt,
     DeviceOpt,
     Format,
@@ -61,19 +63,8 @@ def doctor(
         typer.Option("--unattributed-threshold", metavar="SIZE",
                      help="With --deep: device memory no visible process explains above this fails."),
     ] = "1GiB",
-    collective: Annotated[
-        bool,
-        typer.Option("--collective", help="Also run oneCCL/XCCL init, one all_reduce and destroy "
-                     "across the devices (one rank per device, child processes on the Python "
-                     "running xpuctl, as --deep's torch probe), bounded; a hang names its phase "
-                     "and, rerun alone, its card."),
-    ] = False,
-    collective_timeout: Annotated[
-        float,
-        typer.Option("--collective-timeout", min=0.5, metavar="SECONDS",
-                     help="With --collective: kill the ranks (as one session) after SECONDS; the "
-                     "runs alone after a failure get as long again."),
-    ] = 30.0,
+    collective: CollectiveOpt = False,
+    collective_timeout: CollectiveTimeoutOpt = 30.0,
     state_dir: StateDirOpt = None,
     from_: FromOpt = None,
     ray: RayOpt = None,

@@ -139,6 +139,19 @@ StateDirOpt = Annotated[
         show_default="/run/xpuctl as root, else $XDG_RUNTIME_DIR/xpuctl, else /tmp/xpuctl-UID",
     ),
 ]
+CollectiveOpt = Annotated[
+    bool,
+    typer.Option("--collective", help="Also run oneCCL/XCCL init, one all_reduce and destroy "
+                 "across the devices (one rank per device, child processes on the Python "
+                 "running xpuctl, as --deep's torch probe), bounded; a hang names its phase "
+                 "and, rerun alone, its card."),
+]
+CollectiveTimeoutOpt = Annotated[
+    float,
+    typer.Option("--collective-timeout", min=0.5, metavar="SECONDS",
+                 help="With --collective: kill the ranks (as one session) after SECONDS; the "
+                 "runs alone after a failure get as long again."),
+]
 KillAfterOpt = Annotated[
     float, typer.Option("--kill-after", min=0, help="Seconds between SIGTERM and SIGKILL for survivors.")
 ]

@@ -10,7 +10,15 @@ import typer
 from xpuctl.cli.context import app_context
 from xpuctl.cli.group import command_app
 from xpuctl.cli.guard import guard
-from xpuctl.cli.options import DeviceOpt, JsonOpt, KillAfterOpt, StateDirOpt, port_option
+from xpuctl.cli.options import (
+    CollectiveOpt,
+    CollectiveTimeoutOpt,
+    DeviceOpt,
+    JsonOpt,
+    KillAfterOpt,
+    StateDirOpt,
+    port_option,
+)
 from xpuctl.errors import ExitCode, UsageError
 from xpuctl.output.safetext import emit
 
@@ -37,6 +45,8 @@ def reset(
     ] = False,
     rebind: Annotated[bool, typer.Option("--rebind", help="Root: unbind and bind the one --device's driver (the kernel's recovery of a wedged card), then check it again. Refuses while anything holds it, unless --kill-holders.")] = False,
     bind_timeout: Annotated[float, typer.Option("--bind-timeout", min=0, help="--rebind: seconds to wait for the DRM nodes to go after the unbind, and for the render node after the bind.")] = 30.0,
+    collective: CollectiveOpt = False,
+    collective_timeout: CollectiveTimeoutOpt = 30.0,
     state_dir: StateDirOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -60,12 +70,15 @@ def reset(
         bdfs = resolve_device_specs(a.host, list(device or []))
         if device_reset:
             raise UsageError("--rebind and --device-reset are two different recoveries: pick one")
+        checks = collective_timeout if collective else None
         raise typer.Exit(rebind_run(
             a.host, bdfs, dry_run=dry_run, yes=yes, kill_holders=kill_holders,
-            kill_after=kill_after, timeout=timeout, bind_timeout=bind_timeout,
+            kill_after=kill_after, timeout=timeout, bind_timeout=bind_timeout, collective=checks,
             state_dir=state_dir, environ=a.environ, as_json=as_json,
             say=lambda line: emit(sys.stderr if as_json else sys.stdout, line), confirm=_confirm,
             write_json=lambda doc: sys.stdout.write(documents.to_json(doc) + "\n")))
+    if collective:
+        raise UsageError("--collective checks a device after --rebind: use doctor --collective")
     stream = sys.stderr if as_json else sys.stdout
     request = flow.Request(tuple(device or []), port, dry_run, timeout, kill_after, device_reset,
                            kill_holders, a.environ)
