@@ -36,7 +36,7 @@ from xpuctl.host import split as Sp
 from xpuctl.host.seam import Host
 
 
-def plain(host: Host) -> processes.FdScan:
+def plain(host: Host) -> processes.FdTable:
     saved, Sp.SPLIT_ABOVE = Sp.SPLIT_ABOVE, 1 << 30
     try:
         return processes.scan_processes(host)
@@ -44,9 +44,9 @@ def plain(host: Host) -> processes.FdScan:
         Sp.SPLIT_ABOVE = saved
 
 
-def two_threads(host: Host) -> processes.FdScan:
+def two_threads(host: Host) -> processes.FdTable:
     pids = processes.list_pids(host)
-    out, half = processes.FdScan(), processes.FdScan()
+    out, half = processes.FdTable(), processes.FdTable()
     t = threading.Thread(target=processes._scan_some, args=(host, pids[1::2], frozenset(), half))
     t.start()
     processes._scan_some(host, pids[0::2], frozenset(), out)
@@ -55,7 +55,7 @@ def two_threads(host: Host) -> processes.FdScan:
     return out
 
 
-def split(host: Host) -> processes.FdScan:
+def split(host: Host) -> processes.FdTable:
     saved, Sp.SPLIT_ABOVE = Sp.SPLIT_ABOVE, 0
     try:
         return processes.scan_processes(host)

@@ -289,7 +289,7 @@ def test_unclean_last_run_on_the_runs_devices(tmp_path):
 
     def rec(name, devices, state, at, **kw):
         write_record(sd, RunRecord(name=name, run_id=name, pid=None, start_ticks=None, session=None,
-                                   command=["vllm"], devices=devices, port=8000, host="127.0.0.1",
+                                   command=["vllm"], devices=devices, port=8000, bind="127.0.0.1",
                                    shutdown_timeout=None, drain_timeout=1, teardown_timeout=1,
                                    log_path="", state=state, stopped_at=at, **kw))
 
@@ -350,7 +350,7 @@ def test_serve_runs_it_after_an_unclean_last_run_unless_fast_or_force(tmp_path, 
     root, env = serve_root
     sd = ensure_state_dir(str(tmp_path / "state"))
     write_record(sd, RunRecord(name="old", run_id="old", pid=None, start_ticks=None, session=None,
-                               command=["vllm"], devices=[BDF1], port=8000, host="127.0.0.1",
+                               command=["vllm"], devices=[BDF1], port=8000, bind="127.0.0.1",
                                shutdown_timeout=None, drain_timeout=1, teardown_timeout=1,
                                log_path="", state="failed", exit_code=137, stopped_at=1.0))
     out = _serve(tmp_path, root, env, "--devices", "1")

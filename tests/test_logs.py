@@ -33,7 +33,7 @@ def make_run(state: Path, name: str, content: bytes, supervisor: int | None = No
         fh.write(content)
     rec = runs.RunRecord(name=name, run_id="0123456789abcdef", pid=None, start_ticks=None,
                          session=None, command=["vllm", "serve", "m"], devices=[], port=8000,
-                         host="127.0.0.1", shutdown_timeout=30, drain_timeout=10.0,
+                         bind="127.0.0.1", shutdown_timeout=30, drain_timeout=10.0,
                          teardown_timeout=20.0, log_path=log, state=state_name,
                          supervisor_pid=supervisor)
     runs.write_record(sdir, rec)

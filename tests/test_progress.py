@@ -301,7 +301,7 @@ def test_a_tree_that_never_became_ready_gets_the_teardown_budget_only():
     from xpuctl.state.runs import RunRecord
 
     rec = RunRecord(name="r", run_id="1" * 16, pid=10, start_ticks=1, session=10, command=[],
-                    devices=[], port=8000, host="127.0.0.1", shutdown_timeout=50,
+                    devices=[], port=8000, bind="127.0.0.1", shutdown_timeout=50,
                     drain_timeout=40, teardown_timeout=7, log_path="/x", state="starting")
     top = Target(10, 1, "api-server")
     ready = ServerTree(top=top, role="api-server", orphan=False, shutdown_timeout=50, record=rec)

@@ -79,7 +79,7 @@ def test_the_scan_asks_ray_in_the_environment_it_is_given(monkeypatch):
     monkeypatch.setattr(bridge, "call", call)
     monkeypatch.setenv("RAY_ADDRESS", "10.9.9.9:1")  # this process's: never used
     given = {"RAY_ADDRESS": "10.0.0.5:6379", bridge.PYTHON_VAR: "/opt/ray/bin/python"}
-    snap = actors.scan_with_ray(Host("/"), given, scan=lambda: _scan(_actor_proc(4242)))
+    snap = actors.scan_with_ray(Host("/"), given, take=lambda: _scan(_actor_proc(4242)))
     assert seen == {"op": "state", "address": "10.0.0.5:6379", "python": "/opt/ray/bin/python",
                     "environ": given}
     assert snap.processes[0].role == roles.WORKER

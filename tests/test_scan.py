@@ -106,7 +106,7 @@ def test_fd_links_on_a_fake_tree_lists_the_directory(tmp_path):
                                          ("7", "socket:[99]")]
 
 
-def summary(scan: processes.FdScan, pids: list[int]) -> dict:
+def summary(scan: processes.FdTable, pids: list[int]) -> dict:
     mine = set(pids)
     return {
         "procs": sorted(p for p in scan.procs if p in mine),
@@ -164,7 +164,7 @@ def test_split_pass_falls_back_when_the_helper_fails(population, monkeypatch):
     def broken(self):  # runs in the helper: it exits 1 without writing anything
         raise RuntimeError("helper broke")
 
-    monkeypatch.setattr(processes.FdScan, "dumps", broken)
+    monkeypatch.setattr(processes.FdTable, "dumps", broken)
     before = set(children_left())
     scan = processes.scan_processes(host)
     assert set(pids) <= set(scan.procs)
@@ -189,7 +189,7 @@ def test_no_split_while_other_threads_run(monkeypatch):
 
 def test_fdscan_survives_the_pipe():
     st = processes.ProcStat("python3", "S", 1, 10, 10, 4, 123456)
-    scan = processes.FdScan()
+    scan = processes.FdTable()
     scan.procs[10] = processes.RawProcess(10, st, ["vllm", "serve", "caf\udcc3"], "api-server", None)
     scan.procs[11] = processes.RawProcess(11, st._replace(state="D"), None, None, None, False)
     scan.drm_fds.append((10, "5", "/dev/dri/renderD128"))
@@ -198,7 +198,7 @@ def test_fdscan_survives_the_pipe():
     scan.files["/tmp/odd \udcff name"] = [11]
     scan.unreadable.append(11)
     scan.malformed.append(12)
-    back = processes.FdScan.loads(scan.dumps())
+    back = processes.FdTable.loads(scan.dumps())
     assert {p: (r.stat, r.cmdline, r.role, r.rank, r.fds_readable) for p, r in back.procs.items()} == {
         10: (st, ["vllm", "serve", "caf\udcc3"], "api-server", None, True),
         11: (st._replace(state="D"), None, None, None, False),

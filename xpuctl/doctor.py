@@ -68,14 +68,14 @@ def remove_collective_files(paths: tuple[str, ...], state_dir: str | None) -> tu
     from xpuctl.state import audit
 
     live = Host("/")
-    snap = take_scan(live, port=None, want_env=False)
+    scan = take_scan(live, port=None, want_env=False)
     wanted = set(paths)
-    seen = {a.path: a for a in snap.artifacts if a.path in wanted}
-    planned = [a for a in cleanup.removable(snap) if a.path in wanted]
+    seen = {a.path: a for a in scan.artifacts if a.path in wanted}
+    planned = [a for a in cleanup.removable(scan) if a.path in wanted]
     kept = [f"{a.path}: {a.reason}" for p, a in sorted(seen.items()) if a not in planned]
     if planned:
         with audit.recording(state_dir, "doctor") if state_dir else nullcontext():
-            kept += [f"{r.path}: {r.reason}" for r in cleanup.remove(live, planned, snap)
+            kept += [f"{r.path}: {r.reason}" for r in cleanup.remove(live, planned, scan)
                      if not r.removed]
     return tuple(kept)
 
@@ -97,24 +97,24 @@ def pid_namespace_issue(host: Host) -> Issue | None:
     )
 
 
-def deep_scan(host: Host, environ: dict[str, str], deep: DeepOptions, **scan: Any) -> Scan:
+def deep_scan(host: Host, environ: dict[str, str], deep: DeepOptions, **options: Any) -> Scan:
     """The probes run while /proc is scanned; the probe children are left out of the scan."""
     from xpuctl.probes import baseline, reconcile, runner
 
     if deep.recorded is not None:
-        snap = take_scan(host, **scan)
+        scan = take_scan(host, **options)
         results, pids, idle, problem = deep.recorded
     else:
         running = runner.start(environ, deep.timeout, since=deep.since)
         try:
-            snap = take_scan(host, exclude_pids=running.pids, **scan)
+            scan = take_scan(host, exclude_pids=running.pids, **options)
         finally:
             results = running.finish()
         pids = tuple(sorted(running.pids))
         idle, problem = baseline.load_baseline(deep.state_dir)
     if problem:
-        snap = snap._replace(issues=snap.issues + (problem,))
-    return reconcile.attach(host, snap, results, idle, pids)
+        scan = scan._replace(issues=scan.issues + (problem,))
+    return reconcile.attach(host, scan, results, idle, pids)
 
 
 def diagnose(
@@ -152,23 +152,23 @@ def diagnose(
         assert deep is not None
         return deep_scan(host, env, deep, port=opts.port, caller_env=caller_env)
 
-    snap = scan_with_ray(host, env, address=ray_address, fetch=ray_fetch,
-                         scan=deep_scanned if deep is not None else None,
+    scan = scan_with_ray(host, env, address=ray_address, fetch=ray_fetch,
+                         take=deep_scanned if deep is not None else None,
                          port=opts.port, caller_env=caller_env)
     from xpuctl.host.kernel import read_kernel
 
-    log, dumps, kernel_issues = read_kernel(host, snap.devices)
-    snap = snap._replace(kernel=log, coredumps=dumps, issues=snap.issues + tuple(kernel_issues))
+    log, dumps, kernel_issues = read_kernel(host, scan.devices)
+    scan = scan._replace(kernel=log, coredumps=dumps, issues=scan.issues + tuple(kernel_issues))
     ns = pid_namespace_issue(host)
     if ns is not None:
-        snap = snap._replace(issues=snap.issues + (ns,))
+        scan = scan._replace(issues=scan.issues + (ns,))
     if state_dir:
         from xpuctl.state.lastrun import last_run
 
-        snap = snap._replace(last_run=last_run(state_dir))
+        scan = scan._replace(last_run=last_run(state_dir))
     if checked is not None:
-        snap = snap._replace(collective=checked)
-    return evaluate(snap, opts)
+        scan = scan._replace(collective=checked)
+    return evaluate(scan, opts)
 
 
 def write_textfile(path: str, text: str, state_dir: str | None) -> None:

@@ -13,7 +13,7 @@ from xpuctl.host.seam import Host
 class ProcessListing(NamedTuple):
     runs: list[Any]  # RunRow: xpuctl's runs from their records, live ones only
     processes: list[Process]
-    snap: Scan  # the scan, for the device labels
+    scan: Scan  # the scan, for the device labels
 
 
 def list_processes(host: Host, specs: list[str], show_all: bool, state_dir: str | None,
@@ -26,17 +26,17 @@ def list_processes(host: Host, specs: list[str], show_all: bool, state_dir: str 
     from xpuctl.state.live import live_runs
 
     bdfs = set(resolve_device_specs(host, specs))
-    snap = scan_with_ray(host, environ, port=None, artifacts=False)
+    scan = scan_with_ray(host, environ, port=None, artifacts=False)
     procs = [
         p
-        for p in snap.processes
+        for p in scan.processes
         if (p.role is not None or show_all) and (not bdfs or bdfs & set(p.devices) or (p.role and not p.devices))
     ]
     if bdfs:
         tops = {p.top for p in procs if bdfs & set(p.devices)}
         procs = [p for p in procs if p.devices or p.top in tops]
     runs = live_runs(host, state_dir) if state_dir and host.proc_is_live else []
-    return ProcessListing(runs, procs, snap._replace(processes=tuple(procs)))
+    return ProcessListing(runs, procs, scan._replace(processes=tuple(procs)))
 
 
 def list_devices(host: Host, environ: dict[str, str], deep: Any, record_baseline: bool,
@@ -44,21 +44,21 @@ def list_devices(host: Host, environ: dict[str, str], deep: Any, record_baseline
     """The devices scan, and with `record_baseline` what was recorded as each idle device's
     baseline (the scan is then shown against it). `deep`: DeepOptions for --deep, else None;
     `replayed`: a --deep snapshot's probes, shown as devices --deep showed them."""
-    scan: dict[str, Any] = {"port": None, "want_env": False, "artifacts": False}
+    options: dict[str, Any] = {"port": None, "want_env": False, "artifacts": False}
     if deep is None and replayed is None:
         from xpuctl.ray.actors import scan_with_ray
 
-        return scan_with_ray(host, environ, **scan), None
+        return scan_with_ray(host, environ, **options), None
     from xpuctl.doctor import DeepOptions, deep_scan
 
     if deep is not None and record_baseline:
         from xpuctl.probes import baseline, reconcile
 
-        snap = deep_scan(host, environ, deep._replace(state_dir=None), **scan)
-        recorded = baseline.record_baseline(deep.state_dir, snap)
+        scan = deep_scan(host, environ, deep._replace(state_dir=None), **options)
+        recorded = baseline.record_baseline(deep.state_dir, scan)
         idle, _ = baseline.load_baseline(deep.state_dir)
-        assert snap.deep is not None
-        return reconcile.attach(host, snap, snap.deep.probes, idle, snap.deep.probe_pids), recorded
+        assert scan.deep is not None
+        return reconcile.attach(host, scan, scan.deep.probes, idle, scan.deep.probe_pids), recorded
     if deep is not None:
-        return deep_scan(host, environ, deep, **scan), None
-    return deep_scan(host, {}, DeepOptions(recorded=replayed), **scan), None
+        return deep_scan(host, environ, deep, **options), None
+    return deep_scan(host, {}, DeepOptions(recorded=replayed), **options), None

@@ -63,21 +63,21 @@ def make_plan(host: Host, bdfs: tuple[str, ...], kill_holders: bool) -> RebindPl
         raise UsageError("--rebind needs exactly one --device")
     if host.live and os.geteuid() != 0:
         raise UsageError("--rebind needs root (it writes the driver's unbind and bind files)")
-    snap = take_scan(host, port=None, want_env=False, artifacts=False)
-    dev = snap.device(bdfs[0])
+    scan = take_scan(host, port=None, want_env=False, artifacts=False)
+    dev = scan.device(bdfs[0])
     if dev is None:
         raise UsageError(f"device {bdfs[0]} is not visible")
     if dev.driver not in DRIVERS:
         raise UsageError(f"device {dev.bdf} has driver {dev.driver or 'none'}: --rebind "
                          f"rebinds {' and '.join(DRIVERS)} devices only")
     bdf = dev.bdf
-    pids = sorted(set(snap.holders(bdf)) | set(snap.unknown_holders(bdf)))
-    allowed = {h.pid: h for h in find_holders(host, snap, {bdf})}
+    pids = sorted(set(scan.holders(bdf)) | set(scan.unknown_holders(bdf)))
+    allowed = {h.pid: h for h in find_holders(host, scan, {bdf})}
     blockers: list[Blocker] = []
     trees: list[ServerTree] = []
     tops: set[int] = set()
     for pid in pids:
-        p = snap.process(pid)
+        p = scan.process(pid)
         command = p.command if p is not None else "?"
         if p is not None and p.role is not None:  # vLLM: only an orphaned tree may be stopped
             if not p.orphan:
@@ -94,7 +94,7 @@ def make_plan(host: Host, bdfs: tuple[str, ...], kill_holders: bool) -> RebindPl
         if h.why_not is None and h.tree is not None:
             trees.append(h.tree)
     for top in sorted(tops):
-        tree = tree_from_scan(snap, top, host)
+        tree = tree_from_scan(scan, top, host)
         if tree is not None:
             tree.orphan = True
             trees.append(tree)
@@ -167,8 +167,8 @@ def execute(host: Host, plan: RebindPlan, bind_timeout: float, kill_after: float
     if plan.trees:
         stop(host, list(plan.trees), timeout=timeout, kill_after=kill_after, release_timeout=10.0,
              on_event=lambda ev: say(event_line(ev)))
-        snap = take_scan(host, port=None, want_env=False, artifacts=False)
-        still = sorted(set(snap.holders(bdf)) | set(snap.unknown_holders(bdf)))
+        scan = take_scan(host, port=None, want_env=False, artifacts=False)
+        still = sorted(set(scan.holders(bdf)) | set(scan.unknown_holders(bdf)))
         if still:
             return RebindOutcome((), False, None, (
                 f"still held by pid(s) {', '.join(map(str, still))}: not unbound",), None)

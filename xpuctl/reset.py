@@ -89,16 +89,16 @@ def _ancestry(parents: dict[int, int], pid: int) -> list[int]:
     return chain
 
 
-def find_holders(host: Host, snap: Scan, wanted: set[str]) -> list[Holder]:
+def find_holders(host: Host, scan: Scan, wanted: set[str]) -> list[Holder]:
     """Non-vLLM processes holding a target device, each with whether it may be stopped."""
-    targets = wanted or {d.bdf for d in snap.devices if d.is_intel}
-    held = [p for p in snap.processes
+    targets = wanted or {d.bdf for d in scan.devices if d.is_intel}
+    held = [p for p in scan.processes
             if p.role is None and not p.is_zombie and targets & set(p.devices)]
     if not held:
         return []
     foreign = not can_signal(host)
-    serving = {p.pid for p in snap.processes if p.role is not None and not p.orphan and not p.is_zombie}
-    live_runs = {p.run_id for p in snap.processes
+    serving = {p.pid for p in scan.processes if p.role is not None and not p.orphan and not p.is_zombie}
+    live_runs = {p.run_id for p in scan.processes
                  if p.role == API_SERVER and not p.orphan and not p.is_zombie and p.run_id}
     parents = _parents(host) if not foreign else {}
     mine = {os.getpid(), *_ancestry(parents, os.getpid())} if not foreign else set()
@@ -148,7 +148,7 @@ class Execution:
     after: Report
 
 
-def _kept_only_by(a: Artifact, snap: Scan, orphans: set[int]) -> bool:
+def _kept_only_by(a: Artifact, scan: Scan, orphans: set[int]) -> bool:
     """Is this file kept from being stale only by the orphans this reset stops? Then it is
     planned for removal once they are gone (re-judged on a fresh scan first): files they
     hold open, vLLM's FileStore (kept while any vLLM process of its owner lives; nobody holds
@@ -158,7 +158,7 @@ def _kept_only_by(a: Artifact, snap: Scan, orphans: set[int]) -> bool:
     if a.open_by:
         return set(a.open_by) <= orphans
     if a.kind == "filestore":
-        keepers = {p.pid for p in snap.processes if p.role is not None and not p.is_zombie
+        keepers = {p.pid for p in scan.processes if p.role is not None and not p.is_zombie
                    and (p.uid is None or p.uid == a.owner_uid)}
         return bool(keepers) and keepers <= orphans
     m = CCL_PID.match(a.path.rsplit("/", 1)[-1])
@@ -171,11 +171,11 @@ def make_plan(host: Host, bdfs: tuple[str, ...], port: int | None, device_reset:
     from xpuctl.ray.actors import scan_with_ray
 
     # Ray actors of an orphaned driver are orphans of its tree (Ray's state ties them)
-    snap = scan_with_ray(host, environ, port=port or DEFAULT_PORT)
+    scan = scan_with_ray(host, environ, port=port or DEFAULT_PORT)
     wanted = set(bdfs)
     notes: list[str] = []
     orphans = [
-        p for p in snap.processes
+        p for p in scan.processes
         if p.orphan and not p.is_zombie and (not wanted or not p.devices or wanted & set(p.devices))
     ]
     tops = sorted({p.top or p.pid for p in orphans})
@@ -184,16 +184,16 @@ def make_plan(host: Host, bdfs: tuple[str, ...], port: int | None, device_reset:
         notes.append("orphans found, but this root's /proc is not the live one: they cannot be stopped from here")
     elif tops:
         for top in tops:
-            tree = tree_from_scan(snap, top, host)
+            tree = tree_from_scan(scan, top, host)
             if tree is not None:
                 tree.orphan = True
                 trees.append(tree)
     orphan_pids = sorted(p.pid for p in orphans)
-    files = removable(snap)
-    skipped = [(a, f"owned by uid {a.owner_uid}") for a in snap.artifacts if a.stale and not may_delete(a.owner_uid)]
-    pending = [a for a in snap.artifacts
-               if not a.stale and may_delete(a.owner_uid) and _kept_only_by(a, snap, set(orphan_pids))]
-    stuck = snap.blocked_pids()
+    files = removable(scan)
+    skipped = [(a, f"owned by uid {a.owner_uid}") for a in scan.artifacts if a.stale and not may_delete(a.owner_uid)]
+    pending = [a for a in scan.artifacts
+               if not a.stale and may_delete(a.owner_uid) and _kept_only_by(a, scan, set(orphan_pids))]
+    stuck = scan.blocked_pids()
     if stuck and pending:
         notes.append(f"skipped: {len(pending)} file(s) held by the orphans are kept: pid(s) "
                      f"{', '.join(map(str, stuck))} did not answer and may use them")
@@ -208,7 +208,7 @@ def make_plan(host: Host, bdfs: tuple[str, ...], port: int | None, device_reset:
         if len(bdfs) != 1:
             raise UsageError("--device-reset needs exactly one --device")
         resets = list(bdfs)
-    holders = find_holders(host, snap, wanted)
+    holders = find_holders(host, scan, wanted)
     return Plan(trees, orphan_pids, files, pending, skipped, resets, notes, holders, kill_holders)
 
 

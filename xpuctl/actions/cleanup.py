@@ -31,8 +31,8 @@ class Removal(NamedTuple):
     reason: str
 
 
-def removable(snap: Scan, euid: int | None = None) -> list[Artifact]:
-    return [a for a in snap.artifacts if a.stale and may_delete(a.owner_uid, euid)]
+def removable(scan: Scan, euid: int | None = None) -> list[Artifact]:
+    return [a for a in scan.artifacts if a.stale and may_delete(a.owner_uid, euid)]
 
 
 def remove(host: Host, planned: list[Artifact], fresh: Scan, euid: int | None = None) -> list[Removal]:

@@ -69,13 +69,13 @@ def open_source(ctx: Any, from_: str | None) -> tuple[Host, dict[str, str], Any]
     from xpuctl.archive.replay import open_snapshot
 
     opened = open_snapshot(from_)
-    snap = opened.__enter__()
+    scan = opened.__enter__()
     ctx.call_on_close(lambda: opened.__exit__(None, None, None))
-    m = snap.manifest
+    m = scan.manifest
     when = time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(m.time))
     emit(sys.stderr, f"xpuctl: snapshot of {safe(m.host or '?')} taken {when} "
                      f"(xpuctl {safe(m.version)}, uid {m.uid}, {len(m.unreadable)} unreadable)")
-    return snap.host, dict(m.caller_env), snap.probes  # probes: a --deep capture's results
+    return scan.host, dict(m.caller_env), scan.probes  # probes: a --deep capture's results
 
 
 def own_age_seconds() -> float | None:

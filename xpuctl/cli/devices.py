@@ -63,22 +63,22 @@ def devices(
         raise UsageError("--record-baseline under --root keeps the baseline of this machine: "
                          "name the state directory (--state-dir)")
     opts = deep_options(probe_timeout, "1GiB", sdir) if deep else None
-    snap, recorded = list_devices(host, a.environ, opts, record_baseline, replayed)
+    scan, recorded = list_devices(host, a.environ, opts, record_baseline, replayed)
     if as_json:
         from xpuctl.output.documents import devices_document, to_json
 
-        sys.stdout.write(to_json(devices_document(snap, recorded)) + "\n")
+        sys.stdout.write(to_json(devices_document(scan, recorded)) + "\n")
         return
     from xpuctl.output.lines import blocked_lines
     from xpuctl.output.safetext import emit
     from xpuctl.output.tables import print_devices, probes_line
     from xpuctl.output.units import human_bytes
 
-    for warning in blocked_lines(snap):
+    for warning in blocked_lines(scan):
         emit(sys.stderr, f"xpuctl: warning: {warning}")
 
-    print_devices(a.out, snap)
-    line = probes_line(snap)
+    print_devices(a.out, scan)
+    line = probes_line(scan)
     if line:
         a.out.print(line, highlight=False)
     for bdf, n, note in recorded or []:

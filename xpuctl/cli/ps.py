@@ -46,12 +46,12 @@ def ps(
     if as_json:
         from xpuctl.output.documents import ps_document, to_json
 
-        sys.stdout.write(to_json(ps_document(listing.runs, listing.processes, listing.snap)) + "\n")
+        sys.stdout.write(to_json(ps_document(listing.runs, listing.processes, listing.scan)) + "\n")
         return
     from xpuctl.output.lines import blocked_lines
     from xpuctl.output.safetext import emit
 
-    for line in blocked_lines(listing.snap):  # stderr: the table stays what it was
+    for line in blocked_lines(listing.scan):  # stderr: the table stays what it was
         emit(sys.stderr, f"xpuctl: warning: {line}")
 
     if listing.runs:
@@ -63,4 +63,4 @@ def ps(
         return
     from xpuctl.output.tables import processes_table
 
-    a.out.print(processes_table(listing.snap, "vLLM processes", a.out.width), no_wrap=True, crop=True)
+    a.out.print(processes_table(listing.scan, "vLLM processes", a.out.width), no_wrap=True, crop=True)

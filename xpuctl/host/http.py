@@ -1,4 +1,4 @@
-"""Tiny HTTP probes of a vLLM server: /health, /v1/models, /metrics (stdlib http.client)."""
+"""Tiny HTTP requests to a vLLM server: /health, /v1/models, /metrics (stdlib http.client)."""
 
 from __future__ import annotations
 

@@ -38,8 +38,9 @@ class RawProcess:
         return f"RawProcess(pid={self.pid}, comm={self.stat.comm!r}, role={self.role!r})"
 
 
-class FdScan:
-    """What the pass over /proc found."""
+class FdTable:
+    """The open files of every process, as the pass over /proc found them (not a Scan: the
+    scan is built from it)."""
 
     __slots__ = ("dmabuf_fds", "drm_fds", "files", "malformed", "procs", "sockets", "unreadable")
 
@@ -52,7 +53,7 @@ class FdScan:
         self.unreadable: list[int] = []  # pids whose fds we could not read
         self.malformed: list[int] = []  # pids whose stat we could not parse
 
-    def merge(self, other: FdScan) -> None:
+    def merge(self, other: FdTable) -> None:
         self.procs.update(other.procs)
         self.drm_fds.extend(other.drm_fds)
         self.dmabuf_fds.extend(other.dmabuf_fds)
@@ -71,7 +72,7 @@ class FdScan:
                               self.unreadable, self.malformed))
 
     @classmethod
-    def loads(cls, data: bytes) -> FdScan:
+    def loads(cls, data: bytes) -> FdTable:
         procs, drm, dmabuf, sockets, files, unreadable, malformed = marshal.loads(data)
         out = cls()
         for pid, st, argv, role, rank, readable in procs:
@@ -178,7 +179,7 @@ def fill_cmdline(host: Host, proc: RawProcess) -> list[str]:
 _KEEP = ("/dev/dri/", "/dev/shm/", "/tmp/", "/dmabuf:", "socket:[", "anon_inode:dmabuf")
 
 
-def _scan_some(host: Host, pids: Iterable[int], skip: frozenset[int], out: FdScan) -> None:
+def _scan_some(host: Host, pids: Iterable[int], skip: frozenset[int], out: FdTable) -> None:
     procs = out.procs
     drm = out.drm_fds
     dmabuf = out.dmabuf_fds
@@ -233,18 +234,18 @@ def _scan_some(host: Host, pids: Iterable[int], skip: frozenset[int], out: FdSca
                 dmabuf.append((pid, fd))  # anon_inode:dmabuf
 
 
-def scan_processes(host: Host, skip_pids: frozenset[int] = frozenset()) -> FdScan:
+def scan_processes(host: Host, skip_pids: frozenset[int] = frozenset()) -> FdTable:
     try:
         pids = list_pids(host)
     except OSError:
-        return FdScan()
+        return FdTable()
 
-    def work(some: Iterable[int]) -> FdScan:
-        part = FdScan()
+    def work(some: Iterable[int]) -> FdTable:
+        part = FdTable()
         _scan_some(host, some, skip_pids, part)
         return part
 
-    out, *rest = in_two(work, pids, FdScan.dumps, FdScan.loads, split=host.splittable and host.reader is None,
+    out, *rest = in_two(work, pids, FdTable.dumps, FdTable.loads, split=host.splittable and host.reader is None,
                          in_helper=host.in_split_helper)
     for part in rest:
         out.merge(part)

@@ -24,7 +24,7 @@ from xpuctl.core.rules import Facts, judge, match
 from xpuctl.core.trees import Member, resolve
 from xpuctl.host.containers import ContainerLookup
 from xpuctl.host.devices import DRM_MAJOR, scan_devices
-from xpuctl.host.processes import FdScan, RawProcess, fill_cmdline, scan_processes
+from xpuctl.host.processes import FdTable, RawProcess, fill_cmdline, scan_processes
 from xpuctl.host.reads.protocol import BlockedRead
 from xpuctl.host.seam import CLK_TCK, Host  # noqa: F401 (CLK_TCK: cli's own-age check)
 from xpuctl.host.split import in_two
@@ -48,7 +48,7 @@ def own_pids(host: Host) -> frozenset[int]:
 class _Lazy:
     """Host reads that only some scans need: done once, on first use."""
 
-    def __init__(self, host: Host, fds: FdScan) -> None:
+    def __init__(self, host: Host, fds: FdTable) -> None:
         self.host = host
         self.fds = fds
         self._maps: dict[str, list[int]] | None = None
@@ -109,7 +109,7 @@ def _read_opt(host: Host, path: str, limit: int = 1 << 20) -> bytes | None:
 
 
 def _drm_clients(
-    host: Host, fds: FdScan, devices: list[Device]
+    host: Host, fds: FdTable, devices: list[Device]
 ) -> tuple[list[DrmClient], dict[int, set[str]]]:
     by_node: dict[str, Device] = {}
     by_minor: dict[int, Device] = {}
@@ -222,7 +222,7 @@ def _sysfs_memory(host: Host, clients: list[DrmClient], devices: list[Device]) -
 
 
 def _dmabufs(
-    host: Host, fds: FdScan, devices: list[Device], held: dict[int, set[str]]
+    host: Host, fds: FdTable, devices: list[Device], held: dict[int, set[str]]
 ) -> list[DmabufHold]:
     out: list[DmabufHold] = []
     for pid, fd in fds.dmabuf_fds:
@@ -258,7 +258,7 @@ def _details(host: Host, pid: int, want_env: bool) -> tuple[int | None, dict[str
 
 
 def _artifacts(
-    host: Host, fds: FdScan, lazy: _Lazy, procs: list[Process], now: float,
+    host: Host, fds: FdTable, lazy: _Lazy, procs: list[Process], now: float,
     stuck: dict[int, BlockedRead],
 ) -> tuple[list[Artifact], list[Issue]]:
     issues: list[Issue] = []
@@ -341,7 +341,7 @@ def listening_sockets(host: Host) -> list[TcpSocket]:
     return out
 
 
-def _ports(host: Host, fds: FdScan, procs: dict[int, Process], port: int | None) -> list[Port]:
+def _ports(host: Host, fds: FdTable, procs: dict[int, Process], port: int | None) -> list[Port]:
     listeners = listening_sockets(host)
     host.found_listeners(listeners)
     out: list[Port] = []
@@ -380,7 +380,7 @@ def _ports(host: Host, fds: FdScan, procs: dict[int, Process], port: int | None)
     return sorted(out, key=lambda x: (x.port, x.pid or 0))
 
 
-def _tag_run_leaders(host: Host, fds: FdScan) -> None:
+def _tag_run_leaders(host: Host, fds: FdTable) -> None:
     """The process `xpuctl serve` launched is a session leader carrying XPUCTL_RUN_ID: it is
     the top of that vLLM run even when its argv is not one we recognise (a wrapper script)."""
     for pid, proc in fds.procs.items():
@@ -391,7 +391,7 @@ def _tag_run_leaders(host: Host, fds: FdScan) -> None:
             proc.role = API_SERVER
 
 
-def _stuck(host: Host, fds: FdScan) -> dict[int, BlockedRead]:
+def _stuck(host: Host, fds: FdTable) -> dict[int, BlockedRead]:
     """pid -> the first of its files that did not answer (host/reads/)."""
     stuck: dict[int, BlockedRead] = {}
     for b in host.blocked_reads():
@@ -407,7 +407,7 @@ def _wchan(host: Host, pid: int) -> str | None:
     return (w.decode("ascii", "replace").strip() or None) if w else None
 
 
-def _unreadable(host: Host, fds: FdScan, stuck: dict[int, BlockedRead]) -> list[Unreadable]:
+def _unreadable(host: Host, fds: FdTable, stuck: dict[int, BlockedRead]) -> list[Unreadable]:
     """The processes that did not answer a read, then those whose fds we may not read."""
     out = []
     for pid, b in sorted(stuck.items()):
@@ -481,7 +481,7 @@ def take_scan(
     )
 
 
-def _holdings(host: Host, fds: FdScan, devices: list[Device]
+def _holdings(host: Host, fds: FdTable, devices: list[Device]
               ) -> tuple[list[DrmClient], dict[int, set[str]], list[DmabufHold]]:
     """The DRM clients, each process's devices (through a DRM fd or a dma-buf), the dma-bufs."""
     clients, held = _drm_clients(host, fds, devices)
@@ -493,7 +493,7 @@ def _holdings(host: Host, fds: FdScan, devices: list[Device]
     return clients, held, dmabufs
 
 
-def _processes(host: Host, fds: FdScan, lazy: _Lazy, clients: list[DrmClient],
+def _processes(host: Host, fds: FdTable, lazy: _Lazy, clients: list[DrmClient],
                held: dict[int, set[str]], stuck: dict[int, Any], want_env: bool) -> dict[int, Process]:
     """The processes a scan describes: vLLM ones (and candidates) plus every holder, placed
     in their server trees."""

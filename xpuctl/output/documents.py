@@ -53,17 +53,17 @@ def runtime_dict(v: RuntimeView | None) -> dict[str, Any] | None:
     }
 
 
-def holder_containers(snap: Scan, bdf: str) -> list[dict[str, Any]]:
+def holder_containers(scan: Scan, bdf: str) -> list[dict[str, Any]]:
     """Each holder of a device with its container (null when it runs in none)."""
     out = []
-    for pid in snap.holders(bdf):
-        p = snap.process(pid)
+    for pid in scan.holders(bdf):
+        p = scan.process(pid)
         out.append({"pid": pid, "container": container_dict(p.container if p else None)})
     return out
 
 
-def device_dict(d: Device, snap: Scan) -> dict[str, Any]:
-    view = snap.deep.device(d.bdf) if snap.deep else None
+def device_dict(d: Device, scan: Scan) -> dict[str, Any]:
+    view = scan.deep.device(d.bdf) if scan.deep else None
     return {
         "index": d.index,
         "bdf": d.bdf,
@@ -73,25 +73,25 @@ def device_dict(d: Device, snap: Scan) -> dict[str, Any]:
         "vendor_id": d.vendor_id,
         "device_id": d.device_id,
         "intel": d.is_intel,
-        "memory_used_bytes": snap.memory_used(d.bdf),  # fdinfo: shared buffers counted once
-        "memory_shared_bytes": snap.memory_shared(d.bdf),  # fdinfo drm-shared, per client, summed
-        "memory_resident_bytes": snap.memory_resident(d.bdf),  # fdinfo drm-resident
-        "memory_source": snap.memory_source(d.bdf),  # fdinfo | sysfs-clients (i915 backport)
+        "memory_used_bytes": scan.memory_used(d.bdf),  # fdinfo: shared buffers counted once
+        "memory_shared_bytes": scan.memory_shared(d.bdf),  # fdinfo drm-shared, per client, summed
+        "memory_resident_bytes": scan.memory_resident(d.bdf),  # fdinfo drm-resident
+        "memory_source": scan.memory_source(d.bdf),  # fdinfo | sysfs-clients (i915 backport)
         "memory_total_bytes": d.memory_total_bytes,
-        "holders": list(snap.holders(d.bdf)),
-        "holder_containers": holder_containers(snap, d.bdf),
-        "unknown_holders": list(snap.unknown_holders(d.bdf)),
+        "holders": list(scan.holders(d.bdf)),
+        "holder_containers": holder_containers(scan, d.bdf),
+        "unknown_holders": list(scan.unknown_holders(d.bdf)),
         "runtime": runtime_dict(view),  # --deep only
         "unattributed_bytes": view.unattributed_bytes if view else None,
-        **kernel_dict(d, snap),
+        **kernel_dict(d, scan),
     }
 
 
-def kernel_dict(d: Device, snap: Scan) -> dict[str, Any]:
+def kernel_dict(d: Device, scan: Scan) -> dict[str, Any]:
     """What the kernel said of the device: declared wedged (and not initialised since), a
     pending crash dump."""
-    event = snap.kernel.wedged(d.bdf) if snap.kernel is not None else None
-    dump = next((c for c in snap.coredumps if c.bdf == d.bdf), None)
+    event = scan.kernel.wedged(d.bdf) if scan.kernel is not None else None
+    dump = next((c for c in scan.coredumps if c.bdf == d.bdf), None)
     return {
         "wedged": {"since_boot_seconds": round(event.record.seconds, 6),
                    "record": event.record.text} if event is not None else None,
@@ -165,9 +165,9 @@ def port_dict(p: Port) -> dict[str, Any]:
     }
 
 
-def blocked_dicts(snap: Scan) -> list[dict[str, str]]:
+def blocked_dicts(scan: Scan) -> list[dict[str, str]]:
     """Every read that did not answer within the bound, processes' and sysfs' alike."""
-    return [{"path": i.source, "reason": i.reason} for i in snap.blocked]
+    return [{"path": i.source, "reason": i.reason} for i in scan.blocked]
 
 
 def unreadable_dict(u: Unreadable) -> dict[str, Any]:
@@ -197,22 +197,22 @@ def finding_dict(f: Finding) -> dict[str, Any]:
 
 
 def doctor_dict(report: Report) -> dict[str, Any]:
-    snap = report.scan
+    scan = report.scan
     return {
         "schema": "xpuctl.doctor/1",
         "version": __version__,
-        "root": snap.root,
-        "taken_at": snap.taken_at,
+        "root": scan.root,
+        "taken_at": scan.taken_at,
         "status": report.status,
-        "devices": [device_dict(d, snap) for d in snap.devices],
-        "processes": [process_dict(p) for p in snap.processes],
-        "artifacts": [artifact_dict(a) for a in snap.artifacts],
-        "ports": [port_dict(p) for p in snap.ports],
+        "devices": [device_dict(d, scan) for d in scan.devices],
+        "processes": [process_dict(p) for p in scan.processes],
+        "artifacts": [artifact_dict(a) for a in scan.artifacts],
+        "ports": [port_dict(p) for p in scan.ports],
         "findings": [finding_dict(f) for f in report.findings],
-        "unreadable_processes": [unreadable_dict(u) for u in snap.unreadable_processes],
-        "blocked_reads": blocked_dicts(snap),
-        "probes": [probe_dict(r) for r in snap.deep.probes] if snap.deep else [],
-        "collective": collective_dict(snap.collective) if snap.collective else None,
+        "unreadable_processes": [unreadable_dict(u) for u in scan.unreadable_processes],
+        "blocked_reads": blocked_dicts(scan),
+        "probes": [probe_dict(r) for r in scan.deep.probes] if scan.deep else [],
+        "collective": collective_dict(scan.collective) if scan.collective else None,
     }
 
 
@@ -240,22 +240,22 @@ def run_dict(r: Any) -> dict[str, Any]:
             "port": r.port, "devices": list(r.devices), "run_id": r.run_id}
 
 
-def ps_document(runs: list[Any], processes: list[Process], snap: Scan | None = None) -> dict[str, Any]:
-    """`ps --json`; `snap`: the scan, for what it could not read."""
+def ps_document(runs: list[Any], processes: list[Process], scan: Scan | None = None) -> dict[str, Any]:
+    """`ps --json`; `scan`: the scan, for what it could not read."""
     return {"schema": "xpuctl.ps/1", "runs": [run_dict(r) for r in runs],
             "processes": [process_dict(p) for p in processes],
-            "unreadable_processes": [unreadable_dict(u) for u in snap.unreadable_processes] if snap else [],
-            "blocked_reads": blocked_dicts(snap) if snap else []}
+            "unreadable_processes": [unreadable_dict(u) for u in scan.unreadable_processes] if scan else [],
+            "blocked_reads": blocked_dicts(scan) if scan else []}
 
 
-def devices_document(snap: Scan, baseline: list[tuple[str, int | None, str]] | None) -> dict[str, Any]:
+def devices_document(scan: Scan, baseline: list[tuple[str, int | None, str]] | None) -> dict[str, Any]:
     """`devices --json`; `baseline` is what --record-baseline recorded (None: not asked)."""
     data: dict[str, Any] = {"schema": "xpuctl.devices/1",
-                            "devices": [device_dict(d, snap) for d in snap.devices],
-                            "unreadable_processes": [unreadable_dict(u) for u in snap.unreadable_processes],
-                            "blocked_reads": blocked_dicts(snap)}
-    if snap.deep is not None:
-        data["probes"] = [probe_dict(r) for r in snap.deep.probes]
+                            "devices": [device_dict(d, scan) for d in scan.devices],
+                            "unreadable_processes": [unreadable_dict(u) for u in scan.unreadable_processes],
+                            "blocked_reads": blocked_dicts(scan)}
+    if scan.deep is not None:
+        data["probes"] = [probe_dict(r) for r in scan.deep.probes]
     if baseline is not None:
         data["baseline"] = [{"bdf": b, "memory_used_bytes": n, "note": note} for b, n, note in baseline]
     return data

@@ -94,11 +94,11 @@ def reset_result_lines(findings: list[Finding], status: str) -> list[str]:
     return [f"still failing: {f.check}: {safe(f.message)}" for f in findings] + [f"status: {status}"]
 
 
-def blocked_lines(snap: Scan) -> list[str]:
+def blocked_lines(scan: Scan) -> list[str]:
     """One line per read that did not answer within the bound (ps, devices, snapshot): which
     process, which file, and that nothing was judged on it."""
     out = []
-    for u in snap.unreadable_processes:
+    for u in scan.unreadable_processes:
         if not u.blocked:
             continue
         what = u.command or (f"[{u.comm}]" if u.comm else "command unknown")
@@ -106,7 +106,7 @@ def blocked_lines(snap: Scan) -> list[str]:
         state += f" in {u.wchan}" if u.wchan and u.wchan != "0" else ""
         out.append(safe(f"pid {u.pid} ({what}{state}): {u.file} {u.reason}; "
                         "its role and what it holds are unknown", 400))
-    for issue in snap.blocked:
-        if not any(u.file == issue.source for u in snap.unreadable_processes):
+    for issue in scan.blocked:
+        if not any(u.file == issue.source for u in scan.unreadable_processes):
             out.append(safe(f"{issue.source} {issue.reason}", 400))
     return out

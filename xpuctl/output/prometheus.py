@@ -81,42 +81,42 @@ def _doctor_families(report: Report) -> list[_Family]:
     ]
 
 
-def _device_families(snap: Scan) -> list[_Family]:
-    devs = [d for d in snap.devices if d.is_intel]
+def _device_families(scan: Scan) -> list[_Family]:
+    devs = [d for d in scan.devices if d.is_intel]
     out: list[_Family] = [
         ("xpuctl_device_holder_processes", "Processes holding the device open.",
-         [({"device": d.bdf}, float(len(snap.holders(d.bdf)))) for d in devs]),
+         [({"device": d.bdf}, float(len(scan.holders(d.bdf)))) for d in devs]),
         ("xpuctl_device_orphan_processes", "Orphaned vLLM processes holding the device.",
-         [({"device": d.bdf}, float(sum(1 for p in snap.processes if p.orphan and d.bdf in p.devices)))
+         [({"device": d.bdf}, float(sum(1 for p in scan.processes if p.orphan and d.bdf in p.devices)))
           for d in devs]),
         ("xpuctl_device_memory_used_bytes", "Device memory held by clients (de-duplicated DRM fdinfo).",
-         [({"device": d.bdf}, float(snap.memory_used(d.bdf) or 0)) for d in devs]),
+         [({"device": d.bdf}, float(scan.memory_used(d.bdf) or 0)) for d in devs]),
     ]
     for name, what, fn in (
             ("xpuctl_device_memory_shared_bytes", "Device memory in DRM fdinfo drm-shared, summed over clients.",
-             snap.memory_shared),
+             scan.memory_shared),
             ("xpuctl_device_memory_resident_bytes", "Device memory in DRM fdinfo drm-resident, summed over clients.",
-             snap.memory_resident)):
+             scan.memory_resident)):
         samples = [({"device": d.bdf}, float(v)) for d in devs if (v := fn(d.bdf)) is not None]
         if samples:
             out.append((name, what, samples))
     out.append(("xpuctl_device_container_holder_processes",
                 ("Processes holding the device, by the container and pod they run in (empty "
                  "labels: on the host); they sum to xpuctl_device_holder_processes."),
-                _holder_samples(snap, devs)))
+                _holder_samples(scan, devs)))
     totals = [({"device": d.bdf}, float(d.memory_total_bytes)) for d in devs if d.memory_total_bytes]
     if totals:
         out.append(("xpuctl_device_memory_total_bytes", "Device memory size.", totals))
-    if snap.deep is not None:
+    if scan.deep is not None:
         out.append(("xpuctl_probe_available", "1 when the deep probe answered (--deep).",
-                    [({"probe": r.name}, 1.0 if r.available else 0.0) for r in snap.deep.probes]))
+                    [({"probe": r.name}, 1.0 if r.available else 0.0) for r in scan.deep.probes]))
         # the family is always there with --deep (alerts can name it); a device whose used
         # memory no probe reported has no sample
         out.append(("xpuctl_device_unattributed_bytes",
                     "Device memory in use that no visible process holds, minus the idle baseline (--deep).",
                     [({"device": v.bdf}, float(v.unattributed_bytes))
-                     for v in snap.deep.devices if v.unattributed_bytes is not None]))
-    c = snap.collective
+                     for v in scan.deep.devices if v.unattributed_bytes is not None]))
+    c = scan.collective
     if c is not None and c.verdict != "unavailable":
         # every device of the group is 0 when the group hung or failed: that is what a
         # launch on them does (the finding names the card at fault from the runs alone)
@@ -126,14 +126,14 @@ def _device_families(snap: Scan) -> list[_Family]:
     return out
 
 
-def _holder_samples(snap: Scan, devs: list[Device]) -> Samples:
+def _holder_samples(scan: Scan, devs: list[Device]) -> Samples:
     """One sample per device and container holding it (no pid label: one series per process
     would grow without bound), so an alert names what an operator can act on."""
     out: Samples = []
     for d in devs:
         counts: dict[tuple[str, str, str, str], int] = {}
-        for pid in snap.holders(d.bdf):
-            p = snap.process(pid)
+        for pid in scan.holders(d.bdf):
+            p = scan.process(pid)
             c = p.container if p else None
             key = ((c.runtime or "", c.namespace or "", c.pod or "", c.name or c.id[:12])
                    if c else ("", "", "", ""))
@@ -144,8 +144,8 @@ def _holder_samples(snap: Scan, devs: list[Device]) -> Samples:
     return out
 
 
-def _file_families(snap: Scan) -> list[_Family]:
-    stale = [a for a in snap.artifacts if a.stale]
+def _file_families(scan: Scan) -> list[_Family]:
+    stale = [a for a in scan.artifacts if a.stale]
     return [
         ("xpuctl_stale_files", "Stale shm/IPC files by kind.",
          [({"kind": k}, float(sum(1 for a in stale if a.kind == k))) for k in STALE_KINDS]),

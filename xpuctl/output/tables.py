@@ -25,20 +25,20 @@ _STATUS_STYLE = {"clean": "bold green", "busy": "bold cyan", "dirty": "bold red"
 
 
 
-def _used_cell(snap: Scan, bdf: str) -> str:
+def _used_cell(scan: Scan, bdf: str) -> str:
     """fdinfo's used memory (shared counted once), with what is resident and shared beside it
     when the driver prints them and they differ from it."""
-    used = snap.memory_used(bdf)
+    used = scan.memory_used(bdf)
     if used is None:
         return "-"
     extra = []
-    resident = snap.memory_resident(bdf)
+    resident = scan.memory_resident(bdf)
     if resident is not None and resident != used:
         extra.append(f"{human_bytes(resident)} resident")
-    shared = snap.memory_shared(bdf)
+    shared = scan.memory_shared(bdf)
     if shared:
         extra.append(f"{human_bytes(shared)} shared")
-    if "sysfs-clients" in (snap.memory_source(bdf) or ""):
+    if "sysfs-clients" in (scan.memory_source(bdf) or ""):
         extra.append("from the i915 clients sysfs")
     return human_bytes(used) + (f" ({', '.join(extra)})" if extra else "")
 
@@ -49,38 +49,38 @@ def _cell(value: object) -> Any:
     return Text(safe(value))
 
 
-def _dev_label(snap: Scan, bdf: str) -> str:
+def _dev_label(scan: Scan, bdf: str) -> str:
     """The Level Zero index when there is one (short), else the BDF."""
-    d = snap.device(bdf)
+    d = scan.device(bdf)
     if d is None or d.index is None:
         return bdf
     return str(d.index)
 
 
-def _holders_cell(snap: Scan, holders: tuple[int, ...]) -> Any:
+def _holders_cell(scan: Scan, holders: tuple[int, ...]) -> Any:
     """The holders' pids, those in a container followed by its pod and name:
     `3010, 3020 (serving/llama-0/vllm), 4000`."""
     groups: dict[str | None, list[int]] = {}
     for pid in holders:
-        p = snap.process(pid)
+        p = scan.process(pid)
         groups.setdefault(p.container.short if p is not None and p.container else None, []).append(pid)
     parts = [", ".join(map(str, pids)) + (f" ({where})" if where else "") for where, pids in groups.items()]
     return _cell(", ".join(parts) or "-")
 
 
-def devices_table(snap: Scan) -> Any:
+def devices_table(scan: Scan) -> Any:
     from rich.table import Table
     from rich.text import Text
 
     t = Table(expand=False)
-    deep_cols = ("device used", "unattributed", "state") if snap.deep else ()
+    deep_cols = ("device used", "unattributed", "state") if scan.deep else ()
     right = ("#", "memory used", "total", "device used", "unattributed")
     for col in ("#", "BDF", "node", "driver", "id", "memory used", "total", "holders", *deep_cols):
         t.add_column(col, justify="right" if col in right else "left", no_wrap=True)
-    for d in snap.devices:
-        holders = snap.holders(d.bdf)
-        view = snap.deep.device(d.bdf) if snap.deep else None
-        extra = () if not snap.deep else (
+    for d in scan.devices:
+        holders = scan.holders(d.bdf)
+        view = scan.deep.device(d.bdf) if scan.deep else None
+        extra = () if not scan.deep else (
             "-" if view is None or view.memory_used_bytes is None
             else f"{human_bytes(view.memory_used_bytes)} ({view.source})",
             "-" if view is None or view.unattributed_bytes is None else human_bytes(view.unattributed_bytes),
@@ -92,22 +92,22 @@ def devices_table(snap: Scan) -> Any:
             _cell((d.render_node or d.card_node or "-").rsplit("/", 1)[-1]),
             _cell(d.driver or "?"),
             _cell(f"{d.vendor_id or '?'}:{d.device_id or '?'}"),  # ? : not read (a device in reset)
-            _used_cell(snap, d.bdf),
+            _used_cell(scan, d.bdf),
             human_bytes(d.memory_total_bytes) if d.memory_total_bytes else "-",
-            _holders_cell(snap, holders),
+            _holders_cell(scan, holders),
             *extra,
         )
     return t
 
 
-def probes_line(snap: Scan) -> Any:
+def probes_line(scan: Scan) -> Any:
     """One line naming each deep probe and whether it answered (a rich Text, no markup)."""
-    if snap.deep is None:
+    if scan.deep is None:
         return None
     from rich.text import Text
 
     line = Text("deep probes: ")
-    for n, r in enumerate(snap.deep.probes):
+    for n, r in enumerate(scan.deep.probes):
         if n:
             line.append(", ")
         line.append(f"{r.name} ")
@@ -118,36 +118,36 @@ def probes_line(snap: Scan) -> Any:
             line.append("timed out", style="yellow")
         else:
             line.append("unavailable", style="dim")
-    why = [f"{r.name}: {safe(r.reason or '?')}" for r in snap.deep.probes if not r.available]
+    why = [f"{r.name}: {safe(r.reason or '?')}" for r in scan.deep.probes if not r.available]
     if why:
         line.append("  (" + "; ".join(why) + ")")
     return line
 
 
-def processes_table(snap: Scan, title: str = "Processes", width: int = 120) -> Any:
+def processes_table(scan: Scan, title: str = "Processes", width: int = 120) -> Any:
     """A ps-style listing (rich's Table squeezes short columns when a command is long)."""
     from rich.text import Text
 
     # a POD/CONTAINER column only when a listed process runs in a container
-    boxed = any(p.container is not None for p in snap.processes)
+    boxed = any(p.container is not None for p in scan.processes)
     heads = ["PID", "PPID", "S", "ROLE", "DEV", "MEMORY", "RUN",
              *(["POD/CONTAINER"] if boxed else []), "COMMAND"]
     rows = []
-    for p in snap.processes:
+    for p in scan.processes:
         rows.append(
             [
                 str(p.pid),
                 str(p.ppid),
                 safe(p.state + (f"({p.wchan})" if p.wchan else ""), 64),
                 safe((p.role or "-") + (f" {p.rank}" if p.rank else "") + (" ORPHAN" if p.orphan else ""), 64),
-                safe(",".join(_dev_label(snap, b) for b in p.devices) or "-", 64),
+                safe(",".join(_dev_label(scan, b) for b in p.devices) or "-", 64),
                 human_bytes(p.memory_bytes) if p.memory_bytes is not None else "-",
                 safe((p.run_id or "-")[:8]),
                 *([safe(p.container.short if p.container else "-", 64)] if boxed else []),
                 safe(p.command),
             ]
         )
-    orphan = [False] + [p.orphan for p in snap.processes]
+    orphan = [False] + [p.orphan for p in scan.processes]
     last = len(heads) - 1  # the command, cut to the room left
     widths = [max([len(heads[i])] + [len(r[i]) for r in rows]) for i in range(last)]
     role_at = sum(w + 2 for w in widths[:3])
@@ -185,13 +185,13 @@ def runs_table(rows: list[Any]) -> Any:
     return out
 
 
-def print_devices(console: Console, snap: Scan) -> None:
+def print_devices(console: Console, scan: Scan) -> None:
     """The devices table, or a plain sentence where it would be empty."""
-    if not any(d.is_intel for d in snap.devices):
+    if not any(d.is_intel for d in scan.devices):
         console.print("no Intel GPU found", highlight=False)
-    if snap.devices:
+    if scan.devices:
         _heading(console, "Devices")
-        console.print(devices_table(snap))
+        console.print(devices_table(scan))
 
 
 def _heading(console: Console, title: str) -> None:
@@ -242,14 +242,14 @@ def _hanging(out: Any, text: str, room: int, indent: int, style: str | None = No
 def print_doctor(console: Console, report: Report) -> None:
     from rich.text import Text
 
-    snap = report.scan
-    print_devices(console, snap)
-    line = probes_line(snap)
+    scan = report.scan
+    print_devices(console, scan)
+    line = probes_line(scan)
     if line:
         console.print(line, highlight=False)
-    if snap.processes:
-        console.print(processes_table(snap, width=console.width), no_wrap=True, crop=True)
-    stale = [a for a in snap.artifacts if a.stale]
+    if scan.processes:
+        console.print(processes_table(scan, width=console.width), no_wrap=True, crop=True)
+    stale = [a for a in scan.artifacts if a.stale]
     if stale:
         from rich.table import Table
 

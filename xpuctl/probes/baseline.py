@@ -50,16 +50,16 @@ def load_baseline(state_dir: str | None) -> tuple[dict[str, int], Issue | None]:
     return _used_bytes(devices), problem
 
 
-def record_baseline(state_dir: str, snap: Scan) -> list[tuple[str, int | None, str]]:
+def record_baseline(state_dir: str, scan: Scan) -> list[tuple[str, int | None, str]]:
     """Record the used memory of every device nothing holds. [(bdf, bytes or None, note)]."""
-    assert snap.deep is not None
+    assert scan.deep is not None
     state_dir = ensure_state_dir(state_dir)
     path = os.path.join(state_dir, BASELINE_FILE)
     devices, _ = _baseline_records(state_dir)  # one read: kept records and the current figures
     current = _used_bytes(devices)
     out: list[tuple[str, int | None, str]] = []
-    for v in snap.deep.devices:
-        holders = set(snap.holders(v.bdf)) | {p.pid for p in v.processes}
+    for v in scan.deep.devices:
+        holders = set(scan.holders(v.bdf)) | {p.pid for p in v.processes}
         used = v.memory_used_bytes
         if holders:
             out.append((v.bdf, None, f"not recorded: held by pid(s) {', '.join(map(str, sorted(holders)))}"))

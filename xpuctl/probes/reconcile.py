@@ -14,17 +14,17 @@ from xpuctl.parse.probes import ProbeProcess, ProbeResult
 USED_ORDER = ("kmd", "sysman", "torch")  # best source of used memory first (then a process list)
 
 
-def _bdf_for(snap: Scan, bdf: str | None, index: int | None) -> str | None:
+def _bdf_for(scan: Scan, bdf: str | None, index: int | None) -> str | None:
     if bdf:
         return bdf
     if index is not None:
-        for d in snap.devices:
+        for d in scan.devices:
             if d.is_intel and d.index == index:
                 return d.bdf
     return None
 
 
-def _placed(snap: Scan, results: tuple[ProbeResult, ...]) -> tuple[dict[str, dict[str, Any]], list[str]]:
+def _placed(scan: Scan, results: tuple[ProbeResult, ...]) -> tuple[dict[str, dict[str, Any]], list[str]]:
     """Each available probe's answer per BDF ({bdf: {probe: device}}), and the lost devices
     no BDF could be found for."""
     seen: dict[str, dict[str, Any]] = {}
@@ -33,7 +33,7 @@ def _placed(snap: Scan, results: tuple[ProbeResult, ...]) -> tuple[dict[str, dic
         if not r.available:
             continue
         for n, pd in enumerate(r.devices):
-            bdf = _bdf_for(snap, pd.bdf, pd.index)
+            bdf = _bdf_for(scan, pd.bdf, pd.index)
             if bdf is not None:
                 seen.setdefault(bdf, {}).setdefault(r.name, pd)
             elif pd.state == "lost":
@@ -61,7 +61,7 @@ def _listed(entries: dict[str, Any], own: frozenset[int]) -> tuple[dict[int, Pro
     return procs, psources, own_bytes
 
 
-def _view(host: Host, snap: Scan, bdf: str, entries: dict[str, Any], own: frozenset[int],
+def _view(host: Host, scan: Scan, bdf: str, entries: dict[str, Any], own: frozenset[int],
           base: int) -> RuntimeView:
     """One device: used memory from the best source, the listed processes, what is left."""
     source = next((n for n in USED_ORDER if n in entries and entries[n].memory_used_bytes is not None), None)
@@ -80,7 +80,7 @@ def _view(host: Host, snap: Scan, bdf: str, entries: dict[str, Any], own: frozen
     lost = tuple(f"{n}: {e.reason or 'device lost'}" for n, e in sorted(entries.items()) if e.state == "lost")
     surv = tuple(f"{n}: {e.reason or 'survivability mode'}" for n, e in sorted(entries.items())
                  if e.state == "survivability")
-    visible = snap.memory_used(bdf) or 0
+    visible = scan.memory_used(bdf) or 0
     return RuntimeView(
         bdf=bdf,
         source=source,
@@ -97,28 +97,28 @@ def _view(host: Host, snap: Scan, bdf: str, entries: dict[str, Any], own: frozen
     )
 
 
-def reconcile(host: Host, snap: Scan, results: tuple[ProbeResult, ...],
+def reconcile(host: Host, scan: Scan, results: tuple[ProbeResult, ...],
               baseline: dict[str, int] | None = None,
               probe_pids: frozenset[int] | tuple[int, ...] = ()) -> Deep:
     """Per device: used memory from the best source, minus what visible holders have in
     fdinfo, minus the idle baseline. Pure arithmetic apart from the /proc existence checks."""
     baseline = baseline or {}
     own = frozenset(probe_pids)
-    seen, unplaced = _placed(snap, results)
-    order = [d.bdf for d in snap.devices if d.is_intel] + sorted(set(seen) - {d.bdf for d in snap.devices})
-    views = [_view(host, snap, bdf, seen.get(bdf, {}), own, baseline.get(bdf, 0)) for bdf in order]
+    seen, unplaced = _placed(scan, results)
+    order = [d.bdf for d in scan.devices if d.is_intel] + sorted(set(seen) - {d.bdf for d in scan.devices})
+    views = [_view(host, scan, bdf, seen.get(bdf, {}), own, baseline.get(bdf, 0)) for bdf in order]
     return Deep(tuple(results), tuple(views), tuple(sorted(own)), tuple(unplaced))
 
 
-def attach(host: Host, snap: Scan, results: tuple[ProbeResult, ...],
+def attach(host: Host, scan: Scan, results: tuple[ProbeResult, ...],
            baseline: dict[str, int] | None = None,
            probe_pids: frozenset[int] | tuple[int, ...] = ()) -> Scan:
     """The scan with `deep` set and memory totals from a probe where sysfs has none."""
-    deep = reconcile(host, snap, results, baseline, probe_pids)
+    deep = reconcile(host, scan, results, baseline, probe_pids)
     devices = tuple(
         d._replace(memory_total_bytes=v.memory_total_bytes)
         if d.memory_total_bytes is None and (v := deep.device(d.bdf)) and v.memory_total_bytes
         else d
-        for d in snap.devices
+        for d in scan.devices
     )
-    return snap._replace(devices=devices, deep=deep)
+    return scan._replace(devices=devices, deep=deep)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from xpuctl.core.model import Issue, Process, RayActor, Scan
 from xpuctl.errors import RayError
-from xpuctl.parse import roles as R
+from xpuctl.parse import roles
 
 if TYPE_CHECKING:
     from xpuctl.host.seam import Host
@@ -26,12 +26,12 @@ if TYPE_CHECKING:
 StateFetch = Callable[[list[Process]], dict[str, Any]]
 
 
-def untied(snap: Scan) -> list[Process]:
+def untied(scan: Scan) -> list[Process]:
     """Processes running a Ray actor or task (titled `ray::…`, not Ray's own) that hold a
     device and that no tree placed in a run."""
     return [
-        p for p in snap.processes
-        if p.devices and p.role is None and R.ray_actor_class(p.cmdline) is not None
+        p for p in scan.processes
+        if p.devices and p.role is None and roles.ray_actor_class(p.cmdline) is not None
         and not p.is_zombie
     ]
 
@@ -53,54 +53,54 @@ def _actor(a: dict[str, Any], job: dict[str, Any] | None, alive: Callable[[int],
                     a.get("node_id"), a.get("namespace"), driver, gone)
 
 
-def tie(snap: Scan, state: dict[str, Any], alive: Callable[[int], bool]) -> Scan:
+def tie(scan: Scan, state: dict[str, Any], alive: Callable[[int], bool]) -> Scan:
     """Each untied actor process gets its Ray actor; vLLM's become workers of their run (or
     orphans, when their driver is orphaned or gone); other actors stay holders, named."""
     by_pid = {a.get("pid"): a for a in state.get("actors", []) if a.get("pid")}
     jobs = {j.get("job_id"): j for j in state.get("jobs", [])}
     node_ip = {n.get("node_id"): n.get("ip") for n in state.get("nodes", [])}
-    procs = {p.pid: p for p in snap.processes}
+    procs = {p.pid: p for p in scan.processes}
     changed: dict[int, Process] = {}
     orphan_tops: dict[str, int] = {}  # job -> the first orphaned actor's pid (one tree per job)
-    for p in untied(snap):
+    for p in untied(scan):
         a = by_pid.get(p.pid)
-        if a is None or R.ray_class_name(a.get("class_name")) != R.ray_actor_class(p.cmdline):
+        if a is None or roles.ray_class_name(a.get("class_name")) != roles.ray_actor_class(p.cmdline):
             continue  # not this host's actor of that pid (pids repeat across hosts)
         job = jobs.get(a.get("job_id"))
         same_host = job is not None and job.get("driver_ip") == node_ip.get(a.get("node_id"))
         actor = _actor(a, job, alive, same_host)
-        if not R.is_vllm_actor(actor.class_name, actor.name):
+        if not roles.is_vllm_actor(actor.class_name, actor.name):
             changed[p.pid] = p._replace(ray=actor)
             continue
         driver = procs.get(actor.driver_pid) if actor.driver_pid and same_host else None
         rank = _rank(actor.name)
         if driver is not None and driver.role is not None and not driver.is_zombie:
-            changed[p.pid] = p._replace(role=R.WORKER, rank=rank, top=driver.top or driver.pid,
+            changed[p.pid] = p._replace(role=roles.WORKER, rank=rank, top=driver.top or driver.pid,
                                         run_id=driver.run_id, orphan=driver.orphan, ray=actor)
         elif actor.driver_gone:
             top = orphan_tops.setdefault(actor.job_id or "", p.pid)
-            changed[p.pid] = p._replace(role=R.WORKER, rank=rank, top=top, orphan=True, ray=actor)
+            changed[p.pid] = p._replace(role=roles.WORKER, rank=rank, top=top, orphan=True, ray=actor)
         else:  # its driver runs on another host: a worker of a run this host cannot see
-            changed[p.pid] = p._replace(role=R.WORKER, rank=rank, top=p.pid, ray=actor)
+            changed[p.pid] = p._replace(role=roles.WORKER, rank=rank, top=p.pid, ray=actor)
     if not changed:
-        return snap
-    return snap._replace(processes=tuple(changed.get(p.pid, p) for p in snap.processes))
+        return scan
+    return scan._replace(processes=tuple(changed.get(p.pid, p) for p in scan.processes))
 
 
-def attach(snap: Scan, fetch: StateFetch, alive: Callable[[int], bool]) -> Scan:
+def attach(scan: Scan, fetch: StateFetch, alive: Callable[[int], bool]) -> Scan:
     """`tie` with Ray's state, asked only when an untied Ray actor holds a device. A Ray that
     cannot be asked leaves the scan as it was, plus one issue with the fix."""
-    waiting = untied(snap)
+    waiting = untied(scan)
     if not waiting:
-        return snap
+        return scan
     try:
         state = fetch(waiting)
     except RayError as exc:
         pids = ", ".join(str(p.pid) for p in waiting[:8])
         issue = Issue("ray", f"{len(waiting)} Ray actor process(es) hold devices (pids {pids}) and "
                              f"could not be tied to their run or job: {exc}")
-        return snap._replace(issues=snap.issues + (issue,))
-    return tie(snap, state, alive)
+        return scan._replace(issues=scan.issues + (issue,))
+    return tie(scan, state, alive)
 
 
 def fetcher(host: Host, environ: Mapping[str, str], address: str | None = None) -> StateFetch:
@@ -136,20 +136,20 @@ def alive_on(host: Host) -> Callable[[int], bool]:
 
 
 def scan_with_ray(host: Host, environ: Mapping[str, str], *, address: str | None = None,
-                  fetch: StateFetch | None = None, scan: Callable[[], Scan] | None = None,
+                  fetch: StateFetch | None = None, take: Callable[[], Scan] | None = None,
                   **options: Any) -> Scan:
-    """The one "scan, then tie Ray actors": `take_scan(host, **options)` (or `scan()`, a
+    """The one "scan, then tie Ray actors": `take_scan(host, **options)` (or `take()`, a
     scan the caller takes its own way), with the Ray actors that hold devices tied to their
     run through Ray's state. `environ` is the command's own environment (the context's, or a
     Ray node's): where Ray is (RAY_ADDRESS, XPUCTL_RAY_PYTHON, the token). `address`: `--ray
     ADDRESS`; `fetch`: Ray's state another way (a Ray node's own connection). A fake tree's
     or an archive's pids are not the cluster's: Ray is asked for a live /proc only."""
-    if scan is None:
+    if take is None:
         from xpuctl.host.scan import take_scan
 
-        snap = take_scan(host, **options)
+        scan = take_scan(host, **options)
     else:
-        snap = scan()
+        scan = take()
     if not host.proc_is_live:
-        return snap
-    return attach(snap, fetch or fetcher(host, environ, address), alive_on(host))
+        return scan
+    return attach(scan, fetch or fetcher(host, environ, address), alive_on(host))

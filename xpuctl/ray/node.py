@@ -50,16 +50,16 @@ def _scan(host: Any, environ: dict[str, str]) -> Any:
 def _ps(host: Any, environ: dict[str, str], options: dict[str, Any]) -> dict[str, Any]:
     from xpuctl.output.documents import ps_document
 
-    snap = _scan(host, environ)
+    scan = _scan(host, environ)
     show_all = bool(options.get("all"))
-    return ps_document([], [p for p in snap.processes if p.role is not None or show_all], snap)
+    return ps_document([], [p for p in scan.processes if p.role is not None or show_all], scan)
 
 
 def _devices(host: Any, environ: dict[str, str]) -> dict[str, Any]:
     from xpuctl.output.documents import devices_document, process_dict
 
-    snap = _scan(host, environ)
-    return {**devices_document(snap, None), "processes": [process_dict(p) for p in snap.processes]}
+    scan = _scan(host, environ)
+    return {**devices_document(scan, None), "processes": [process_dict(p) for p in scan.processes]}
 
 
 def run(command: str, options: dict[str, Any]) -> dict[str, Any]:

@@ -123,7 +123,7 @@ def _prepare(host: Host, opts: ServeOptions, environ: dict[str, str], out: Calla
         _preflight(host, opts, plan, show_findings, out)
     log_path = os.path.join(state_dir, "logs", f"{name}.log")
     rec = RunRecord(name=name, run_id=run_id, pid=None, start_ticks=None, session=None,
-                    command=plan.argv, devices=plan.bdfs, port=plan.port, host=plan.bind or "127.0.0.1",
+                    command=plan.argv, devices=plan.bdfs, port=plan.port, bind=plan.bind or "127.0.0.1",
                     shutdown_timeout=plan.shutdown_timeout, drain_timeout=opts.drain_timeout,
                     teardown_timeout=opts.teardown_timeout, log_path=log_path,
                     notes=list(plan.notes), ray_cluster=cluster)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from xpuctl.actions.signals import can_signal
 from xpuctl.core.model import EMPTY_ENV
@@ -84,7 +84,7 @@ def run(host: Host, request: Request, state_dir: str | None,
                               list(request.devices), request.all_, request.environ)
     if request.dry_run or not trees:
         return Outcome(trees, plan.planned_members(host, trees), skipped=ladder.skipped_lines(host))
-    plan.mark_records(state_dir, trees, state="stopping")
+    mark_records(state_dir, trees, state="stopping")
     # From our own start to the first signal: start-up plus finding the trees. On the
     # critical path of every restart, and the first thing to look at when a drain began late.
     resolve_s = time.monotonic() - request.since if request.since is not None else None
@@ -93,5 +93,26 @@ def run(host: Host, request: Request, state_dir: str | None,
     with audit.recording(state_dir, "shutdown") as log:
         result = ladder.stop(host, trees, timeout=request.timeout, kill_after=request.kill_after,
                              release_timeout=request.release_timeout, on_event=on_event)
-    plan.mark_records(state_dir, trees, state="stopped" if result.verdict != "leftovers" else "failed")
+    mark_records(state_dir, trees, state="stopped" if result.verdict != "leftovers" else "failed")
     return Outcome(trees, result.members, result, resolve_s, audit=log)
+
+
+def mark_records(state_dir: str | None, trees: list[ServerTree], **changes: Any) -> None:
+    """Note a stop in the records of the runs being stopped ("stopping", then "stopped" or
+    "failed"); a record that cannot be written does not stop the shutdown."""
+    from xpuctl.state import runs
+
+    if "state" in changes and changes["state"] != "stopping":
+        changes.setdefault("stopped_at", time.time())
+    if changes.get("state") == "stopping":  # who: a stopper SIGKILLed midway stops nothing
+        from xpuctl.actions.signals import own_identity
+
+        changes.setdefault("stopping_by", own_identity())
+    if state_dir is None:
+        return
+    for t in trees:
+        if t.record is not None:
+            try:
+                runs.update_record(state_dir, t.record, **changes)
+            except OSError:
+                pass

@@ -321,14 +321,14 @@ def _verify_release(ld: _Ladder, release_timeout: float) -> StopResult:
     ports = sorted({t.port for t in ld.trees if t.port})
     deadline = time.monotonic() + release_timeout
     while True:
-        snap = take_scan(ld.host, port=None, want_env=False, artifacts=False)
-        holders = sorted({pid for b in devices for pid in snap.holders(b)})
-        unknown = sorted({pid for b in devices for pid in snap.unknown_holders(b)})
+        scan = take_scan(ld.host, port=None, want_env=False, artifacts=False)
+        holders = sorted({pid for b in devices for pid in scan.holders(b)})
+        unknown = sorted({pid for b in devices for pid in scan.unknown_holders(b)})
         busy_ports = sorted({s.port for s in listening_sockets(ld.host) if s.port in ports}) if ports else []
         if (not holders and not busy_ports) or time.monotonic() >= deadline:
             break
         time.sleep(0.1)
-    stuck = [(p.pid, p.wchan) for p in snap.processes if p.pid in holders and p.state == "D"]
+    stuck = [(p.pid, p.wchan) for p in scan.processes if p.pid in holders and p.state == "D"]
     holders = sorted(set(holders) | set(unknown))
     if devices:
         if unknown:

@@ -4,7 +4,6 @@ name (with their run records), and the processes it will wait for."""
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,8 +25,8 @@ def find_targets(host: Host, state_dir: str | None, name: str | None, pid: int |
     from xpuctl.ray.actors import scan_with_ray
 
     # finding trees needs no files; Ray actors on an existing cluster join their run's tree
-    snap = scan_with_ray(host, environ, port=port, artifacts=False)
-    return targets.find_trees(host, snap, records, name, pid, port, bdfs, all_)
+    scan = scan_with_ray(host, environ, port=port, artifacts=False)
+    return targets.find_trees(host, scan, records, name, pid, port, bdfs, all_)
 
 
 def planned_members(host: Host, trees: list[Any]) -> dict[int, list[int]]:
@@ -36,23 +35,3 @@ def planned_members(host: Host, trees: list[Any]) -> dict[int, list[int]]:
 
     return {t.top.pid: [m.pid for m in targets.members(host, t)] for t in trees}
 
-
-def mark_records(state_dir: str | None, trees: list[Any], **changes: Any) -> None:
-    """Note a stop in the records of the runs being stopped ("stopping", then "stopped" or
-    "failed"); a record that cannot be written does not stop the shutdown."""
-    from xpuctl.state import runs
-
-    if "state" in changes and changes["state"] != "stopping":
-        changes.setdefault("stopped_at", time.time())
-    if changes.get("state") == "stopping":  # who: a stopper SIGKILLed midway stops nothing
-        from xpuctl.actions.signals import own_identity
-
-        changes.setdefault("stopping_by", own_identity())
-    if state_dir is None:
-        return
-    for t in trees:
-        if t.record is not None:
-            try:
-                runs.update_record(state_dir, t.record, **changes)
-            except OSError:
-                pass

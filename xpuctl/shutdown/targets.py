@@ -45,12 +45,12 @@ class ServerTree:
         return self.record.name if self.record else f"pid {self.top.pid}"
 
 
-def tree_from_scan(snap: Scan, top_pid: int, host: Host) -> ServerTree | None:
-    top = snap.process(top_pid)
+def tree_from_scan(scan: Scan, top_pid: int, host: Host) -> ServerTree | None:
+    top = scan.process(top_pid)
     target = target_of(host, top_pid, top.role or "" if top else "")
     if target is None or top is None:
         return None
-    members = [p for p in snap.processes if (p.top or p.pid) == top_pid and not p.is_zombie]
+    members = [p for p in scan.processes if (p.top or p.pid) == top_pid and not p.is_zombie]
     port, bind = port_from_argv(top.cmdline) if top.role == API_SERVER else (None, None)
     if top.role == API_SERVER and port is None:
         port = 8000
@@ -69,24 +69,24 @@ def tree_from_scan(snap: Scan, top_pid: int, host: Host) -> ServerTree | None:
     )
 
 
-def tree_from_record(rec: RunRecord, snap: Scan, host: Host) -> ServerTree | None:
+def tree_from_record(rec: RunRecord, scan: Scan, host: Host) -> ServerTree | None:
     """A recorded run: its top if still the same process, else whatever carries its run id."""
     tree = None
     if rec.pid and rec.start_ticks is not None:
-        p = snap.process(rec.pid)
+        p = scan.process(rec.pid)
         if p is not None and p.start_ticks == rec.start_ticks:
-            tree = tree_from_scan(snap, rec.pid, host)
+            tree = tree_from_scan(scan, rec.pid, host)
         if tree is None:
             # the recorded top is what xpuctl launched: trust the record over argv shapes
             t = target_of(host, rec.pid, "api-server", rec.start_ticks)
             if t is not None:
                 tree = ServerTree(top=t, role=API_SERVER, orphan=False, known=[t])
     if tree is None:
-        tagged = [p for p in snap.processes if p.run_id == rec.run_id and not p.is_zombie]
+        tagged = [p for p in scan.processes if p.run_id == rec.run_id and not p.is_zombie]
         if not tagged:
             return None
         tops = sorted({p.top or p.pid for p in tagged})
-        tree = tree_from_scan(snap, tops[0], host)
+        tree = tree_from_scan(scan, tops[0], host)
         if tree is None:
             return None
     tree.record = rec
@@ -95,7 +95,7 @@ def tree_from_record(rec: RunRecord, snap: Scan, host: Host) -> ServerTree | Non
     # the devices the run claimed (its lock); another holder elsewhere is not its leftover
     tree.devices = tuple(sorted(rec.devices)) if rec.devices else tree.devices
     tree.port = rec.port
-    tree.bind = rec.host
+    tree.bind = rec.bind
     tree.shutdown_timeout = rec.shutdown_timeout
     tree.log_path = rec.log_path
     tree.never_ready = rec.state == "starting"
@@ -173,7 +173,7 @@ def _topmost(host: Host, targets: list[Target]) -> list[Target]:
     return out
 
 
-def _named_run(host: Host, snap: Scan, records: list[RunRecord], name: str,
+def _named_run(host: Host, scan: Scan, records: list[RunRecord], name: str,
                all_: bool) -> ServerTree | None:
     """The run NAME's tree; NotFoundError when there is no such run, or (without --all) it
     has no live process."""
@@ -181,54 +181,54 @@ def _named_run(host: Host, snap: Scan, records: list[RunRecord], name: str,
     if rec is None:
         known = f"; known runs: {', '.join(r.name for r in records)}" if records else ""
         raise NotFoundError(f"no run named {name!r}{known}")
-    tree = tree_from_record(rec, snap, host)
+    tree = tree_from_record(rec, scan, host)
     if tree is None and not all_:
         raise NotFoundError(f"run {name!r} has no live process (state: {rec.state})")
     return tree
 
 
-def _not_ours(snap: Scan, p: Process) -> bool:
+def _not_ours(scan: Scan, p: Process) -> bool:
     """Never a tree of this host's: a Ray cluster's own process, or a vLLM Ray actor whose
     live driver runs on another host (its run is stopped there)."""
-    top = snap.process(p.top or p.pid) or p
+    top = scan.process(p.top or p.pid) or p
     if top.role == RAY:
         return True
     return p.ray is not None and not p.orphan and (p.top or p.pid) == p.pid
 
 
-def _named_tops(snap: Scan, pid: int | None, port: int | None, device_bdfs: tuple[str, ...],
+def _named_tops(scan: Scan, pid: int | None, port: int | None, device_bdfs: tuple[str, ...],
                 all_: bool) -> list[int]:
     """The top pids of the servers --pid, --port, --device and --all name, in that order;
     NotFoundError when one of them names nothing."""
     tops: list[int] = []
     if pid is not None:
-        p = snap.process(pid)
+        p = scan.process(pid)
         if p is None or p.role is None:
             raise NotFoundError(f"pid {pid} is not a vLLM process; xpuctl stops only vLLM servers")
         if p.is_zombie:
             raise NotFoundError(f"pid {pid} is a zombie: it holds nothing and cannot be stopped")
         tops.append(p.top or p.pid)
     if port is not None:
-        listening = [snap.process(pt.pid) for pt in snap.ports if pt.port == port and pt.pid]
+        listening = [scan.process(pt.pid) for pt in scan.ports if pt.port == port and pt.pid]
         found = sorted({pr.top or pr.pid for pr in listening if pr and pr.role})
         if not found:
             raise NotFoundError(f"no vLLM server listens on port {port}")
         tops += found
     if device_bdfs:
-        found = sorted({p.top or p.pid for p in snap.processes
+        found = sorted({p.top or p.pid for p in scan.processes
                         if p.role and not p.is_zombie and set(p.devices) & set(device_bdfs)})
         if not found and not all_:
             raise NotFoundError(f"no vLLM process holds {', '.join(device_bdfs)}")
         tops += found
     if all_:
-        tops += sorted({p.top or p.pid for p in snap.processes if p.role and not p.is_zombie
-                        and not _not_ours(snap, p)})
+        tops += sorted({p.top or p.pid for p in scan.processes if p.role and not p.is_zombie
+                        and not _not_ours(scan, p)})
     return tops
 
 
 def find_trees(
     host: Host,
-    snap: Scan,
+    scan: Scan,
     records: list[RunRecord],
     name: str | None = None,
     pid: int | None = None,
@@ -250,13 +250,13 @@ def find_trees(
         return None
 
     if name is not None:
-        add(_named_run(host, snap, records, name, all_))
-    for top_pid in _named_tops(snap, pid, port, device_bdfs, all_):
-        p = snap.process(top_pid)
+        add(_named_run(host, scan, records, name, all_))
+    for top_pid in _named_tops(scan, pid, port, device_bdfs, all_):
+        p = scan.process(top_pid)
         rec = record_for(top_pid, p.run_id if p else None)
-        add(tree_from_record(rec, snap, host) if rec else tree_from_scan(snap, top_pid, host))
+        add(tree_from_record(rec, scan, host) if rec else tree_from_scan(scan, top_pid, host))
     if all_:
         for rec in records:
             if rec.state in ACTIVE_STATES:
-                add(tree_from_record(rec, snap, host))
+                add(tree_from_record(rec, scan, host))
     return list(trees.values())

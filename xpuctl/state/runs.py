@@ -66,7 +66,7 @@ class RunRecord:
     command: list[str]
     devices: list[str]
     port: int
-    host: str
+    bind: str  # vLLM's bind address (--host); records written before it was named say "host"
     shutdown_timeout: int | None
     drain_timeout: float
     teardown_timeout: float
@@ -96,6 +96,8 @@ class RunRecord:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunRecord:
         known = set(cls.__dataclass_fields__)
+        if "bind" not in data and "host" in data:  # a record of an earlier xpuctl
+            data = {**data, "bind": data["host"]}
         return cls(**{k: v for k, v in data.items() if k in known})
 
 

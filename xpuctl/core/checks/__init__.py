@@ -41,25 +41,25 @@ CHECKS = (
 )
 
 
-def _context(snap: Scan, opts: Options) -> Ctx:
-    by_pid = {p.pid: p for p in snap.processes}
+def _context(scan: Scan, opts: Options) -> Ctx:
+    by_pid = {p.pid: p for p in scan.processes}
     trees: dict[int, list[Process]] = {}
-    for p in snap.processes:
+    for p in scan.processes:
         if p.orphan and not p.is_zombie:
             trees.setdefault(p.top or p.pid, []).append(p)
-    return Ctx(snap, opts, frozenset(opts.devices), by_pid, trees)
+    return Ctx(scan, opts, frozenset(opts.devices), by_pid, trees)
 
 
-def evaluate(snap: Scan, opts: Options) -> Report:
-    c = _context(snap, opts)
+def evaluate(scan: Scan, opts: Options) -> Report:
+    c = _context(scan, opts)
     findings = [f for check_id in CHECKS for f in REGISTRY[check_id](c)]
     failed = any(f.severity == "fail" for f in findings)
-    busy = any(snap.holders(d.bdf) for d in c.devices()) or any(
-        p.pid is not None and p.port == opts.port for p in snap.ports
+    busy = any(scan.holders(d.bdf) for d in c.devices()) or any(
+        p.pid is not None and p.port == opts.port for p in scan.ports
     )
     status = "dirty" if failed else ("busy" if busy else "clean")
-    if status == "clean" and snap.blocked:
+    if status == "clean" and scan.blocked:
         status = "unknown"  # something did not answer: never judged clean
     order = {"fail": 0, "warn": 1, "info": 2}
     findings.sort(key=lambda f: (order[f.severity], CHECKS.index(f.check)))
-    return Report(snap, tuple(findings), status)
+    return Report(scan, tuple(findings), status)

@@ -11,7 +11,7 @@ from xpuctl.output.units import human_bytes
 
 
 def _wanted_views(c: Ctx) -> Iterator[RuntimeView]:
-    deep = c.snap.deep
+    deep = c.scan.deep
     return (v for v in (deep.devices if deep else ()) if not c.wanted or v.bdf in c.wanted)
 
 
@@ -56,7 +56,7 @@ def device_lost(c: Ctx) -> list[Finding]:
     for v in _wanted_views(c):
         if v.state != "lost":
             continue
-        dev = c.snap.device(v.bdf)
+        dev = c.scan.device(v.bdf)
         out.append(Finding(
             "device-lost",
             "fail",
@@ -66,7 +66,7 @@ def device_lost(c: Ctx) -> list[Finding]:
             v.bdf,
             tuple(p.pid for p in v.processes),
         ))
-    deep = c.snap.deep
+    deep = c.scan.deep
     if deep is not None and deep.lost_unplaced and not c.wanted:
         out.append(Finding(
             "device-lost",
@@ -100,7 +100,7 @@ def device_survivability(c: Ctx) -> list[Finding]:
 @check("probe-timeout")
 def probe_timeout(c: Ctx) -> list[Finding]:
     """--deep: a probe that did not answer in time (a hung Level Zero init: a wedged device)."""
-    deep = c.snap.deep
+    deep = c.scan.deep
     return [
         Finding(
             "probe-timeout",
@@ -122,7 +122,7 @@ def _bdfs(bdfs: tuple[str, ...]) -> str:
 @check("collective")
 def collective(c: Ctx) -> list[Finding]:
     """--collective: oneCCL/XCCL init, one all_reduce and destroy across the devices, bounded."""
-    r = c.snap.collective
+    r = c.scan.collective
     if r is None:
         return []
     devices = _bdfs(r.bdfs)

@@ -10,7 +10,7 @@ from xpuctl.output.units import human_bytes
 @check("stale-shm")
 def stale_shm(c: Ctx) -> list[Finding]:
     """Shared-memory segments in /dev/shm that no live process has open or mapped."""
-    stale = [a for a in c.snap.artifacts if a.stale and a.kind == "shm"]
+    stale = [a for a in c.scan.artifacts if a.stale and a.kind == "shm"]
     if not stale:
         return []
     size = sum(a.size_bytes for a in stale)
@@ -31,7 +31,7 @@ def stale_shm(c: Ctx) -> list[Finding]:
 @check("stale-ipc")
 def stale_ipc(c: Ctx) -> list[Finding]:
     """oneCCL, vLLM FileStore and ZMQ files in /tmp that nothing uses any more."""
-    stale = [a for a in c.snap.artifacts if a.stale and a.kind != "shm"]
+    stale = [a for a in c.scan.artifacts if a.stale and a.kind != "shm"]
     if not stale:
         return []
     kinds = sorted({a.kind for a in stale})

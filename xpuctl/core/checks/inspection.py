@@ -17,7 +17,7 @@ _REMEDY_BY_SOURCE = {
 def inspection(c: Ctx) -> list[Finding]:
     """What the scan could not see (processes of other users, unreadable files, other PID
     namespaces, deep probes that were unavailable), and that deep probes open the devices."""
-    blocked = set(c.snap.blocked)
+    blocked = set(c.scan.blocked)
     out = [
         Finding(
             "inspection",
@@ -25,10 +25,10 @@ def inspection(c: Ctx) -> list[Finding]:
             issue.reason if issue.source == "pid-namespace" else f"{issue.source}: {issue.reason}",
             _REMEDY_BY_SOURCE.get(issue.source),
         )
-        for issue in c.snap.issues
+        for issue in c.scan.issues
         if issue not in blocked  # said by blocked-reads
     ]
-    deep = c.snap.deep
+    deep = c.scan.deep
     if deep is not None:
         for r in deep.probes:
             if not r.available and not r.timed_out:
@@ -54,10 +54,10 @@ def blocked_reads(c: Ctx) -> list[Finding]:
     remedy = ("a process or device stuck in the kernel: check `dmesg` for GPU hang or reset "
               "messages and the process's wchan; what it may hold is not free until it "
               "returns; raise --read-timeout if the host is only slow")
-    for u in c.snap.unreadable_processes:
+    for u in c.scan.unreadable_processes:
         if not u.blocked:
             continue
-        held = sorted(b for b in (d.bdf for d in c.snap.devices) if u.pid in c.snap.unknown_holders(b))
+        held = sorted(b for b in (d.bdf for d in c.scan.devices) if u.pid in c.scan.unknown_holders(b))
         if not c.on_wanted(held):
             continue
         what = u.command or (f"[{u.comm}]" if u.comm else "command unknown")
@@ -70,7 +70,7 @@ def blocked_reads(c: Ctx) -> list[Finding]:
             f"are unknown, it is judged neither clean nor idle{may}",
             remedy, held[0] if len(held) == 1 else None, (u.pid,), (u.file,),
         ))
-    for issue in c.snap.blocked:
+    for issue in c.scan.blocked:
         parts = issue.source.split("/")
         if issue.source.startswith("/proc/") and parts[2].isascii() and parts[2].isdigit():
             continue  # a process: above

@@ -27,7 +27,7 @@ def rebind_command(d: Device) -> str:
 def device_wedged(c: Ctx) -> list[Finding]:
     """A device the driver declared wedged and has not initialised since: every ioctl fails
     until the driver is rebound (or the bus reset)."""
-    log = c.snap.kernel
+    log = c.scan.kernel
     if log is None:
         return []
     out = []
@@ -50,7 +50,7 @@ def device_wedged(c: Ctx) -> list[Finding]:
 def gpu_hang(c: Ctx) -> list[Finding]:
     """GPU hang or reset records of a device that is not wedged: it recovered, but what ran
     on it lost its work."""
-    log = c.snap.kernel
+    log = c.scan.kernel
     if log is None:
         return []
     out = []
@@ -77,7 +77,7 @@ def devcoredump(c: Ctx) -> list[Finding]:
     """A crash dump the kernel holds for a device: lost on a rebind (and after its timeout)."""
     wanted = {d.bdf: d for d in c.devices()}
     out = []
-    for dump in c.snap.coredumps:
+    for dump in c.scan.coredumps:
         d = wanted.get(dump.bdf)
         if d is None:
             continue

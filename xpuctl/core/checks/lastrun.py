@@ -49,7 +49,7 @@ def last_run_findings(run: LastRun | None) -> list[Finding]:
 @check("last-run")
 def last_run(c: Ctx) -> list[Finding]:
     """The newest run ended in a readiness timeout or its log shows a oneCCL hang or crash."""
-    return last_run_findings(c.snap.last_run)
+    return last_run_findings(c.scan.last_run)
 
 
 # Output order of the ids; every registered check has a place here (a test holds them equal).

@@ -26,9 +26,9 @@ def no_device(c: Ctx) -> list[Finding]:
 
     A warning, not a failure: nothing is left behind that reset could clean, and a script's
     exit 1 means "clean up"; --strict (or the JSON check id) makes it count."""
-    if any(d.is_intel for d in c.snap.devices):
+    if any(d.is_intel for d in c.scan.devices):
         return []
-    others = ", ".join(f"{d.bdf} ({d.driver or 'no driver'}, vendor {d.vendor_id or '?'})" for d in c.snap.devices)
+    others = ", ".join(f"{d.bdf} ({d.driver or 'no driver'}, vendor {d.vendor_id or '?'})" for d in c.scan.devices)
     seen = f"other DRM devices: {others}" if others else "no DRM device under /sys/class/drm"
     return [
         Finding(
@@ -124,7 +124,7 @@ def device_holders(c: Ctx) -> list[Finding]:
 def device_memory(c: Ctx) -> list[Finding]:
     """Device memory held by orphans, kept alive by exported buffers, or in use when idle is expected."""
     out = []
-    snap = c.snap
+    scan = c.scan
     for dev in c.devices():
         holders = device_holders_of(c, dev.bdf)
         orphaned = [p for p in holders if p.orphan]
@@ -143,12 +143,12 @@ def device_memory(c: Ctx) -> list[Finding]:
                 )
             )
         dmabuf_only = sorted(
-            {b.pid for b in snap.dmabufs if b.bdf == dev.bdf}
-            - {pid for cl in snap.clients if cl.bdf == dev.bdf for pid in cl.pids}
+            {b.pid for b in scan.dmabufs if b.bdf == dev.bdf}
+            - {pid for cl in scan.clients if cl.bdf == dev.bdf for pid in cl.pids}
         )
         if dmabuf_only:
             size = sum(
-                b.size_bytes or 0 for b in snap.dmabufs if b.bdf == dev.bdf and b.pid in dmabuf_only
+                b.size_bytes or 0 for b in scan.dmabufs if b.bdf == dev.bdf and b.pid in dmabuf_only
             )
             out.append(
                 Finding(
@@ -161,7 +161,7 @@ def device_memory(c: Ctx) -> list[Finding]:
                     tuple(dmabuf_only),
                 )
             )
-        used = snap.memory_used(dev.bdf)
+        used = scan.memory_used(dev.bdf)
         if c.opts.expect_idle and used and not holders and not dmabuf_only:
             out.append(
                 Finding("device-memory", "fail", f"{human_bytes(used)} of {dev.bdf} in use", None, dev.bdf)
@@ -173,7 +173,7 @@ def device_memory(c: Ctx) -> list[Finding]:
 def stuck_processes(c: Ctx) -> list[Finding]:
     """Holders in uninterruptible sleep, stopped vLLM processes, unreaped vLLM zombies."""
     out = []
-    for p in c.snap.processes:
+    for p in c.scan.processes:
         if not c.on_wanted(p.devices):
             continue
         if p.state == "D" and (p.devices or p.role):

@@ -20,7 +20,7 @@ class Options(NamedTuple):
 class Ctx(NamedTuple):
     """What every check needs, computed once per evaluation."""
 
-    snap: Scan
+    scan: Scan
     opts: Options
     wanted: frozenset[str]
     by_pid: dict[int, Process]
@@ -31,7 +31,7 @@ class Ctx(NamedTuple):
         return not self.wanted or not bdfs or bool(self.wanted & set(bdfs))
 
     def devices(self) -> Iterator[Device]:
-        return (d for d in self.snap.devices if not self.wanted or d.bdf in self.wanted)
+        return (d for d in self.scan.devices if not self.wanted or d.bdf in self.wanted)
 
 
 Check = Callable[[Ctx], list[Finding]]
@@ -52,4 +52,4 @@ def pids(procs: list[Process]) -> tuple[int, ...]:
 
 
 def holders(c: Ctx, bdf: str) -> list[Process]:
-    return [c.by_pid[pid] for pid in c.snap.holders(bdf) if pid in c.by_pid]
+    return [c.by_pid[pid] for pid in c.scan.holders(bdf) if pid in c.by_pid]

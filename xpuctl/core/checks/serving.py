@@ -11,9 +11,9 @@ from xpuctl.parse import envvars
 def ports(c: Ctx) -> list[Finding]:
     """The serving port taken by a live server or by something else; ports kept by orphans."""
     out = []
-    snap, opts = c.snap, c.opts
+    scan, opts = c.scan, c.opts
     orphan_ports: dict[int, list[int]] = {}
-    for port in snap.ports:
+    for port in scan.ports:
         if port.pid is None:
             continue
         p = c.by_pid.get(port.pid)
@@ -49,7 +49,7 @@ def ports(c: Ctx) -> list[Finding]:
         if not c.on_wanted(tree_devs):
             continue
         numbers = sorted(set(numbers))
-        pids = tuple(sorted({pt.pid for pt in snap.ports if pt.orphan and pt.pid and pt.port in numbers}))
+        pids = tuple(sorted({pt.pid for pt in scan.ports if pt.orphan and pt.pid and pt.port in numbers}))
         shown = ", ".join(map(str, numbers[:8])) + (f" and {len(numbers) - 8} more" if len(numbers) > 8 else "")
         serving = opts.port in numbers
         out.append(
@@ -69,8 +69,8 @@ def ports(c: Ctx) -> list[Finding]:
 @check("env")
 def env(c: Ctx) -> list[Finding]:
     """Malformed device-selection variables in the caller's environment."""
-    environ = c.snap.caller_env or {}
-    intel = sum(1 for d in c.snap.devices if d.is_intel)
+    environ = c.scan.caller_env or {}
+    intel = sum(1 for d in c.scan.devices if d.is_intel)
     problems = []
     if "ZE_AFFINITY_MASK" in environ:
         problems.append(envvars.check_affinity_mask(environ["ZE_AFFINITY_MASK"], intel or None))
