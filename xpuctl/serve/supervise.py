@@ -343,9 +343,11 @@ class RunSupervisor:
             return disk is not None and not stop_abandoned(disk, self._alive)
 
         # a shutdown asked for this exit, even one that died after its SIGTERM (abandoned: we
-        # finish the stop ourselves, but the exit was still asked for)
-        asked = stopper() is not None
+        # finish the stop ourselves, but the exit was still asked for); unless that shutdown
+        # is gone and vLLM's own lines say its engine died: then it died before the stop
+        # reached it, or by itself (a shutdown killed before its first signal asked nothing)
         passive = someone_else()
+        asked = stopper() is not None and (passive or not self._engine_died())
 
         result = stop(self.host, [self._tree()], timeout=self.opts.teardown_timeout,
                       kill_after=self.opts.kill_after, release_timeout=self.opts.teardown_timeout,
@@ -367,6 +369,11 @@ class RunSupervisor:
         if code == 0 and (leftovers or not requested):
             return ExitCode.PROBLEMS
         return code
+
+    def _engine_died(self) -> bool:
+        from xpuctl.parse.enginedeath import engine_death
+
+        return engine_death(list(self.pump.tail) if self.pump is not None else []) is not None
 
     def _unasked_exit(self, code: int) -> dict[str, object]:
         """vLLM exited and nobody asked it to: a failure whatever its code (vLLM can exit 0
