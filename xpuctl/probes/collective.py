@@ -94,11 +94,14 @@ def open_paths(host: Host, pids: tuple[int, ...]) -> tuple[str, ...]:
     """Files directly in /tmp or /dev/shm that these processes have open, mapped or bound
     (a unix socket: its inode in /proc/net/unix), read through the host's bounded reader;
     () when the reads do not answer."""
-    if host.reader is not None:
-        try:
-            return tuple(host.reader.call(open_paths, host, pids))
-        except Exception:
-            return ()
+    try:
+        found: tuple[str, ...] = host.call(_open_paths, pids)  # one round trip to the reader
+    except OSError:  # a read that did not answer (Blocked is an OSError)
+        return ()
+    return found
+
+
+def _open_paths(host: Host, pids: tuple[int, ...]) -> tuple[str, ...]:
     paths: set[str] = set()
     inodes: set[int] = set()
     for pid in pids:
