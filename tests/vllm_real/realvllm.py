@@ -55,6 +55,11 @@ MIN_FREE_BYTES = 6 * 1024**3
 MARKER_NAME = ".xpuctl-vllm-ready"
 TOKEN_VAR = "XPUCTL_TEST_TOKEN"
 MAKE_MODEL_SCRIPT = Path(__file__).with_name("make_tiny_model.py")
+# Copied into the venv's site-packages and imported by a .pth line at every interpreter
+# start: asks Linux for the AMX tile-data permission that vLLM's AMX attention kernel needs
+# (without it the worker dies with SIGILL on AMX CPUs). Why and sources: amx_permission.py.
+AMX_HOOK_SCRIPT = Path(__file__).with_name("amx_permission.py")
+AMX_HOOK_MODULE = "xpuctl_amx_permission"
 
 VLLM_FLAGS = ("--max-model-len", "256", "--enforce-eager", "--dtype", "bfloat16")
 
@@ -233,11 +238,13 @@ def ensure_vllm_venv(venv: Path | None = None, log: Log = _stderr_log) -> Path:
     """
     venv = Path(venv) if venv is not None else venv_path()
     if venv_is_ready(venv):
+        install_amx_hook(venv, log)
         _verify_venv(venv, log)
         return venv
     lock = venv.with_name(venv.name + ".lock")
     with _flock(lock, log, f"the vLLM venv {venv}"):
         if venv_is_ready(venv):  # built by someone else while we waited
+            install_amx_hook(venv, log)
             _verify_venv(venv, log)
             return venv
         _build_venv(venv, log)
@@ -303,6 +310,7 @@ def _build_venv(venv: Path, log: Log) -> None:
                    log_file=log_file, env=env)
     if r.returncode != 0:
         raise VllmSetupError(f"pip uninstall {' '.join(UNINSTALL_AFTER)} failed:\n{r.tail()}")
+    install_amx_hook(venv, log)
     _verify_venv(venv, log, log_file=log_file)
     (venv / MARKER_NAME).write_text(_marker_text())
     log(
@@ -311,11 +319,41 @@ def _build_venv(venv: Path, log: Log) -> None:
     )
 
 
+def _site_packages(venv: Path) -> Path:
+    found = sorted(Path(venv).glob("lib/python3*/site-packages"))
+    if len(found) != 1:
+        raise VllmSetupError(f"expected one lib/python3*/site-packages in {venv}, found {found}")
+    return found[0]
+
+
+def _write_if_changed(path: Path, text: str) -> bool:
+    try:
+        if path.read_text() == text:
+            return False
+    except OSError:
+        pass
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)  # atomic: a concurrent run sees the old or the new file
+    return True
+
+
+def install_amx_hook(venv: Path, log: Log = _stderr_log) -> None:
+    """Put (or refresh) the AMX permission hook into the venv; existing venvs get it too."""
+    site = _site_packages(venv)
+    changed = _write_if_changed(site / f"{AMX_HOOK_MODULE}.py", AMX_HOOK_SCRIPT.read_text())
+    changed |= _write_if_changed(site / f"{AMX_HOOK_MODULE}.pth", f"import {AMX_HOOK_MODULE}\n")
+    if changed:
+        log(f"[vllm-real] installed the AMX permission hook {AMX_HOOK_MODULE} into {site}")
+
+
 def _verify_venv(venv: Path, log: Log, log_file: Path | None = None) -> None:
     code = (
         "import json, vllm, transformers, torch; "
+        f"from {AMX_HOOK_MODULE} import tiledata, ARCH_GET_XCOMP_SUPP, ARCH_GET_XCOMP_PERM; "
         "print(json.dumps({'vllm': vllm.__version__, 'transformers': transformers.__version__,"
-        " 'torch': torch.__version__}))"
+        " 'torch': torch.__version__, 'amx_supported': tiledata(ARCH_GET_XCOMP_SUPP),"
+        " 'amx_permitted': tiledata(ARCH_GET_XCOMP_PERM)}))"
     )
     env = _clean_env()
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
@@ -331,6 +369,11 @@ def _verify_venv(venv: Path, log: Log, log_file: Path | None = None) -> None:
         versions = {}
     if versions.get("vllm") not in (None, VLLM_VERSION):
         raise VllmSetupError(f"{venv} has vllm {versions.get('vllm')}, want {VLLM_VERSION}")
+    if versions.get("amx_supported") and not versions.get("amx_permitted"):
+        raise VllmSetupError(
+            f"the CPU has AMX but {venv}'s python did not get the tile-data permission "
+            f"({AMX_HOOK_MODULE}.pth not run?): vLLM's AMX attention would die with SIGILL"
+        )
 
 
 def sys_python() -> str:
