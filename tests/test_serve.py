@@ -214,7 +214,7 @@ def test_port_and_host_before_model_are_read_and_passed_to_vllm_once(rig):
     port = res.port
     assert f"vllm-{port} is ready on port {port}" in res.err, str(res)
     rec = rig.record(f"vllm-{port}")
-    assert rec["port"] == port and rec["host"] == "127.0.0.1"
+    assert rec["port"] == port and rec["bind"] == "127.0.0.1"
     argv = cmdline(rec["pid"])
     assert argv[3:] == ["fake-model", "--host", "127.0.0.1", "--port", str(port), "-tp", "2",
                         "--shutdown-timeout", "5"], argv
