@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-TESTS = Path(__file__).resolve().parent.parent / "tests"
+TESTS = Path(__file__).resolve().parent.parent / "tests" / "support"
 sys.path.insert(0, str(TESTS))
 
 import proctools as pt  # the tests' helpers, from the tree above

@@ -8,6 +8,7 @@ renders the outcome and maps it to an exit code.
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -15,9 +16,10 @@ from typing import Any, NamedTuple
 
 from xpuctl.actions.signals import can_signal
 from xpuctl.core.model import EMPTY_ENV
-from xpuctl.errors import UsageError
+from xpuctl.errors import NotFoundError, UsageError
 from xpuctl.host.seam import Host
 from xpuctl.shutdown import ladder, plan
+from xpuctl.shutdown.logtail import LogTail
 from xpuctl.shutdown.targets import ServerTree
 from xpuctl.state import audit
 
@@ -80,6 +82,9 @@ def run(host: Host, request: Request, state_dir: str | None,
     """Stop what `request` names (NotFoundError, exit 3, when NAME, --pid or --port match
     nothing). `on_event` hears `Found` once, then each step of the ladder."""
     check(request, host)
+    early = None if request.dry_run else plan.recorded_top(host, state_dir, request)
+    if early is not None:
+        return _run_early(host, request, state_dir, on_event, early)
     trees = plan.find_targets(host, state_dir, request.name, request.pid, request.port,
                               list(request.devices), request.all_, request.environ)
     if request.dry_run or not trees:
@@ -87,12 +92,48 @@ def run(host: Host, request: Request, state_dir: str | None,
     mark_records(state_dir, trees, state="stopping")
     # From our own start to the first signal: start-up plus finding the trees. On the
     # critical path of every restart, and the first thing to look at when a drain began late.
-    resolve_s = time.monotonic() - request.since if request.since is not None else None
+    resolve_s = _since(request)
     if on_event is not None:
         on_event(Found(len(trees), resolve_s))
     with audit.recording(state_dir, "shutdown") as log:
         result = ladder.stop(host, trees, timeout=request.timeout, kill_after=request.kill_after,
                              release_timeout=request.release_timeout, on_event=on_event)
+    mark_records(state_dir, trees, state="stopped" if result.verdict != "leftovers" else "failed")
+    return Outcome(trees, result.members, result, resolve_s, audit=log)
+
+
+def _since(request: Request) -> float | None:
+    return time.monotonic() - request.since if request.since is not None else None
+
+
+def _run_early(host: Host, request: Request, state_dir: str | None,
+               on_event: Callable[[Found | ladder.Event], None] | None,
+               early: ServerTree) -> Outcome:
+    """NAME's recorded top is still the process serve launched (pid and start ticks, checked
+    again through a pidfd when the signal is sent): SIGTERM it first, then scan for the rest
+    of the tree (members, devices, port) while vLLM drains. The identity check is what makes
+    the signal safe; the scan only finds what else to wait for."""
+    from xpuctl import pausepoint
+
+    trees = [early]
+    mark_records(state_dir, trees, state="stopping")
+    pausepoint.reached("shutdown-found")
+    # vLLM's drain lines begin at the signal: read its log from before it
+    tails = {early.log_path: LogTail(early.log_path)} if early.log_path else {}
+    with audit.recording(state_dir, "shutdown") as log:
+        signalled = early.top.send(host, signal.SIGTERM)
+        resolve_s = _since(request)
+        try:
+            found = plan.find_targets(host, state_dir, request.name, None, None, [], False,
+                                      request.environ)
+        except NotFoundError:
+            found = []  # the top is gone already and left nothing carrying its run id
+        trees = [plan.with_top(t, early.top, early.never_ready) for t in found] or trees
+        if on_event is not None:
+            on_event(Found(len(trees), resolve_s))
+        result = ladder.stop(host, trees, timeout=request.timeout, kill_after=request.kill_after,
+                             release_timeout=request.release_timeout, on_event=on_event,
+                             signalled={early.top.pid: signalled}, tails=tails)
     mark_records(state_dir, trees, state="stopped" if result.verdict != "leftovers" else "failed")
     return Outcome(trees, result.members, result, resolve_s, audit=log)
 

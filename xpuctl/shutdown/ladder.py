@@ -66,7 +66,8 @@ class _Ladder:
     """The state one run of the ladder shares between its steps (see `stop`)."""
 
     def __init__(self, host: Host, trees: list[ServerTree], on_event: Callable[[Event], None] | None,
-                 poll: float, passive: bool, yield_to: Callable[[], bool] | None) -> None:
+                 poll: float, passive: bool, yield_to: Callable[[], bool] | None,
+                 tails: dict[str, LogTail]) -> None:
         self.host = host
         self.trees = trees
         self.on_event = on_event
@@ -79,10 +80,12 @@ class _Ladder:
         self.everyone: dict[int, Target] = {}
         self.first_members: dict[int, list[int]] = {}
         self.pending: list[Target] = []
-        self.tails = {id(tree): LogTail(tree.log_path) for tree in trees}
+        self.tails = {id(tree): tails.get(tree.log_path or "") or LogTail(tree.log_path)
+                      for tree in trees}
         self.ray_runs: list[tuple[ServerTree, RayRun]] = []
         self.ray_targets: dict[int, Target] = {}  # the runs' actors on this node, identified
         self.ray_left: list[int] = []  # pids (or 0) of actors that outlived everything
+        self.signalled: dict[int, bool] = {}  # tops the caller sent SIGTERM already
 
     def emit(self, phase: str, detail: str) -> None:
         ev = Event(round(time.monotonic() - self.t0, 3), phase, detail)
@@ -180,7 +183,9 @@ def _sigterm_tops(ld: _Ladder) -> None:
     if ld.passive:
         return
     for tree in ld.trees:
-        if tree.top.send(ld.host, signal.SIGTERM):
+        sent = ld.signalled[tree.top.pid] if tree.top.pid in ld.signalled else \
+            tree.top.send(ld.host, signal.SIGTERM)
+        if sent:
             ld.emit("sigterm", f"SIGTERM to {tree.role or 'process'} {tree.top.pid} ({tree.name})")
             continue
         ld.emit("gone", f"{tree.top.pid} had already exited")
@@ -361,6 +366,8 @@ def stop(
     poll: float = 0.05,
     passive: bool = False,
     yield_to: Callable[[], bool] | None = None,
+    signalled: dict[int, bool] | None = None,
+    tails: dict[str, LogTail] | None = None,
 ) -> StopResult:
     """Run the ladder on `trees`, step by step (each step a function named for what it
     does; the events it emits are the timeline): `_find_members`, `_find_ray_actors`,
@@ -369,10 +376,15 @@ def stop(
 
     `timeout` overrides `exit_budget`. `passive`: send nothing, only wait and verify
     (someone else is already stopping them); `yield_to()` returning True turns passive
-    midway. `skip_drain`: no SIGTERM and no wait, straight to SIGKILL."""
-    ld = _Ladder(host, trees, on_event, poll, passive, yield_to)
+    midway. `skip_drain`: no SIGTERM and no wait, straight to SIGKILL. `signalled`: tops
+    already sent their SIGTERM by the caller (top pid -> whether it was sent), before the
+    members were listed: step 1 does not send to them again; `tails`: their logs, read from
+    before that signal on (by log path)."""
+    ld = _Ladder(host, trees, on_event, poll, passive, yield_to, tails or {})
+    ld.signalled = dict(signalled or {})
     _find_members(ld)
-    pausepoint.reached("shutdown-found")
+    if not ld.signalled:  # else the caller reached it, before its signal
+        pausepoint.reached("shutdown-found")
     _find_ray_actors(ld)
     if not skip_drain:
         _sigterm_tops(ld)

@@ -35,3 +35,41 @@ def planned_members(host: Host, trees: list[Any]) -> dict[int, list[int]]:
 
     return {t.top.pid: [m.pid for m in targets.members(host, t)] for t in trees}
 
+
+
+def recorded_top(host: Host, state_dir: str | None, request: Any) -> Any:
+    """The tree of a request that names only a run (NAME) whose record still ties it to the
+    process serve launched: its top, identified by pid and start ticks (one read of its
+    stat), with the record's budgets; None when the request must take the full scan first
+    (no record, no recorded identity, the top gone or someone else's, --pid, --port,
+    --device, --all, or a run on an existing Ray cluster, whose actors are listed before
+    any signal)."""
+    from xpuctl.actions.signals import target_of
+    from xpuctl.parse.roles import API_SERVER
+    from xpuctl.shutdown import targets
+    from xpuctl.state import runs
+
+    if (request.name is None or request.pid is not None or request.port is not None
+            or request.devices or request.all_ or not state_dir or not os.path.isdir(state_dir)):
+        return None
+    rec = runs.read_record(state_dir, request.name)
+    if (rec is None or rec.state not in runs.ACTIVE_STATES or not rec.pid
+            or rec.start_ticks is None or getattr(rec, "ray_cluster", None) not in (None, "local")):
+        return None
+    top = target_of(host, rec.pid, "api-server", rec.start_ticks)
+    if top is None:
+        return None
+    tree = targets.ServerTree(top=top, role=API_SERVER, orphan=False, known=[top])
+    targets.apply_record(tree, rec)
+    return tree
+
+
+def with_top(tree: Any, top: Any, never_ready: bool) -> Any:
+    """A tree found after its recorded top was signalled keeps that top (what the ladder
+    waits on and watches first), and the record's budget as it was before "stopping"."""
+    if tree.top.pid != top.pid:
+        tree.known = [tree.top, *tree.known]
+        tree.top = top
+        tree.orphan = False
+    tree.never_ready = never_ready
+    return tree

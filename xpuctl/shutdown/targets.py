@@ -89,6 +89,12 @@ def tree_from_record(rec: RunRecord, scan: Scan, host: Host) -> ServerTree | Non
         tree = tree_from_scan(scan, tops[0], host)
         if tree is None:
             return None
+    apply_record(tree, rec)
+    return tree
+
+
+def apply_record(tree: ServerTree, rec: RunRecord) -> None:
+    """What the record says of its run wins over what the scan guessed."""
     tree.record = rec
     tree.run_id = rec.run_id
     tree.session = rec.session
@@ -99,7 +105,6 @@ def tree_from_record(rec: RunRecord, scan: Scan, host: Host) -> ServerTree | Non
     tree.shutdown_timeout = rec.shutdown_timeout
     tree.log_path = rec.log_path
     tree.never_ready = rec.state == "starting"
-    return tree
 
 
 def members(host: Host, tree: ServerTree) -> list[Target]:
