@@ -153,7 +153,7 @@ CollectiveTimeoutOpt = Annotated[
                  "runs alone after a failure get as long again."),
 ]
 KillAfterOpt = Annotated[
-    float, typer.Option("--kill-after", min=0, help="Seconds between SIGTERM and SIGKILL for survivors.")
+    float, typer.Option("--kill-after", min=0, metavar="SECONDS", help="Seconds between SIGTERM and SIGKILL for survivors.")
 ]
 FromOpt = Annotated[
     str | None,

@@ -39,11 +39,11 @@ def shutdown(
     all_: Annotated[bool, typer.Option("--all", help="Every vLLM server and orphan on this host.")] = False,
     timeout: Annotated[
         float | None,
-        typer.Option("--timeout", min=0, help="Seconds to wait after SIGTERM.",
+        typer.Option("--timeout", min=0, metavar="SECONDS", help="Seconds to wait after SIGTERM.",
                      show_default="the run's shutdown timeout + 10"),
     ] = None,
     kill_after: KillAfterOpt = 10.0,
-    release_timeout: Annotated[float, typer.Option("--release-timeout", min=0, help="Seconds to wait for the devices and port to be free.")] = 30.0,
+    release_timeout: Annotated[float, typer.Option("--release-timeout", min=0, metavar="SECONDS", help="Seconds to wait for the devices and port to be free.")] = 30.0,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Show what would be stopped; send nothing.")] = False,
     state_dir: StateDirOpt = None,
     as_json: JsonOpt = False,
