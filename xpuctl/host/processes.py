@@ -258,3 +258,11 @@ def _is_gone(host: Host, base: str) -> bool:
         return False
     except OSError:
         return True
+
+
+def read_optional(host: Host, path: str, limit: int = 1 << 20) -> bytes | None:
+    """The file's bytes, or None when it cannot be read."""
+    try:
+        return host.read_bytes(path, limit)
+    except OSError:
+        return None

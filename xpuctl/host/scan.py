@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import marshal
 import os
-import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -23,21 +22,18 @@ from xpuctl.core.model import (
 from xpuctl.core.rules import Facts, judge, match
 from xpuctl.core.trees import Member, resolve
 from xpuctl.host.containers import ContainerLookup
-from xpuctl.host.devices import DRM_MAJOR, scan_devices
-from xpuctl.host.processes import FdTable, RawProcess, fill_cmdline, scan_processes
+from xpuctl.host.devices import scan_devices
+from xpuctl.host.drm import dmabufs_held, drm_clients
+from xpuctl.host.processes import FdTable, RawProcess, fill_cmdline, read_optional, scan_processes
 from xpuctl.host.reads.protocol import BlockedRead
 from xpuctl.host.seam import CLK_TCK, Host  # noqa: F401 (CLK_TCK: cli's own-age check)
 from xpuctl.host.split import in_two
-from xpuctl.parse.drmclients import MEMORY_DIR, SysfsClient, parse_client
-from xpuctl.parse.fdinfo import parse_dmabuf, parse_fdinfo
 from xpuctl.parse.net import TcpSocket, parse_tcp, parse_unix_paths
 from xpuctl.parse.procfs import parse_boot_time, parse_environ, parse_maps_paths, parse_status_uid
 from xpuctl.parse.roles import API_SERVER, RAY
 
 RUN_ID_VAR = "XPUCTL_RUN_ID"
 DEFAULT_PORT = 8000
-_NODE_RE = re.compile(r"^(card|renderD)(\d+)$")
-_GPU_DRIVERS = ("xe", "i915")
 
 
 def own_pids(host: Host) -> frozenset[int]:
@@ -101,158 +97,14 @@ class _Lazy:
         return self._unix
 
 
-def _read_opt(host: Host, path: str, limit: int = 1 << 20) -> bytes | None:
-    try:
-        return host.read_bytes(path, limit)
-    except OSError:
-        return None
-
-
-def _drm_clients(
-    host: Host, fds: FdTable, devices: list[Device]
-) -> tuple[list[DrmClient], dict[int, set[str]]]:
-    by_node: dict[str, Device] = {}
-    by_minor: dict[int, Device] = {}
-    for d in devices:
-        for node in d.nodes:
-            by_node[node.rsplit("/", 1)[-1]] = d
-        for minor in d.minors:
-            by_minor[minor] = d
-    known_bdfs = {d.bdf for d in devices}
-    agg: dict[tuple[Any, ...], dict[str, Any]] = {}
-    for pid, fd, path in fds.drm_fds:
-        name = path[len("/dev/dri/") :]
-        dev = by_node.get(name)
-        if host.rdev_checked:
-            rdev = host.stat_rdev(f"/proc/{pid}/fd/{fd}")
-            if rdev is None or rdev[0] != DRM_MAJOR:
-                continue
-            dev = by_minor.get(rdev[1], dev)
-        if dev is None and not _NODE_RE.match(name):
-            continue  # e.g. /dev/dri/by-path/…: not a node
-        raw = _read_opt(host, f"/proc/{pid}/fdinfo/{fd}", 1 << 16)
-        info = parse_fdinfo(raw.decode("utf-8", "replace")) if raw is not None else None
-        bdf = dev.bdf if dev else None
-        if info is not None and info.pdev and (info.pdev in known_bdfs or bdf is None):
-            bdf = info.pdev
-        if info is not None and info.client_id is not None:
-            key: tuple[Any, ...] = ("client", bdf, info.client_id)
-        else:
-            key = ("fd", pid, fd)
-        rec = agg.setdefault(
-            key,
-            {
-                "bdf": bdf,
-                "client_id": info.client_id if info else None,
-                "driver": (info.driver if info else None) or (dev.driver if dev else None),
-                "memory": None,
-                "shared": None,
-                "resident": None,
-                "pids": [],
-                "node": f"/dev/dri/{name}",
-            },
-        )
-        if pid not in rec["pids"]:
-            rec["pids"].append(pid)
-        if info is not None and info.memory_bytes is not None:
-            rec["memory"] = max(rec["memory"] or 0, info.memory_bytes)
-        for field, value in (("shared", info.shared_bytes if info else None),
-                             ("resident", info.resident_bytes if info else None)):
-            if value is not None:
-                rec[field] = max(rec[field] or 0, value)
-    clients = [
-        DrmClient(r["bdf"], r["client_id"], r["driver"], r["memory"], tuple(r["pids"]), r["node"],
-                  r["shared"], r["resident"], "fdinfo" if r["memory"] is not None else None)
-        for r in agg.values()
-    ]
-    clients = _sysfs_memory(host, clients, devices)
-    held: dict[int, set[str]] = {}
-    for c in clients:
-        for pid in c.pids:
-            held.setdefault(pid, set())
-            if c.bdf:
-                held[pid].add(c.bdf)
-    return clients, held
-
-
-def _sysfs_clients(host: Host, card: str) -> list[SysfsClient]:
-    """The i915 backport's /sys/class/drm/<card>/clients/<id>/ (bounded reads; none: [])."""
-    base = f"/sys/class/drm/{card}/clients"
-    try:
-        ids = sorted(host.listdir(base))[:4096]
-    except OSError:
-        return []
-
-    def text(path: str) -> str | None:
-        raw = _read_opt(host, path, 64)
-        return raw.decode("ascii", "replace") if raw is not None else None
-
-    out = []
-    for cid in ids:
-        d = f"{base}/{cid}"
-        out.append(parse_client(cid, text(f"{d}/pid"), text(f"{d}/name"),
-                                text(f"{d}/{MEMORY_DIR}/created_bytes"),
-                                text(f"{d}/{MEMORY_DIR}/imported_bytes")))
-    return out
-
-
-def _sysfs_memory(host: Host, clients: list[DrmClient], devices: list[Device]) -> list[DrmClient]:
-    """For a device whose clients print no memory in fdinfo (the i915 backport), each pid's
-    memory from the driver's per-client sysfs (created_bytes), on the first of its clients."""
-    out = list(clients)
-    for dev in devices:
-        mine = [i for i, c in enumerate(out) if c.bdf == dev.bdf]
-        if not mine or dev.card_node is None or any(out[i].memory_bytes is not None for i in mine):
-            continue
-        by_pid: dict[int, list[SysfsClient]] = {}
-        for sc in _sysfs_clients(host, dev.card_node.rsplit("/", 1)[-1]):
-            if sc.pid is not None and sc.created_bytes is not None:
-                by_pid.setdefault(sc.pid, []).append(sc)
-        done: set[int] = set()
-        for i in mine:
-            pids = [p for p in out[i].pids if p in by_pid and p not in done]
-            if not pids:
-                continue
-            done.update(pids)
-            created = sum(sc.created_bytes or 0 for p in pids for sc in by_pid[p])
-            imported = [sc.imported_bytes for p in pids for sc in by_pid[p] if sc.imported_bytes is not None]
-            out[i] = out[i]._replace(memory_bytes=created, memory_source="sysfs-clients",
-                                     imported_bytes=sum(imported) if imported else None)
-    return out
-
-
-def _dmabufs(
-    host: Host, fds: FdTable, devices: list[Device], held: dict[int, set[str]]
-) -> list[DmabufHold]:
-    out: list[DmabufHold] = []
-    for pid, fd in fds.dmabuf_fds:
-        raw = _read_opt(host, f"/proc/{pid}/fdinfo/{fd}", 1 << 16)
-        if raw is None:
-            continue
-        buf = parse_dmabuf(raw.decode("utf-8", "replace"))
-        if buf is None or buf.exporter not in _GPU_DRIVERS:
-            continue
-        # dma-buf fdinfo does not name the device: attribute it when only one fits
-        same_driver = [d.bdf for d in devices if d.driver == buf.exporter]
-        mine = [b for b in held.get(pid, ()) if b in same_driver]
-        if len(mine) == 1:
-            bdf: str | None = mine[0]
-        elif len(same_driver) == 1:
-            bdf = same_driver[0]
-        else:
-            bdf = None
-        out.append(DmabufHold(pid, buf.exporter, buf.size_bytes, buf.inode, bdf))
-    return out
-
-
 def _details(host: Host, pid: int, want_env: bool) -> tuple[int | None, dict[str, str] | None]:
     uid = None
-    raw = _read_opt(host, f"/proc/{pid}/status", 1 << 16)
+    raw = read_optional(host, f"/proc/{pid}/status", 1 << 16)
     if raw is not None:
         uid = parse_status_uid(raw.decode("utf-8", "replace"))
     env = None
     if want_env:
-        data = _read_opt(host, f"/proc/{pid}/environ")
+        data = read_optional(host, f"/proc/{pid}/environ")
         env = parse_environ(data) if data else {}
     return uid, env
 
@@ -386,7 +238,7 @@ def _tag_run_leaders(host: Host, fds: FdTable) -> None:
     for pid, proc in fds.procs.items():
         if proc.role is not None or proc.stat.session != pid or proc.stat.state == "Z":
             continue
-        data = _read_opt(host, f"/proc/{pid}/environ")
+        data = read_optional(host, f"/proc/{pid}/environ")
         if data and RUN_ID_VAR.encode() + b"=" in data and parse_environ(data).get(RUN_ID_VAR):
             proc.role = API_SERVER
 
@@ -403,7 +255,7 @@ def _stuck(host: Host, fds: FdTable) -> dict[int, BlockedRead]:
 
 
 def _wchan(host: Host, pid: int) -> str | None:
-    w = _read_opt(host, f"/proc/{pid}/wchan", 256)
+    w = read_optional(host, f"/proc/{pid}/wchan", 256)
     return (w.decode("ascii", "replace").strip() or None) if w else None
 
 
@@ -484,8 +336,8 @@ def take_scan(
 def _holdings(host: Host, fds: FdTable, devices: list[Device]
               ) -> tuple[list[DrmClient], dict[int, set[str]], list[DmabufHold]]:
     """The DRM clients, each process's devices (through a DRM fd or a dma-buf), the dma-bufs."""
-    clients, held = _drm_clients(host, fds, devices)
-    dmabufs = _dmabufs(host, fds, devices, held)
+    clients, held = drm_clients(host, fds, devices)
+    dmabufs = dmabufs_held(host, fds, devices, held)
     for b in dmabufs:
         held.setdefault(b.pid, set())
         if b.bdf:
