@@ -39,6 +39,7 @@ from xpuctl.host.devices import scan_devices
 from xpuctl.host.seam import Host
 from xpuctl.parse.collective import RankReport, earliest_phase, parse_events
 from xpuctl.parse.net import parse_unix_paths
+from xpuctl.parse.procfs import parse_maps_paths
 from xpuctl.probes.runner import probe_python, xpuctl_path
 from xpuctl.state import audit
 
@@ -106,14 +107,10 @@ def _open_paths(host: Host, pids: tuple[int, ...]) -> tuple[str, ...]:
     inodes: set[int] = set()
     for pid in pids:
         try:
-            fds = host.listdir(f"/proc/{pid}/fd")
+            links = host.fd_links(pid, ("socket:[", *(d + "/" for d in FILE_DIRS)))
         except OSError:
-            continue
-        for fd in fds:
-            try:
-                link = host.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
+            links = []
+        for _fd, link in links:
             if link.startswith("socket:[") and link.endswith("]") and link[8:-1].isdigit():
                 inodes.add(int(link[8:-1]))
             elif _in_dirs(link):
@@ -122,10 +119,7 @@ def _open_paths(host: Host, pids: tuple[int, ...]) -> tuple[str, ...]:
             maps = host.read_text(f"/proc/{pid}/maps", 8 << 20)
         except OSError:
             maps = ""
-        for line in maps.splitlines():
-            parts = line.split(None, 5)
-            if len(parts) == 6 and _in_dirs(parts[5].strip()):
-                paths.add(parts[5].strip())
+        paths.update(p for p in parse_maps_paths(maps) if _in_dirs(p))
     if inodes:
         try:
             unix = parse_unix_paths(host.read_text("/proc/net/unix", 8 << 20))
