@@ -292,13 +292,15 @@ def test_no_command_imports_gpu_libraries(tmp_path, args):
             f"open({str(tmp_path)!r} + '/imported-{name}-' + str(os.getpid()), 'w').close()\n"
         )
     h = fakehost.healthy_host(tmp_path / "root")
+    # the modules are printed by an exit handler: the CLI leaves through os._exit once the
+    # exit handlers ran (cli.leave), so nothing after run_module would run
     code = (
-        "import os, sys, runpy\n"
+        "import atexit, os, sys, runpy\n"
         "print(os.getpid())\n"
+        f"atexit.register(lambda: print(sorted(m for m in sys.modules if m.split('.')[0] in {BANNED!r} "
+        f"or m in {PROBE_MODULES!r})))\n"
         f"sys.argv = ['xpuctl', '--root', {str(h.root)!r}, *{args!r}]\n"
-        "try:\n    runpy.run_module('xpuctl', run_name='__main__')\n"
-        "except SystemExit:\n    pass\n"
-        f"print(sorted(m for m in sys.modules if m.split('.')[0] in {BANNED!r} or m in {PROBE_MODULES!r}))\n"
+        "runpy.run_module('xpuctl', run_name='__main__')\n"
     )
     env = {**os.environ, "PYTHONPATH": f"{trap}{os.pathsep}{REPO}", "XPUCTL_STATE_DIR": str(tmp_path / "s")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)

@@ -1,3 +1,3 @@
-from xpuctl.cli.group import main
+from xpuctl.cli import main
 
 main()

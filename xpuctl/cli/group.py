@@ -161,7 +161,10 @@ def _main(
     if not 0 < read_timeout < float("inf"):
         raise fail(f"--read-timeout {read_timeout:g}: must be a number of seconds above 0",
                    ExitCode.USAGE)
-    ctx.obj = AppContext(host=Host(root or "/", read_timeout=read_timeout), debug=debug)
+    from xpuctl.cli.headstart import claim
+
+    host = Host(root or "/", read_timeout=read_timeout, reads=claim(root or "/", read_timeout))
+    ctx.obj = AppContext(host=host, debug=debug)
 
 
 def main() -> None:

@@ -13,11 +13,12 @@ from __future__ import annotations
 import stat as _stat
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-from xpuctl.parse.kmsg import HANG, INITIALIZED, WEDGED, GpuEvent
-from xpuctl.parse.probes import ProbeProcess, ProbeResult
-from xpuctl.parse.vllmlog import LogSignature
+if TYPE_CHECKING:  # records of the parsers, held in fields; not imported by every command
+    from xpuctl.parse.kmsg import GpuEvent
+    from xpuctl.parse.probes import ProbeProcess, ProbeResult
+    from xpuctl.parse.vllmlog import LogSignature
 
 # An environment with nothing in it (a request's default, read only).
 EMPTY_ENV: Mapping[str, str] = MappingProxyType({})
@@ -255,16 +256,22 @@ class KernelLog(NamedTuple):
 
     def _since_init(self, bdf: str) -> list[GpuEvent]:
         """The device's records after its last "Initialized" (a rebind starts afresh)."""
+        from xpuctl.parse.kmsg import INITIALIZED
+
         mine = [e for e in self.events if e.bdf == bdf]
         last = max((i for i, e in enumerate(mine) if e.kind == INITIALIZED), default=-1)
         return mine[last + 1:]
 
     def wedged(self, bdf: str) -> GpuEvent | None:
         """The first record that declared the device wedged, when it was not initialised again."""
+        from xpuctl.parse.kmsg import WEDGED
+
         return next((e for e in self._since_init(bdf) if e.kind == WEDGED), None)
 
     def hangs(self, bdf: str) -> tuple[GpuEvent, ...]:
         """Hang and reset records of the device since it was last initialised."""
+        from xpuctl.parse.kmsg import HANG
+
         return tuple(e for e in self._since_init(bdf) if e.kind == HANG)
 
     def wall_time(self, event: GpuEvent) -> float | None:

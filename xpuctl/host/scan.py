@@ -21,6 +21,7 @@ from xpuctl.core.model import (
 )
 from xpuctl.core.rules import Facts, judge, match
 from xpuctl.core.trees import Member, resolve
+from xpuctl.host.ahead import key
 from xpuctl.host.containers import ContainerLookup
 from xpuctl.host.devices import scan_devices
 from xpuctl.host.drm import dmabufs_held, drm_clients
@@ -39,6 +40,14 @@ DEFAULT_PORT = 8000
 def own_pids(host: Host) -> frozenset[int]:
     """Our own pid, when the scanned /proc is the one we run in."""
     return frozenset({os.getpid()}) if host.proc_is_live else frozenset()
+
+
+def _pass(host: Host, skip: frozenset[int]) -> tuple[float, FdTable]:
+    """(when it was taken, the pass over /proc): the one started ahead, else a new one."""
+    ahead = host.take_ahead(key(host, skip))
+    if ahead is not None:
+        return ahead  # type: ignore[no-any-return]
+    return host.now(), scan_processes(host, skip)
 
 
 class _Lazy:
@@ -299,9 +308,8 @@ def take_scan(
         scan: Scan = host.reader.call(take_scan, host, port, want_env, caller_env, artifacts,
                                       exclude_pids | mine)
         return scan
-    now = host.now()
+    now, fds = _pass(host, own_pids(host) | (exclude_pids if host.proc_is_live else frozenset()))
     devices, issues = scan_devices(host)
-    fds = scan_processes(host, own_pids(host) | (exclude_pids if host.proc_is_live else frozenset()))
     stuck = _stuck(host, fds)
     lazy = _Lazy(host, fds)
     clients, held, dmabufs = _holdings(host, fds, devices)

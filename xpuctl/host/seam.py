@@ -72,6 +72,15 @@ class Host:
             return reader.call(fn, self, *args)
         return fn(self, *args)
 
+    def keep_ahead(self, key: Any, value: Any) -> None:
+        """In a reader: keep work done ahead of the request that will ask for it (posted with
+        `Reader.post`). Elsewhere nothing is kept."""
+        self._reads.keep_ahead(key, value)
+
+    def take_ahead(self, key: Any) -> Any:
+        """The work kept under `key`, once; None when there is none."""
+        return self._reads.take_ahead(key)
+
     def in_split_helper(self) -> None:
         """Called in a forked split helper (host/split.py): its reads are its own to publish."""
         self._reads.in_split_helper()

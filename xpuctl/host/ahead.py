@@ -1,0 +1,38 @@
+"""The pass over /proc, started in a reader before the scan that will take it.
+
+For `cli.headstart`: a doctor's pass begins a few milliseconds into the process, before the
+command line is parsed and before this process imports the scan. Only `reads.caller` is
+needed here, and in the reader only the pass (host/processes.py), not the rest of the scan.
+The pass is kept in the reader (`Host.keep_ahead`) under `key`, which `take_scan` looks up
+with the pids it skips."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from xpuctl.host.reads.caller import Reader
+    from xpuctl.host.seam import Host
+
+
+def key(host: Host, skip: frozenset[int]) -> tuple[str, str, frozenset[int]]:
+    """What a pass is kept under: the root it read and the pids it left out."""
+    return ("pass", host.root, skip)
+
+
+def start_pass(reader: Reader, root: str) -> None:
+    """Post the pass of this process's next scan of the Host at `root` to `reader` (the one
+    that Host will read through)."""
+    reader.post(_pass, reader, root, os.getpid())
+
+
+def _pass(reads: Any, root: str, caller: int) -> None:
+    """In the reader (`reads`: its side of the reads): the pass take_scan would make there
+    for `caller`, which skips both processes on a live /proc (scan.own_pids)."""
+    from xpuctl.host.processes import scan_processes
+    from xpuctl.host.seam import Host
+
+    host = Host(root, reads=reads)
+    skip = frozenset({os.getpid(), caller}) if host.proc_is_live else frozenset()
+    host.keep_ahead(key(host, skip), (host.now(), scan_processes(host, skip)))
