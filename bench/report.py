@@ -181,9 +181,9 @@ def evaluate_targets(c: Ctx) -> list[dict]:
 
     s = scans.get(1000)
     m = {k: med(v) for k, v in s["samples"].items()} if s else None
-    add("doctor / fuser at N=1000", m and m["doctor"] / m["fuser"], 1.0, "{:.3f} x", "{:.2f} x")
-    add("doctor / lsof at N=1000", m and m["doctor"] / m["lsof"], 0.35, "{:.3f} x", "{:.2f} x")
-    add("doctor / bare Python floor at N=1000", m and m["doctor"] / m["floor"], 1.5, "{:.3f} x", "{:.2f} x")
+    add("doctor / fuser at N=1000", m and m["doctor"] / m["fuser"], 0.6, "{:.3f} x", "{:.2f} x")
+    add("doctor / lsof at N=1000", m and m["doctor"] / m["lsof"], 0.25, "{:.3f} x", "{:.2f} x")
+    add("doctor / bare Python floor at N=1000", m and m["doctor"] / m["floor"], 1.2, "{:.3f} x", "{:.2f} x")
     g = growth_figure(scans)
     add(f"growth of doctor above idle, N={g[1]} vs N={g[0]}" if g else "growth of doctor above idle",
         g and g[2], g[3] if g else 18.0, "{:.2f} x", "{:.1f} x")  # growth: 2 decimals

@@ -46,7 +46,9 @@ def leave(done: SystemExit) -> NoReturn:
     elif isinstance(code, int):
         status = code
     else:  # sys.exit("text"): the interpreter prints it and exits 1
-        sys.stderr.write(f"{code}\n")
+        from xpuctl.output.safetext import emit
+
+        emit(sys.stderr, str(code))
         status = 1
     import atexit
 

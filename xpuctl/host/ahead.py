@@ -36,3 +36,6 @@ def _pass(reads: Any, root: str, caller: int) -> None:
     host = Host(root, reads=reads)
     skip = frozenset({os.getpid(), caller}) if host.proc_is_live else frozenset()
     host.keep_ahead(key(host, skip), (host.now(), scan_processes(host, skip)))
+    # the scan that takes the pass needs the rest of the scan's code: when the caller is
+    # still parsing, importing it now costs that scan nothing
+    import xpuctl.host.scan  # noqa: F401

@@ -17,7 +17,6 @@ import errno
 
 from xpuctl.core.model import Coredump, Device, Issue, KernelLog
 from xpuctl.host.seam import Host
-from xpuctl.parse.kmsg import HANG, gpu_events, parse_kmsg
 from xpuctl.parse.procfs import parse_boot_time
 
 KMSG = "/dev/kmsg"
@@ -30,6 +29,10 @@ def read_kernel(host: Host, devices: tuple[Device, ...]
     saying why) and the devices' pending devcoredumps. Every read is bounded."""
     if host.reader is not None:
         return host.reader.call(read_kernel, host, devices)  # type: ignore[no-any-return]
+    # here, not at the top: with a reader, the log is parsed there, and the caller (doctor)
+    # does not compile the parser's patterns
+    from xpuctl.parse.kmsg import HANG, gpu_events, parse_kmsg
+
     issues: list[Issue] = []
     try:
         boot: float | None = parse_boot_time(host.read_text("/proc/stat", 1 << 20))
