@@ -4,11 +4,11 @@ parsed.
 Most of doctor's time is one pass over every process's open files, and most of the rest is
 start-up: importing typer and the command, parsing. On a machine with a second core they
 need not wait for each other. `begin` reads just enough of the arguments to know that this
-run is a doctor that scans this host once before anything else (no `--from`, `--deep`,
-`--collective`, no help), starts the reader that run's Host will read through, and posts the pass to it
-(`host.ahead`). The group's callback builds its Host on that reader (`claim`), and the
-scan takes the pass. Anything this reading does not understand
-means no head start: the command runs exactly as it would without one.
+run is a doctor that scans this host before anything else (no `--from`, `--deep`,
+`--collective`, no help), starts the reader that run's Host will read through, and posts
+the pass to it (`host.ahead`). The group's callback builds its Host on that reader
+(`claim`), and the scan takes the pass. Anything this reading does not understand means no
+head start: the command then runs exactly as it would without one.
 """
 
 from __future__ import annotations
