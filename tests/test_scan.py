@@ -262,6 +262,29 @@ def test_in_two_covers_every_item_once(monkeypatch):
     assert sorted(parts[0] + parts[1]) == items
 
 
+def test_in_two_runs_meanwhile_once_here_while_the_helper_works(monkeypatch):
+    """`meanwhile` (host/ahead.py: importing the scan's code) runs once, in this process,
+    after the helper is on its way: the helper takes chunks meanwhile."""
+    import marshal
+    import time
+
+    me = os.getpid()
+    ran: list[int] = []
+
+    def meanwhile():
+        ran.append(os.getpid())
+        time.sleep(0.3)  # long against the work: the helper takes most chunks meanwhile
+
+    items = list(range(800))
+    _split_env(monkeypatch)
+    here, helper = Sp.in_two(list, items, marshal.dumps, marshal.loads, meanwhile=meanwhile)
+    assert ran == [me]
+    assert sorted(here + helper) == items and len(helper) > len(here)
+    ran.clear()
+    (alone,) = Sp.in_two(list, items, marshal.dumps, marshal.loads, split=False, meanwhile=meanwhile)
+    assert ran == [me] and alone == items
+
+
 def test_in_two_shares_by_speed(monkeypatch):
     """The items go to whoever takes them: a slow process takes fewer chunks."""
     import marshal

@@ -35,7 +35,12 @@ def _pass(reads: Any, root: str, caller: int) -> None:
 
     host = Host(root, reads=reads)
     skip = frozenset({os.getpid(), caller}) if host.proc_is_live else frozenset()
-    host.keep_ahead(key(host, skip), (host.now(), scan_processes(host, skip)))
-    # the scan that takes the pass needs the rest of the scan's code: when the caller is
-    # still parsing, importing it now costs that scan nothing
+    # the scan that takes the pass needs the rest of the scan's code: imported while the
+    # pass's split helper is scanning, it costs that scan nothing
+    started = host.now()
+    fds = scan_processes(host, skip, meanwhile=_import_the_scan)
+    host.keep_ahead(key(host, skip), (started, fds))
+
+
+def _import_the_scan() -> None:
     import xpuctl.host.scan  # noqa: F401

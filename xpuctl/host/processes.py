@@ -10,7 +10,7 @@ processes (probes/split.py). Equivalent: `fuser -v /dev/dri/*`, `lsof /dev/dri/*
 from __future__ import annotations
 
 import marshal
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from xpuctl.host.seam import Host
 from xpuctl.host.split import in_two
@@ -234,11 +234,14 @@ def _scan_some(host: Host, pids: Iterable[int], skip: frozenset[int], out: FdTab
                 dmabuf.append((pid, fd))  # anon_inode:dmabuf
 
 
-def scan_processes(host: Host, skip_pids: frozenset[int] = frozenset()) -> FdTable:
+def scan_processes(host: Host, skip_pids: frozenset[int] = frozenset(),
+                   meanwhile: Callable[[], object] | None = None) -> FdTable:
+    """The pass. `meanwhile` runs in this process while a split helper starts on its share
+    (before the pass when it is not split): work that need not wait for the pass."""
     try:
         pids = list_pids(host)
     except OSError:
-        return FdTable()
+        pids = []
 
     def work(some: Iterable[int]) -> FdTable:
         part = FdTable()
@@ -246,7 +249,7 @@ def scan_processes(host: Host, skip_pids: frozenset[int] = frozenset()) -> FdTab
         return part
 
     out, *rest = in_two(work, pids, FdTable.dumps, FdTable.loads, split=host.splittable and host.reader is None,
-                         in_helper=host.in_split_helper)
+                         in_helper=host.in_split_helper, meanwhile=meanwhile)
     for part in rest:
         out.merge(part)
     return out

@@ -14,12 +14,14 @@ import os
 import stat as _stat
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from xpuctl.core.model import FileInfo
 from xpuctl.host.reads import protocol as _protocol
 from xpuctl.host.reads.caller import Reader
 from xpuctl.host.reads.protocol import DEFAULT_BOUND, BlockedRead
+
+if TYPE_CHECKING:  # imported in lstat: a pass over /proc (host/ahead.py) needs no record types
+    from xpuctl.core.model import FileInfo
 
 #: Clock ticks per second of /proc/<pid>/stat start times.
 CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -203,6 +205,8 @@ class Host:
         return cached
 
     def lstat(self, hostpath: str) -> FileInfo:
+        from xpuctl.core.model import FileInfo
+
         st = os.lstat(self.root + hostpath)
         return FileInfo(st.st_mode, st.st_uid, st.st_size, st.st_mtime, st.st_ino, st.st_dev)
 

@@ -68,20 +68,23 @@ def _take(queue: int, chunks: list[list[Any]], taken: list[int]) -> Iterator[Any
 
 def in_two(work: Callable[[Iterable[Any]], T], items: list[Any], dumps: Callable[[T], bytes],
            loads: Callable[[bytes], T], split: bool = True,
-           in_helper: Callable[[], None] | None = None) -> list[T]:
+           in_helper: Callable[[], None] | None = None,
+           meanwhile: Callable[[], object] | None = None) -> list[T]:
     """work(items) as one or two partial results: [work(items)] when a split does not pay,
     is not possible or not wanted (`split` False), else one result from here and one from a
     helper, over disjoint parts of `items` that together are all of it. `dumps`/`loads`
     carry a result through a pipe. `in_helper` runs first in the helper (in a reader:
-    Host.in_split_helper, so the helper publishes its reads in its own slot)."""
+    Host.in_split_helper, so the helper publishes its reads in its own slot). `meanwhile`
+    runs here once the helper is on its way, before this process takes its first chunk (the
+    queue gives the helper more chunks meanwhile); without a helper, first of all."""
     if not split or len(items) <= SPLIT_ABOVE or not can_split():
-        return [work(items)]
+        return _alone(work, items, meanwhile)
     size = max(CHUNK, -(-len(items) // _MAX_CHUNKS))
     chunks = [items[i:i + size] for i in range(0, len(items), size)]
     try:
         q_r, q_w = os.pipe()
     except OSError:
-        return [work(items)]
+        return _alone(work, items, meanwhile)
     try:
         os.set_blocking(q_w, False)  # never wait on our own pipe; too small means no split
         os.write(q_w, b"".join(n.to_bytes(_ID, "little") for n in range(len(chunks))))
@@ -92,7 +95,7 @@ def in_two(work: Callable[[Iterable[Any]], T], items: list[Any], dumps: Callable
         os.close(q_r)
         if q_w >= 0:
             os.close(q_w)
-        return [work(items)]
+        return _alone(work, items, meanwhile)
     # Signals wait until the helper has dropped the caller's handlers (see _default_signals).
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
     try:
@@ -121,6 +124,8 @@ def in_two(work: Callable[[Iterable[Any]], T], items: list[Any], dumps: Callable
         if child < 0:
             os.close(r)
             r = -1
+        if meanwhile is not None:
+            meanwhile()
         first = work(_take(q_r, chunks, mine))
     finally:
         os.close(q_r)
@@ -130,6 +135,13 @@ def in_two(work: Callable[[Iterable[Any]], T], items: list[Any], dumps: Callable
         done = set(mine)
         theirs = work([x for n, chunk in enumerate(chunks) if n not in done for x in chunk])
     return [first, theirs]
+
+
+def _alone(work: Callable[[Iterable[Any]], T], items: list[Any],
+           meanwhile: Callable[[], object] | None) -> list[T]:
+    if meanwhile is not None:
+        meanwhile()
+    return [work(items)]
 
 
 def _collect(child: int, r: int, loads: Callable[[bytes], T]) -> T | None:
