@@ -269,3 +269,17 @@ def test_a_posted_pass_is_a_protocol_request_like_any_other():
 
     fn, args, kwargs, reads, bound, wanted = Unpickler(io.BytesIO(data)).load()
     assert (fn, args, kwargs, reads, bound, wanted) == (take, (P.READS, "k"), {}, (), 1.0, False)
+
+
+def test_the_collector_paused_for_start_up_runs_again_for_the_command(tmp_path):
+    """cli.main pauses the garbage collector while modules load; a command runs with it on
+    (serve runs for days)."""
+    h = fh.clean_host(tmp_path / "root")
+    code = ("import atexit, gc, runpy, sys\n"
+            "atexit.register(lambda: print('collector', gc.isenabled()))\n"
+            f"sys.argv = ['xpuctl', '--root', {str(h.root)!r}, 'ps', '--json']\n"
+            "runpy.run_module('xpuctl', run_name='__main__')\n")
+    ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=DEADLINE)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.splitlines()[-1] == "collector True"
+

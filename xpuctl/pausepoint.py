@@ -33,7 +33,21 @@ def reached(step: str) -> None:
         return
     marker = os.environ.get("XPUCTL_TEST_PAUSE_FILE")
     if marker:
-        with open(marker, "a") as fh:
-            fh.write(f"{want} {os.getpid()}\n")
+        _say(marker, f"{want} {os.getpid()}\n")
     while True:
         time.sleep(3600)
+
+
+def _say(marker: str, line: str) -> None:
+    """Append `line` to the marker; a new marker appears with its line in it (the test reads
+    it as soon as it exists: an empty file there once failed a test on a loaded machine)."""
+    whole = f"{marker}.{os.getpid()}"
+    with open(whole, "w") as fh:
+        fh.write(line)
+    try:
+        os.link(whole, marker)
+    except FileExistsError:
+        with open(marker, "a") as fh:
+            fh.write(line)
+    finally:
+        os.unlink(whole)

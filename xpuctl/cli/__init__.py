@@ -4,8 +4,9 @@ codes), `options` (the shared option declarations), `context` (what a command ru
 it.
 
 `main` is the installed entry point. It gives doctor its head start before it imports
-typer and the group (which is why the group is imported here only when asked for), and it
-leaves without the interpreter's teardown (`leave`)."""
+typer and the group (which is why the group is imported here only when asked for), loads
+the modules with the garbage collector paused, and leaves without the interpreter's
+teardown (`leave`)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,12 @@ __all__ = ["app", "leave", "main"]
 
 
 def main() -> None:
+    import gc
+
+    # No cyclic collections while the modules load: imports make many objects and no cycles
+    # worth collecting, and each collection walks them all. The group turns the collector on
+    # again once the command is loaded (Group.get_command).
+    gc.disable()
     from xpuctl.cli import headstart
 
     headstart.begin(sys.argv[1:], os.environ)

@@ -12,6 +12,7 @@ To add a command: write `xpuctl/cli/NAME.py` with `app = command_app()` and one
 
 from __future__ import annotations
 
+import gc
 import importlib
 import os
 import sys
@@ -58,7 +59,9 @@ class Group(TyperGroup):
         if cmd_name not in COMMANDS:
             return None
         module = importlib.import_module(COMMANDS[cmd_name][0])
-        return typer.main.get_command(module.app)
+        command = typer.main.get_command(module.app)
+        gc.enable()  # paused while the modules loaded (xpuctl.cli.main); the command may run long
+        return command
 
     def format_commands(self, ctx: Any, formatter: Any) -> None:
         """The command list from `COMMANDS`, each line whole (click would import every
