@@ -25,6 +25,7 @@ from typer.core import TyperGroup
 from xpuctl import __version__
 from xpuctl.cli.guard import fail, group_exit_code
 from xpuctl.errors import ExitCode
+from xpuctl.host.reads.protocol import DEFAULT_BOUND
 from xpuctl.output.safetext import emit
 
 COMPLETE_VAR = "_XPUCTL_COMPLETE"
@@ -147,7 +148,7 @@ def _main(
             help="Bound of every read of another process's files and of device sysfs: one that "
             "does not answer in time (a wedged process or device) is reported, never waited for.",
         ),
-    ] = 2.0,
+    ] = DEFAULT_BOUND,
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False,
     version: Annotated[
         bool,

@@ -72,8 +72,10 @@ def plan(argv: Sequence[str], environ: Mapping[str, str]) -> tuple[str, float] |
             break
         if arg.partition("=")[0] in NOT_FIRST:
             return None
+    from xpuctl.host.reads.protocol import DEFAULT_BOUND  # the group's default too
+
     try:
-        seconds = 2.0 if bound is None else float(bound)
+        seconds = DEFAULT_BOUND if bound is None else float(bound)
     except ValueError:
         return None
     if not 0 < seconds < math.inf or (root is not None and not os.path.isdir(root)):

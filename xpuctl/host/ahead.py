@@ -29,12 +29,12 @@ def start_pass(reader: Reader, root: str) -> None:
 
 def _pass(reads: Any, root: str, caller: int) -> None:
     """In the reader (`reads`: its side of the reads): the pass take_scan would make there
-    for `caller`, which skips both processes on a live /proc (scan.own_pids)."""
-    from xpuctl.host.processes import scan_processes
+    for `caller`, skipping what it skips (processes.own_pids)."""
+    from xpuctl.host.processes import own_pids, scan_processes
     from xpuctl.host.seam import Host
 
     host = Host(root, reads=reads)
-    skip = frozenset({os.getpid(), caller}) if host.proc_is_live else frozenset()
+    skip = own_pids(host, frozenset({caller}))
     # the scan that takes the pass needs the rest of the scan's code: imported while the
     # pass's split helper is scanning, it costs that scan nothing
     started = host.now()

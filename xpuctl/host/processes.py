@@ -10,6 +10,7 @@ processes (probes/split.py). Equivalent: `fuser -v /dev/dri/*`, `lsof /dev/dri/*
 from __future__ import annotations
 
 import marshal
+import os
 from collections.abc import Callable, Iterable
 
 from xpuctl.host.seam import Host
@@ -81,6 +82,14 @@ class FdTable:
         out.sockets, out.files = sockets, files
         out.unreadable, out.malformed = unreadable, malformed
         return out
+
+
+def own_pids(host: Host, also: frozenset[int] = frozenset()) -> frozenset[int]:
+    """The pids a scan leaves out: this process and `also` (the caller's own, its probes),
+    when the scanned /proc is the one we run in; none in a fake tree, whose pids are not
+    processes of ours. The one rule: the caller, its reader and a pass posted ahead
+    (host/ahead.py) all skip by it."""
+    return frozenset({os.getpid()}) | also if host.proc_is_live else frozenset()
 
 
 def list_pids(host: Host) -> list[int]:

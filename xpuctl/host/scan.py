@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import marshal
-import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -25,7 +24,14 @@ from xpuctl.host.ahead import key
 from xpuctl.host.containers import ContainerLookup
 from xpuctl.host.devices import scan_devices
 from xpuctl.host.drm import dmabufs_held, drm_clients
-from xpuctl.host.processes import FdTable, RawProcess, fill_cmdline, read_optional, scan_processes
+from xpuctl.host.processes import (
+    FdTable,
+    RawProcess,
+    fill_cmdline,
+    own_pids,
+    read_optional,
+    scan_processes,
+)
 from xpuctl.host.reads.protocol import BlockedRead
 from xpuctl.host.seam import CLK_TCK, Host  # noqa: F401 (CLK_TCK: cli's own-age check)
 from xpuctl.host.split import in_two
@@ -35,11 +41,6 @@ from xpuctl.parse.roles import API_SERVER, RAY
 
 RUN_ID_VAR = "XPUCTL_RUN_ID"
 DEFAULT_PORT = 8000
-
-
-def own_pids(host: Host) -> frozenset[int]:
-    """Our own pid, when the scanned /proc is the one we run in."""
-    return frozenset({os.getpid()}) if host.proc_is_live else frozenset()
 
 
 def _pass(host: Host, skip: frozenset[int]) -> tuple[float, FdTable]:
@@ -304,11 +305,10 @@ def take_scan(
     process with a file that did not answer is listed in `unreadable_processes`, never
     judged: its role is unknown, a device it may hold is not free, no file is stale."""
     if host.reader is not None:
-        mine = frozenset({os.getpid()}) if host.proc_is_live else frozenset()
         scan: Scan = host.reader.call(take_scan, host, port, want_env, caller_env, artifacts,
-                                      exclude_pids | mine)
+                                      own_pids(host, exclude_pids))
         return scan
-    now, fds = _pass(host, own_pids(host) | (exclude_pids if host.proc_is_live else frozenset()))
+    now, fds = _pass(host, own_pids(host, exclude_pids))
     devices, issues = scan_devices(host)
     stuck = _stuck(host, fds)
     lazy = _Lazy(host, fds)
