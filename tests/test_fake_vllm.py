@@ -390,17 +390,24 @@ def test_fault_setsid_worker(standin_root, proc_token):
     assert shm_files(root) == [] and nobody_holds(root, 2)
 
 
-@pytest.mark.slow
-def test_fault_crash_engine(standin_root, proc_token, tmp_path):
-    root = standin_root
+def _crash_engine(token, root, tmp_path, tp, faults, dead_exit_s):
+    """A ready fake vLLM with the crash-engine fault, its engine told to crash now: (the
+    fake, its EngineCore pid, its worker pids)."""
     crash = tmp_path / "crash-now"
-    fv = start_fake_vllm(proc_token, root, tp=2, shutdown_timeout=5,
-                         env={"FAKE_VLLM_FAULTS": "crash-engine",
-                              "FAKE_VLLM_CRASH_FILE": str(crash),
-                              "FAKE_VLLM_ENGINE_DEAD_EXIT_S": "5"})
+    fv = start_fake_vllm(token, root, tp=tp, shutdown_timeout=5,
+                         env={"FAKE_VLLM_FAULTS": faults, "FAKE_VLLM_CRASH_FILE": str(crash),
+                              "FAKE_VLLM_ENGINE_DEAD_EXIT_S": dead_exit_s})
     assert fv.wait_ready(), fv.log()
     core, workers = tree_roles(fv)
     crash.touch()
+    return fv, core, workers
+
+
+@pytest.mark.slow
+def test_fault_crash_engine(standin_root, proc_token, tmp_path):
+    root = standin_root
+    fv, core, workers = _crash_engine(proc_token, root, tmp_path, tp=2, faults="crash-engine",
+                                      dead_exit_s="5")
     assert wait_log(fv, "[shutdown] MPClient: engine core exited unexpectedly"), fv.log()
     assert http_get(fv.url + "/health")[0] == 503
     status, _ = http_post(fv.url + "/v1/completions", {"prompt": "x"})
@@ -482,14 +489,8 @@ def test_standin_root_layout(tmp_path):
 def test_fault_exit_0_on_engine_death(standin_root, proc_token, tmp_path):
     """vLLM #48966: the engine dies, the API server shuts uvicorn down and exits 0."""
     root = standin_root
-    crash = tmp_path / "crash-now"
-    fv = start_fake_vllm(proc_token, root, tp=1, shutdown_timeout=5,
-                         env={"FAKE_VLLM_FAULTS": "crash-engine,exit-0-on-engine-death",
-                              "FAKE_VLLM_CRASH_FILE": str(crash),
-                              "FAKE_VLLM_ENGINE_DEAD_EXIT_S": "0.2"})
-    assert fv.wait_ready(), fv.log()
-    core, workers = tree_roles(fv)
-    crash.touch()
+    fv, core, workers = _crash_engine(proc_token, root, tmp_path, tp=1,
+                                      faults="crash-engine,exit-0-on-engine-death", dead_exit_s="0.2")
     assert fv.proc.wait(30) == 0, fv.log()
     log = fv.log()
     assert "Engine core proc EngineCore_0 died unexpectedly, shutting down client." in log
