@@ -13,12 +13,17 @@ import os
 import struct
 from typing import Any, NamedTuple
 
+from xpuctl.parse.seconds import HOUR, Span
+
 #: A reader's name (/proc/PID/comm), for ps.
 COMM = "xpuctl-reader"
 
 #: Default bound of one read, in seconds (`--read-timeout`). A healthy procfs or sysfs read
 #: takes microseconds; two seconds leave room for a loaded machine.
 DEFAULT_BOUND = 2.0
+#: What `--read-timeout` (and XPUCTL_READ_TIMEOUT) takes: above 0, at most an hour (a read
+#: bound longer than that is a hang by another name).
+BOUND_SPAN = Span(0.0, HOUR, low_open=True)
 
 SLOTS = 4  # 0: the reader, 1: its split helper
 SLOT = 512
