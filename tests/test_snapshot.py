@@ -210,7 +210,7 @@ def test_archive_holds_only_what_doctor_reads(tmp_path, pinned_now):
     blob = b"".join(files.values())
     assert secret not in blob and b"hf_secret" not in blob and b"/secret/bin" not in blob
     assert files[f"root/proc/{pid}/environ"] == (
-        b"XPUCTL_RUN_ID=r-1\0ZE_AFFINITY_MASK=0\0SPT_NOENV=1\0VLLM_PORT=8000\0"
+        b"XPUCTL_RUN_ID=r-1\0ZE_AFFINITY_MASK=0\0SPT_NOENV=1\0HF_TOKEN=<redacted>\0VLLM_PORT=8000\0"
     )
     maps = files.get(f"root/proc/{pid}/maps", b"").decode()
     if maps:  # read only when a candidate file is in no fd; then only /dev/shm and /tmp lines
@@ -551,10 +551,11 @@ def test_redact_environ_keeps_only_the_listed_variables_in_order():
     raw = (b"PATH=/bin\0ZE_AFFINITY_MASK=0,1\0HF_TOKEN=x\0XPUCTL_RUN_ID=r\0SPT_NOENV=1\0"
            b"SPT_NOENVX=2\0ZE_AFFINITY_MASK=9\0\xff\xfe=bad\0=novalue\0CCL_LOG_LEVEL=info\0")
     kept = redact.environ(raw)
-    assert kept == (b"ZE_AFFINITY_MASK=0,1\0XPUCTL_RUN_ID=r\0SPT_NOENV=1\0"
+    assert kept == (b"ZE_AFFINITY_MASK=0,1\0HF_TOKEN=<redacted>\0XPUCTL_RUN_ID=r\0SPT_NOENV=1\0"
                     b"ZE_AFFINITY_MASK=9\0CCL_LOG_LEVEL=info\0")
     full, cut = parse_environ(raw), parse_environ(kept)
-    assert cut == {k: v for k, v in full.items() if redact.keeps_var(k)}
+    assert cut == {k: "<redacted>" if redact.secret_name(k) else v for k, v in full.items()
+                   if redact.keeps_var(k) or redact.secret_name(k)}
     assert redact.environ(b"\0" * 64) == b""
 
 

@@ -26,8 +26,9 @@ from xpuctl import __version__
 from xpuctl.cli.guard import fail, group_exit_code
 from xpuctl.cli.paramtypes import Seconds
 from xpuctl.errors import ExitCode
-from xpuctl.host.reads.protocol import BOUND_SPAN, DEFAULT_BOUND
+from xpuctl.host.reads.protocol import DEFAULT_BOUND
 from xpuctl.output.safetext import emit
+from xpuctl.parse.seconds import READ_BOUND_SPAN
 
 COMPLETE_VAR = "_XPUCTL_COMPLETE"
 
@@ -145,7 +146,7 @@ def _main(
     read_timeout: Annotated[
         float,
         typer.Option(
-            "--read-timeout", click_type=Seconds(*BOUND_SPAN), envvar="XPUCTL_READ_TIMEOUT",
+            "--read-timeout", click_type=Seconds(*READ_BOUND_SPAN), envvar="XPUCTL_READ_TIMEOUT",
             help="Bound of every read of another process's files and of device sysfs: one that "
             "does not answer in time (a wedged process or device) is reported, never waited for.",
         ),

@@ -71,11 +71,11 @@ def plan(argv: Sequence[str], environ: Mapping[str, str]) -> tuple[str, float] |
             break
         if arg.partition("=")[0] in NOT_FIRST:
             return None
-    from xpuctl.host.reads.protocol import BOUND_SPAN, DEFAULT_BOUND  # the group's too
-    from xpuctl.parse.seconds import parse_seconds
+    from xpuctl.host.reads.protocol import DEFAULT_BOUND  # the group's too
+    from xpuctl.parse.seconds import READ_BOUND_SPAN, parse_seconds
 
     try:
-        seconds = DEFAULT_BOUND if bound is None else parse_seconds(bound, BOUND_SPAN)
+        seconds = DEFAULT_BOUND if bound is None else parse_seconds(bound, READ_BOUND_SPAN)
     except ValueError:
         return None  # the group refuses it
     if root is not None and not os.path.isdir(root):

@@ -38,6 +38,12 @@ class Span(NamedTuple):
             and value <= self.high
 
 
+#: What `--read-timeout` (and XPUCTL_READ_TIMEOUT) takes: above 0, at most an hour (a read
+#: bound longer than that is a hang by another name). Here, not with the option: doctor's
+#: head start (cli/headstart.py) reads it before typer is imported.
+READ_BOUND_SPAN = Span(0.0, HOUR, low_open=True)
+
+
 def parse_seconds(text: str, span: Span) -> float:
     """The seconds `text` says, when they are within `span`; ValueError naming the span
     otherwise (`nan`, `inf`, `1e308`, negatives, `0x10`, empty text, ...)."""
