@@ -16,7 +16,7 @@ from typing import Annotated, Any
 
 import typer
 
-from xpuctl.cli.paramtypes import Seconds, SnapshotFile
+from xpuctl.cli.paramtypes import DeviceList, Seconds, SnapshotFile
 from xpuctl.errors import UsageError
 from xpuctl.host.seam import Host
 from xpuctl.output.safetext import safe
@@ -114,8 +114,8 @@ DeviceOpt = Annotated[
     typer.Option(
         "--device",
         "-d",
-        metavar="DEVICE",
-        help="Device: Level Zero index, PCI BDF or node name (repeatable).",
+        click_type=DeviceList(),
+        help="Device: Level Zero index, PCI BDF or node name (repeatable, or a comma list).",
         autocompletion=complete_device,
         show_default=False,
     ),

@@ -16,6 +16,7 @@ from typing import Any
 
 from typer._click import types
 
+from xpuctl.parse.devspec import split_devices
 from xpuctl.parse.seconds import WEEK, Span, parse_seconds
 
 
@@ -63,4 +64,23 @@ class SnapshotFile(types.StringParamType):
         text = super().convert(value, param, ctx)
         if not text:
             self.fail("an empty name is not a snapshot file", param, ctx)
+        return text
+
+
+class DeviceList(types.StringParamType):
+    """`--device`/`--devices DEVICE[,DEVICE]`: the one device list of every command (parse/
+    devspec.py); a bad list is a usage error naming the option. The value stays the text
+    given, checked (the specs are resolved against sysfs later, by the same parser)."""
+
+    name = "device"
+
+    def get_metavar(self, param: Any, ctx: Any) -> str:
+        return "DEVICE[,DEVICE]"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        text = super().convert(value, param, ctx)
+        try:
+            split_devices([text])
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
         return text

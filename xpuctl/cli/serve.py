@@ -12,6 +12,7 @@ from xpuctl.cli.group import command_app
 from xpuctl.cli.guard import guard
 from xpuctl.cli.options import (
     HOUR,
+    DeviceList,
     KillAfterOpt,
     ProbeTimeoutOpt,
     Seconds,
@@ -60,7 +61,7 @@ def serve(
     allow_abort: Annotated[bool, typer.Option("--allow-abort", help="Keep an explicit --shutdown-timeout 0.")] = False,
     devices: Annotated[
         list[str] | None,
-        typer.Option("--devices", help="Devices for vLLM (index, BDF or node; comma list): sets ZE_AFFINITY_MASK.",
+        typer.Option("--devices", click_type=DeviceList(), help="Devices for vLLM (index, BDF or node; comma list): sets ZE_AFFINITY_MASK.",
                      autocompletion=complete_device, show_default=False),
     ] = None,
     env: Annotated[list[str] | None, typer.Option("--env", "-e", help="KEY=VALUE for vLLM (repeatable).", show_default=False)] = None,
