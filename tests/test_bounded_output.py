@@ -97,7 +97,8 @@ def _mine(out: bytes, procs: list[subprocess.Popen]) -> tuple[dict[int, dict], i
     machine's: other tests' vLLM stand-ins show up too)."""
     listed = json.loads(out)["processes"]
     pids = {p.pid for p in procs}
-    return {p["pid"]: p for p in listed if p["pid"] in pids}, sum(p["pid"] not in pids for p in listed)
+    mine = {p["pid"]: p for p in listed if p["pid"] in pids}
+    return mine, len(listed) - len(mine)
 
 
 @pytest.mark.slow

@@ -4,7 +4,7 @@ Each archive here is built in the test with tarfile, in the shapes that wrote ou
 temporary directory or past the size cap on main: a symlink then a file through it, a chain
 of two links, hard links (to /etc/passwd, and 5000 to one member), the PATH_MAX chain of
 CVE-2025-4517 (the shape of CPython's own test_tarfile `test_realpath_limit_attack`), `..`,
-absolute names, a FIFO, a char device, too many members, long names, duplicates and a
+absolute names, a FIFO, a char device, too many members, long names, a name given twice and a
 decompression bomb. Each is refused with exit 2 and one line naming the member and why; a
 sentinel directory and the parent of the temporary directory stay as they were, and the
 temporary directory is gone. The cases run with tarfile's extraction filter and without it
@@ -36,7 +36,8 @@ runner = CliRunner()
 FLAG = b"original flag\n"
 
 
-def _info(name: str, kind: bytes = tarfile.REGTYPE, size: int = 0, link: str = "") -> tarfile.TarInfo:
+def _info(name: str, kind: bytes = tarfile.REGTYPE, size: int = 0,
+          link: str = "") -> tarfile.TarInfo:
     info = tarfile.TarInfo(name)
     info.type = kind
     info.size = size
@@ -256,7 +257,8 @@ def test_member_count_over_the_cap_writes_nothing(tmp_path, monkeypatch):
 
 def test_total_over_the_cap_is_refused_from_the_headers(tmp_path, monkeypatch):
     monkeypatch.setattr(members, "MAX_TOTAL_BYTES", 1 << 20)
-    archive = _tar(tmp_path / "big.tar.gz", [_file(f"snap/f{i}", bytes(400 << 10)) for i in range(3)])
+    archive = _tar(tmp_path / "big.tar.gz",
+                   [_file(f"snap/f{i}", bytes(400 << 10)) for i in range(3)])
     dest = tmp_path / "dest"
     dest.mkdir()
     with pytest.raises(unpack_mod.UnsafeArchive, match="member 'snap/f2': more than 1 MiB in all"):

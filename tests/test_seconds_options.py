@@ -39,6 +39,7 @@ def _options() -> list[tuple[tuple[str, ...], object]]:
 
 OPTIONS = _options()
 SECONDS = [(path, p) for path, p in OPTIONS if isinstance(p.type, Seconds)]
+IDS = [f"{'/'.join(path) or 'xpuctl'}{p.opts[0]}" for path, p in SECONDS]
 
 
 def _args(path: tuple[str, ...], opt: str, value: str) -> list[str]:
@@ -53,7 +54,8 @@ def _args(path: tuple[str, ...], opt: str, value: str) -> list[str]:
 def test_every_number_option_with_seconds_is_of_the_one_type():
     assert len(SECONDS) >= 19  # the group's --read-timeout and every command's timeouts
     for path, p in OPTIONS:
-        plain_float = isinstance(p.type, click_types.FloatParamType) and not isinstance(p.type, Seconds)
+        plain_float = (isinstance(p.type, click_types.FloatParamType)
+                       and not isinstance(p.type, Seconds))
         looks_like_seconds = (p.metavar == "SECONDS" or "timeout" in p.name
                               or "seconds" in (p.help or "").lower())
         assert not plain_float, (path, p.opts, "a float option outside the seconds type")
@@ -61,7 +63,7 @@ def test_every_number_option_with_seconds_is_of_the_one_type():
             assert isinstance(p.type, Seconds), (path, p.opts)
 
 
-@pytest.mark.parametrize("path,param", SECONDS, ids=[f"{'/'.join(p) or 'xpuctl'}{o.opts[0]}" for p, o in SECONDS])
+@pytest.mark.parametrize("path,param", SECONDS, ids=IDS)
 def test_bad_seconds_are_a_usage_error_naming_the_option_and_range(path, param):
     opt = param.opts[0]
     for value in BAD:
@@ -73,7 +75,7 @@ def test_bad_seconds_are_a_usage_error_naming_the_option_and_range(path, param):
         assert "Traceback" not in result.output
 
 
-@pytest.mark.parametrize("path,param", SECONDS, ids=[f"{'/'.join(p) or 'xpuctl'}{o.opts[0]}" for p, o in SECONDS])
+@pytest.mark.parametrize("path,param", SECONDS, ids=IDS)
 def test_help_shows_seconds_and_the_range(path, param):
     result = runner.invoke(app, [*path, "--help"], env={"COLUMNS": "200"})
     assert result.exit_code == 0
@@ -87,7 +89,8 @@ def test_read_timeout_from_the_environment_goes_through_the_same_type():
     for value in ("nan", "inf", "0", "-1", "1e308"):
         result = runner.invoke(app, ["doctor", "--json"], env={"XPUCTL_READ_TIMEOUT": value})
         assert result.exit_code == 2, (value, result.output)
-        assert "XPUCTL_READ_TIMEOUT" in result.stderr and "above 0 and at most 3600" in result.stderr
+        assert "XPUCTL_READ_TIMEOUT" in result.stderr
+        assert "above 0 and at most 3600" in result.stderr
 
 
 def test_read_timeout_head_start_takes_only_what_the_group_takes():

@@ -384,7 +384,8 @@ def test_member_over_64_mib_is_refused(tmp_path):
 
 def test_too_many_members_is_refused(tmp_path):
     path = tmp_path / "many.tar.gz"
-    header = b"".join(_info(f"snap/d{i}", tarfile.DIRTYPE).tobuf() for i in range(archive_members.MAX_MEMBERS + 1))
+    header = b"".join(_info(f"snap/d{i}", tarfile.DIRTYPE).tobuf()
+                      for i in range(archive_members.MAX_MEMBERS + 1))
     import gzip
 
     path.write_bytes(gzip.compress(header + bytes(1024), compresslevel=1))
@@ -396,8 +397,10 @@ def test_check_member_rules_one_by_one():
     ok = _info("snap/root/proc/1/stat", size=10)
     assert archive_members.check_member(ok) is None
     assert archive_members.check_member(_info("snap/root/proc", tarfile.DIRTYPE)) is None
-    assert "symbolic link" in archive_members.check_member(_info("snap/root/sys/l", tarfile.SYMTYPE, link="../proc"))
-    assert "hard link" in archive_members.check_member(_info("snap/root/h", tarfile.LNKTYPE, link="snap/root/x"))
+    symlink = _info("snap/root/sys/l", tarfile.SYMTYPE, link="../proc")
+    assert "symbolic link" in archive_members.check_member(symlink)
+    hardlink = _info("snap/root/h", tarfile.LNKTYPE, link="snap/root/x")
+    assert "hard link" in archive_members.check_member(hardlink)
     assert archive_members.check_member(_info("/abs")) == "absolute path"
     assert archive_members.check_member(_info("a/../b")) == "'..' in the path"
     assert archive_members.check_member(_info("a/./b")) == "'.' or empty component in the path"
@@ -408,7 +411,8 @@ def test_check_member_rules_one_by_one():
     assert archive_members.check_member(_info("a/f", tarfile.FIFOTYPE)) == "FIFO"
     assert archive_members.check_member(_info("a/f", b"Z")) == "special file"
     assert archive_members.check_member(_info("a/s", tarfile.GNUTYPE_SPARSE)) == "special file"
-    assert archive_members.check_member(_info("a/" + "n" * 256)) == "name component over 255 bytes (256)"
+    long_name = _info("a/" + "n" * 256)
+    assert archive_members.check_member(long_name) == "name component over 255 bytes (256)"
     assert archive_members.check_member(_info("a/" + "n" * 255)) is None
     assert "path over 1024 bytes" in archive_members.check_member(_info("/".join(["d" * 200] * 6)))
     assert "64 MiB" in archive_members.check_member(_info("a/big", size=(64 << 20) + 1))

@@ -78,7 +78,8 @@ def _tail(path: str, lines: int = LOG_LINES) -> bytes:
     return b"".join(cut[-lines:])
 
 
-def _state(state_dir: str | None, secrets: set[str]) -> tuple[dict[str, bytes], list[dict[str, str]]]:
+def _state(state_dir: str | None,
+           secrets: set[str]) -> tuple[dict[str, bytes], list[dict[str, str]]]:
     """Run records and log tails, as archive files under state/; and what failed. A record's
     command line is redacted like a process's, its texts and the logs scrubbed of every
     secret shape and of `secrets` (parse/redact.py)."""

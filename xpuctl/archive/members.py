@@ -90,8 +90,8 @@ class Refused(Exception):
 
 
 class Members:
-    """The members seen so far, and the rules that span members (count, total, duplicates,
-    one top directory). `add` raises Refused; `layout` is what was accepted, in order."""
+    """The members seen so far, and the rules that span members (count, total, a name taken
+    twice, one top directory). `add` raises Refused; `layout` is what was accepted, in order."""
 
     def __init__(self) -> None:
         self.layout: list[tuple[str, bool, int]] = []  # (name, is a directory, size)

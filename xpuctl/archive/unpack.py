@@ -6,7 +6,7 @@ read twice and never handed to tarfile's extraction (nor its `filter=`, which ol
 lack and which a PATH_MAX chain of links passes):
 
 1. every header is judged by `members.Members` (only regular files and directories, safe
-   names, sizes, count, duplicates) before anything is written;
+   names, sizes, count, no name taken twice) before anything is written;
 2. the archive is read again and each member, still the one judged, is written by this
    module: directories made with `mkdir(dir_fd=)`, files created with
    `O_CREAT|O_EXCL|O_NOFOLLOW` relative to their directory's fd, so nothing can be written
@@ -248,7 +248,8 @@ def unpack(path: str, dest: str) -> str:
         where = f"member '{safe(exc.member, 200)}': " if exc.member is not None else ""
         raise UnsafeArchive(f"refusing unsafe snapshot {path}: {where}{exc.why}") from None
     except RecursionError:  # tarfile reads a chain of extended headers recursively
-        raise UsageError(f"snapshot {path}: damaged archive (a chain of extended headers)") from None
+        raise UsageError(f"snapshot {path}: damaged archive (a chain of extended headers)") \
+            from None
     except (tarfile.TarError, EOFError, zlib.error, lzma.LZMAError, OSError) as exc:
         raise UsageError(f"snapshot {path}: damaged archive ({_line(exc)})") from None
     finally:
