@@ -2,7 +2,8 @@
 
 The capture runs doctor itself (`doctor.diagnose`) through a `RecordingHost`, so the archive
 holds exactly what doctor read, and nothing more: each file's contents as read (environ, maps, /proc/stat
-and /proc/net/unix reduced by `parse/redact.py`), and the answers that are not contents in
+and /proc/net/unix reduced by `parse/redact.py`; secrets in environments, command lines, run
+records and log tails redacted there too), and the answers that are not contents in
 `index.json`. The TCP LISTEN sockets doctor found (over netlink on a live host) are written
 as /proc/net/tcp and tcp6 text, which is what a tree is read with. Added for people: the
 lstat of every entry of /dev/shm and /tmp (names and metadata, no contents), the run
@@ -39,11 +40,12 @@ from xpuctl.host.seam import Host
 from xpuctl.parse import redact, runtimestate
 from xpuctl.parse.archive import SCHEMA
 from xpuctl.parse.net import TcpSocket, format_tcp, is_v6
+from xpuctl.parse.procfs import parse_cmdline, parse_environ
 from xpuctl.state import atomic
 
 LOG_LINES = 200
 _LOG_TAIL_MAX = 4 << 20  # bytes read from the end of a log for its last lines
-_PID_FILE = re.compile(r"^/proc/(\d+)/(environ|maps)$")
+_PID_FILE = re.compile(r"^/proc/(\d+)/(environ|maps|cmdline)$")
 _NET_TCP = ("/proc/net/tcp", "/proc/net/tcp6")
 #: container runtimes' state (host/containers.py): kept reduced to the names read
 _BUNDLE = re.compile("^(?:" + re.escape(containers.CONTAINERD_TASKS)
@@ -76,8 +78,11 @@ def _tail(path: str, lines: int = LOG_LINES) -> bytes:
     return b"".join(cut[-lines:])
 
 
-def _state(state_dir: str | None) -> tuple[dict[str, bytes], list[dict[str, str]]]:
-    """Run records and log tails, as archive files under state/; and what failed."""
+def _state(state_dir: str | None,
+           secrets: set[str]) -> tuple[dict[str, bytes], list[dict[str, str]]]:
+    """Run records and log tails, as archive files under state/; and what failed. A record's
+    command line is redacted like a process's, its texts and the logs scrubbed of every
+    secret shape and of `secrets` (parse/redact.py)."""
     from xpuctl.state import runs
 
     files: dict[str, bytes] = {}
@@ -88,15 +93,37 @@ def _state(state_dir: str | None) -> tuple[dict[str, bytes], list[dict[str, str]
         sdir = runs.ensure_state_dir(state_dir, create=False)
     except UsageError as exc:
         return files, [{"op": "state", "path": state_dir, "reason": str(exc)}]
-    for rec in runs.list_records(sdir):
-        files[f"state/runs/{rec.name}.json"] = json.dumps(rec.to_dict(), indent=2).encode()
+    records = runs.list_records(sdir)
+    for rec in records:
+        secrets |= redact.secret_values(rec.command)
+    for rec in records:
+        doc = rec.to_dict()
+        doc["command"] = redact.argv(rec.command)
+        text = redact.scrub(json.dumps(doc, indent=2), secrets)
+        files[f"state/runs/{rec.name}.json"] = text.encode("utf-8", "surrogateescape")
         if not rec.log_path:
             continue
         try:
-            files[f"state/logs/{rec.name}.log"] = _tail(rec.log_path)
+            tail = _tail(rec.log_path).decode("utf-8", "surrogateescape")
         except OSError as exc:
             problems.append({"op": "log", "path": rec.log_path, "reason": exc.strerror or str(exc)})
+            continue
+        files[f"state/logs/{rec.name}.log"] = redact.scrub(tail, secrets).encode(
+            "utf-8", "surrogateescape")
     return files, problems
+
+
+def _secrets(rec: RecordingHost, environ: dict[str, str]) -> set[str]:
+    """Every secret value in what the capture read (environments, command lines) and in the
+    caller's environment: looked for in the free text the archive keeps (logs, records)."""
+    found = redact.secret_values(env=environ)
+    for path, data in rec.contents.items():
+        m = _PID_FILE.match(path)
+        if m and m.group(2) == "environ":
+            found |= redact.secret_values(env=parse_environ(data))
+        elif m and m.group(2) == "cmdline":
+            found |= redact.secret_values(parse_cmdline(data))
+    return found
 
 
 def _fixed_text(host: Host, hostpath: str, live_value: str) -> str | None:
@@ -114,6 +141,8 @@ def _contents(rec: RecordingHost, listeners: list[TcpSocket] | None) -> dict[str
         m = _PID_FILE.match(path)
         if m and m.group(2) == "environ":
             data = redact.environ(data)
+        elif m and m.group(2) == "cmdline":
+            data = redact.cmdline(data)
         elif m:
             data = redact.maps(data, rec.to_host)
         elif path == "/proc/stat":
@@ -162,6 +191,7 @@ def _index(rec: RecordingHost, listeners: list[TcpSocket] | None) -> dict[str, A
         "rdev": rec.rdevs,
         "fds": fds,
         "read_errors": errors,
+        "sizes": rec.sizes,
     }
 
 
@@ -249,7 +279,7 @@ def take(
     at = rec.taken_at if rec.taken_at is not None else report.scan.taken_at
     index = _index(rec, listeners)
     contents = _contents(rec, listeners)
-    state_files, state_problems = _state(state_dir)
+    state_files, state_problems = _state(state_dir, _secrets(rec, environ))
     unreadable = _unreadable(index) + state_problems
     manifest = _manifest(host, rec, at, environ, probes is not None, unreadable, index, contents, state_files)
     top = default_name(host, at)

@@ -3,7 +3,8 @@ scan read.
 
 `RecordingHost` wraps a `Host` and keeps, per host path, the first answer of each kind of
 read: file contents, directory listings, link texts, lstat, resolved paths, existence,
-char-device numbers, fd link lists, and every OSError (errno, message, file name). The
+char-device numbers, fd link lists, the lengths of files read through (a long command
+line), and every OSError (errno, message, file name). The
 first answer is the one the scan acted on. A recorded scan never forks (`splittable`):
 a forked helper's reads would be lost with it.
 """
@@ -55,6 +56,7 @@ class RecordingHost(Host):
         self.existence: dict[str, bool] = {}
         self.rdevs: dict[str, list[int] | None] = {}
         self.fds: dict[int, list[tuple[str, str]] | dict] = {}
+        self.sizes: dict[str, int | dict] = {}
         self.taken_at: float | None = None
         self.listeners: list | None = None  # the first scan's TCP LISTEN sockets
 
@@ -101,6 +103,10 @@ class RecordingHost(Host):
 
     def read_once(self, hostpath: str, limit: int = 4096) -> bytes:
         return self._content(hostpath, self.inner.read_once, limit)
+
+    def size_by_reading(self, hostpath: str, limit: int) -> int:
+        """A long command line's length (its contents are kept only up to what was read)."""
+        return self._answer(self.sizes, hostpath, self.inner.size_by_reading, hostpath, limit)
 
     def read_records(self, hostpath: str, limit: int | None = None) -> bytes:
         """The kernel log: only its GPU driver records are kept (never the rest of it), which

@@ -105,6 +105,12 @@ class ArchiveHost(Host):
     def read_records(self, hostpath: str, limit: int | None = None) -> bytes:
         return self.read_bytes(hostpath, limit)  # a plain file of the records kept
 
+    def size_by_reading(self, hostpath: str, limit: int) -> int:
+        self._inside(hostpath)
+        if hostpath in self.index.sizes:
+            return min(limit, int(self._replay(self.index.sizes, hostpath)))
+        return super().size_by_reading(hostpath, limit)
+
     def listdir(self, hostpath: str) -> list[str]:
         self._inside(hostpath)
         if hostpath in self.index.lists:

@@ -20,6 +20,7 @@ from xpuctl.cli.options import (
     JsonOpt,
     ProbeTimeoutOpt,
     RayOpt,
+    Seconds,
     StateDirOpt,
     deep_options,
     on_cluster,
@@ -44,7 +45,7 @@ def doctor(
     strict: Annotated[bool, typer.Option("--strict", help="Warnings fail too (exit 1).")] = False,
     wait_clean: Annotated[
         float | None,
-        typer.Option("--wait-clean", min=0, metavar="SECONDS", show_default=False,
+        typer.Option("--wait-clean", click_type=Seconds(0), show_default=False,
                      help="Re-check until nothing fails, for up to SECONDS (right after a shutdown)."),
     ] = None,
     fmt: Annotated[Format | None, typer.Option("--format", "-f", help="table, json or prometheus.",

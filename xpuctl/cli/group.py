@@ -24,9 +24,11 @@ from typer.core import TyperGroup
 
 from xpuctl import __version__
 from xpuctl.cli.guard import fail, group_exit_code
+from xpuctl.cli.paramtypes import Seconds
 from xpuctl.errors import ExitCode
 from xpuctl.host.reads.protocol import DEFAULT_BOUND
 from xpuctl.output.safetext import emit
+from xpuctl.parse.seconds import READ_BOUND_SPAN
 
 COMPLETE_VAR = "_XPUCTL_COMPLETE"
 
@@ -144,7 +146,7 @@ def _main(
     read_timeout: Annotated[
         float,
         typer.Option(
-            "--read-timeout", metavar="SECONDS", envvar="XPUCTL_READ_TIMEOUT",
+            "--read-timeout", click_type=Seconds(*READ_BOUND_SPAN), envvar="XPUCTL_READ_TIMEOUT",
             help="Bound of every read of another process's files and of device sysfs: one that "
             "does not answer in time (a wedged process or device) is reported, never waited for.",
         ),
@@ -162,9 +164,6 @@ def _main(
         return
     if root is not None and not os.path.isdir(root):
         raise fail(f"--root {root}: not a directory", ExitCode.USAGE)
-    if not 0 < read_timeout < float("inf"):
-        raise fail(f"--read-timeout {read_timeout:g}: must be a number of seconds above 0",
-                   ExitCode.USAGE)
     from xpuctl.cli.headstart import claim
 
     host = Host(root or "/", read_timeout=read_timeout, reads=claim(root or "/", read_timeout))

@@ -13,7 +13,6 @@ head start: the command then runs exactly as it would without one.
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
@@ -72,13 +71,14 @@ def plan(argv: Sequence[str], environ: Mapping[str, str]) -> tuple[str, float] |
             break
         if arg.partition("=")[0] in NOT_FIRST:
             return None
-    from xpuctl.host.reads.protocol import DEFAULT_BOUND  # the group's default too
+    from xpuctl.host.reads.protocol import DEFAULT_BOUND  # the group's too
+    from xpuctl.parse.seconds import READ_BOUND_SPAN, parse_seconds
 
     try:
-        seconds = DEFAULT_BOUND if bound is None else float(bound)
+        seconds = DEFAULT_BOUND if bound is None else parse_seconds(bound, READ_BOUND_SPAN)
     except ValueError:
-        return None
-    if not 0 < seconds < math.inf or (root is not None and not os.path.isdir(root)):
+        return None  # the group refuses it
+    if root is not None and not os.path.isdir(root):
         return None  # the callback refuses it
     return root or "/", seconds
 

@@ -16,9 +16,11 @@ from typing import Annotated, Any
 
 import typer
 
+from xpuctl.cli.paramtypes import DeviceList, Seconds, SnapshotFile
 from xpuctl.errors import UsageError
 from xpuctl.host.seam import Host
 from xpuctl.output.safetext import safe
+from xpuctl.parse.seconds import HOUR
 
 
 class Format(StrEnum):
@@ -112,8 +114,8 @@ DeviceOpt = Annotated[
     typer.Option(
         "--device",
         "-d",
-        metavar="DEVICE",
-        help="Device: Level Zero index, PCI BDF or node name (repeatable).",
+        click_type=DeviceList(),
+        help="Device: Level Zero index, PCI BDF or node name (repeatable, or a comma list).",
         autocompletion=complete_device,
         show_default=False,
     ),
@@ -126,7 +128,7 @@ DeepOpt = Annotated[
 ]
 ProbeTimeoutOpt = Annotated[
     float,
-    typer.Option("--probe-timeout", min=0.1, metavar="SECONDS",
+    typer.Option("--probe-timeout", click_type=Seconds(0.1, HOUR),
                  help="With --deep: kill a probe (and its process group) that has not answered."),
 ]
 StateDirOpt = Annotated[
@@ -148,18 +150,18 @@ CollectiveOpt = Annotated[
 ]
 CollectiveTimeoutOpt = Annotated[
     float,
-    typer.Option("--collective-timeout", min=0.5, metavar="SECONDS",
+    typer.Option("--collective-timeout", click_type=Seconds(0.5, HOUR),
                  help="With --collective: kill the ranks (as one session) after SECONDS; the "
                  "runs alone after a failure get as long again."),
 ]
 KillAfterOpt = Annotated[
-    float, typer.Option("--kill-after", min=0, metavar="SECONDS", help="Seconds between SIGTERM and SIGKILL for survivors.")
+    float, typer.Option("--kill-after", click_type=Seconds(0, HOUR), help="Seconds between SIGTERM and SIGKILL for survivors.")
 ]
 FromOpt = Annotated[
     str | None,
     typer.Option(
         "--from",
-        metavar="FILE",
+        click_type=SnapshotFile(),
         help="Read a snapshot archive (xpuctl snapshot) instead of this host.",
         show_default=False,
     ),

@@ -11,11 +11,13 @@ from xpuctl.cli.context import app_context
 from xpuctl.cli.group import command_app
 from xpuctl.cli.guard import guard
 from xpuctl.cli.options import (
+    HOUR,
     CollectiveOpt,
     CollectiveTimeoutOpt,
     DeviceOpt,
     JsonOpt,
     KillAfterOpt,
+    Seconds,
     StateDirOpt,
     port_option,
 )
@@ -36,7 +38,7 @@ def reset(
     port: Annotated[int | None, port_option("Serving port to check.", "8000")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Show the plan only.")] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask (for scripts).")] = False,
-    timeout: Annotated[float | None, typer.Option("--timeout", min=0, metavar="SECONDS", help="Seconds to wait for orphans after SIGTERM.", show_default=False)] = None,
+    timeout: Annotated[float | None, typer.Option("--timeout", click_type=Seconds(0), help="Seconds to wait for orphans after SIGTERM.", show_default=False)] = None,
     kill_after: KillAfterOpt = 10.0,
     device_reset: Annotated[bool, typer.Option("--device-reset", help="Last resort, root only: PCI reset of the one --device once nothing holds it.")] = False,
     kill_holders: Annotated[
@@ -44,7 +46,7 @@ def reset(
         typer.Option("--kill-holders", help="Also stop processes that hold the devices and are not vLLM (never a live server's)."),
     ] = False,
     rebind: Annotated[bool, typer.Option("--rebind", help="Root: unbind and bind the one --device's driver (the kernel's recovery of a wedged card), then check it again. Refuses while anything holds it, unless --kill-holders.")] = False,
-    bind_timeout: Annotated[float, typer.Option("--bind-timeout", min=0, metavar="SECONDS", help="--rebind: seconds to wait for the DRM nodes to go after the unbind, and for the render node after the bind.")] = 30.0,
+    bind_timeout: Annotated[float, typer.Option("--bind-timeout", click_type=Seconds(0, HOUR), help="--rebind: seconds to wait for the DRM nodes to go after the unbind, and for the render node after the bind.")] = 30.0,
     collective: CollectiveOpt = False,
     collective_timeout: CollectiveTimeoutOpt = 30.0,
     state_dir: StateDirOpt = None,

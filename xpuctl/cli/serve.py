@@ -11,8 +11,11 @@ from xpuctl.cli.context import app_context
 from xpuctl.cli.group import command_app
 from xpuctl.cli.guard import guard
 from xpuctl.cli.options import (
+    HOUR,
+    DeviceList,
     KillAfterOpt,
     ProbeTimeoutOpt,
+    Seconds,
     StateDirOpt,
     complete_device,
     deep_options,
@@ -53,19 +56,19 @@ def serve(
     vllm: Annotated[
         str, typer.Option("--vllm", envvar="XPUCTL_VLLM", help="Command that starts vLLM (shell-split).")
     ] = "vllm serve",
-    drain_timeout: Annotated[float, typer.Option("--drain-timeout", min=0, metavar="SECONDS", help="Seconds to let in-flight requests finish.")] = 30.0,
-    teardown_timeout: Annotated[float, typer.Option("--teardown-timeout", min=0, metavar="SECONDS", help="Seconds for Level Zero/oneCCL teardown after the drain.")] = 20.0,
+    drain_timeout: Annotated[float, typer.Option("--drain-timeout", click_type=Seconds(0), help="Seconds to let in-flight requests finish.")] = 30.0,
+    teardown_timeout: Annotated[float, typer.Option("--teardown-timeout", click_type=Seconds(0), help="Seconds for Level Zero/oneCCL teardown after the drain.")] = 20.0,
     allow_abort: Annotated[bool, typer.Option("--allow-abort", help="Keep an explicit --shutdown-timeout 0.")] = False,
     devices: Annotated[
         list[str] | None,
-        typer.Option("--devices", help="Devices for vLLM (index, BDF or node; comma list): sets ZE_AFFINITY_MASK.",
+        typer.Option("--devices", click_type=DeviceList(), help="Devices for vLLM (index, BDF or node; comma list): sets ZE_AFFINITY_MASK.",
                      autocompletion=complete_device, show_default=False),
     ] = None,
     env: Annotated[list[str] | None, typer.Option("--env", "-e", help="KEY=VALUE for vLLM (repeatable).", show_default=False)] = None,
     force: Annotated[bool, typer.Option("--force", help="Start even when the preflight doctor fails.")] = False,
     name: Annotated[str | None, typer.Option("--name", help="Run name.", show_default="vllm-PORT")] = None,
     state_dir: StateDirOpt = None,
-    ready_timeout: Annotated[float, typer.Option("--ready-timeout", min=1, metavar="SECONDS", help="Seconds to wait for /health and /v1/models.")] = 900.0,
+    ready_timeout: Annotated[float, typer.Option("--ready-timeout", click_type=Seconds(1), help="Seconds to wait for /health and /v1/models.")] = 900.0,
     kill_after: KillAfterOpt = 10.0,
     detach: Annotated[bool, typer.Option("--detach", help="Return once ready (exit 0) or failed; keep supervising in the background.")] = False,
     preflight: Annotated[
@@ -80,7 +83,7 @@ def serve(
     ] = None,
     collective_timeout: Annotated[
         float,
-        typer.Option("--collective-timeout", min=0.5, metavar="SECONDS",
+        typer.Option("--collective-timeout", click_type=Seconds(0.5, HOUR),
                      help="The collective preflight's bound (and again for its runs alone)."),
     ] = 30.0,
     probe_timeout: ProbeTimeoutOpt = 10.0,

@@ -123,7 +123,16 @@ def process_of(d: dict[str, Any]) -> Process:
         run_id=d.get("run_id"), devices=tuple(d.get("devices") or ()),
         memory_bytes=d.get("memory_bytes"), wchan=d.get("wchan"), ray=_ray(d.get("ray")),
         blocked=d.get("blocked"),
+        cmdline_bytes=_argv_bytes(d),
     )
+
+
+def _argv_bytes(d: dict[str, Any]) -> int:
+    """The whole command line's length: what the node showed and what it cut."""
+    from xpuctl.parse.procfs import argv_bytes
+
+    cut = d.get("argv_truncated")
+    return argv_bytes(tuple(d.get("argv") or ())) + (cut if isinstance(cut, int) else 0)
 
 
 def device_of(d: dict[str, Any]) -> Device:

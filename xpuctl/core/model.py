@@ -146,6 +146,7 @@ class Process(NamedTuple):
     ray: RayActor | None = None  # the Ray actor it runs, when Ray's state was asked
     blocked: str | None = None  # a file of it that did not answer: its role is unknown
     container: Container | None = None  # its container or pod (listed processes only)
+    cmdline_bytes: int = 0  # the whole command line's length (0: cmdline is all of it)
 
     @property
     def is_vllm(self) -> bool:
@@ -157,7 +158,19 @@ class Process(NamedTuple):
 
     @property
     def command(self) -> str:
-        return " ".join(self.cmdline) if self.cmdline else f"[{self.comm}]"
+        """argv as one line for people, capped (`…[+N bytes]` when cut); [comm] without."""
+        if not self.cmdline:
+            return f"[{self.comm}]"
+        from xpuctl.parse.procfs import shown_command
+
+        return shown_command(self.cmdline, self.cmdline_bytes)
+
+    @property
+    def shown_argv(self) -> tuple[tuple[str, ...], int]:
+        """(argv as every output shows it, capped; the bytes not shown): procfs.shown_argv."""
+        from xpuctl.parse.procfs import shown_argv
+
+        return shown_argv(self.cmdline, self.cmdline_bytes)
 
 
 class Unreadable(NamedTuple):

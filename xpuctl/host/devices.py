@@ -176,11 +176,23 @@ def find_device(devices: list[Device] | tuple[Device, ...], spec: str) -> Device
     return None
 
 
-def resolve_device_specs(host: Host, specs: list[str]) -> tuple[str, ...]:
+def device_specs(values: list[str]) -> list[str]:
+    """The specs of `--device`/`--devices` values (parse/devspec.py, the one parser);
+    UsageError (exit 2) for a bad list."""
+    from xpuctl.errors import UsageError
+    from xpuctl.parse.devspec import split_devices
+
+    try:
+        return split_devices(values)
+    except ValueError as exc:
+        raise UsageError(f"devices: {exc}") from None
+
+
+def resolve_device_specs(host: Host, values: list[str]) -> tuple[str, ...]:
     """BDFs for `--device` values (each may be a comma list, as for serve --devices);
-    UsageError (exit 2) for an unknown one."""
-    if not specs:
+    UsageError (exit 2) for a bad list or an unknown device."""
+    if not values:
         return ()
-    specs = [s for item in specs for s in item.split(",")]
+    specs = device_specs(values)
     devices, _ = scan_devices(host)
     return tuple(d.bdf for d in select_devices(devices, specs))

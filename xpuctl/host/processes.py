@@ -15,22 +15,28 @@ from collections.abc import Callable, Iterable
 
 from xpuctl.host.seam import Host
 from xpuctl.host.split import in_two
+from xpuctl.parse import redact
 from xpuctl.parse.procfs import ProcStat, parse_cmdline, parse_stat
 from xpuctl.parse.roles import classify
 
 _GONE = (FileNotFoundError, ProcessLookupError)
+#: The most of a command line read and kept; a longer one is counted (ARGV_COUNT_BYTES at
+#: most) and cut. The kernel caps one word at 128 KiB, not the whole.
+ARGV_READ_BYTES = 64 << 10
+ARGV_COUNT_BYTES = 256 << 20
 
 
 class RawProcess:
     """One process as the pass saw it (mutable: roles are refined after the pass)."""
 
-    __slots__ = ("cmdline", "fds_readable", "pid", "rank", "role", "stat")
+    __slots__ = ("cmdline", "cmdline_bytes", "fds_readable", "pid", "rank", "role", "stat")
 
     def __init__(self, pid: int, stat: ProcStat, cmdline: list[str] | None, role: str | None,
-                 rank: str | None, fds_readable: bool = True) -> None:
+                 rank: str | None, fds_readable: bool = True, cmdline_bytes: int = 0) -> None:
         self.pid = pid
         self.stat = stat
         self.cmdline = cmdline  # None: not read (comm rules vLLM out); see fill_cmdline
+        self.cmdline_bytes = cmdline_bytes  # the whole argv's length (read_argv)
         self.role = role
         self.rank = rank
         self.fds_readable = fds_readable
@@ -67,8 +73,8 @@ class FdTable:
 
     def dumps(self) -> bytes:
         """Plain containers for `marshal` (the helper's half of a split pass)."""
-        procs = [(p.pid, tuple(p.stat), p.cmdline, p.role, p.rank, p.fds_readable)
-                 for p in self.procs.values()]
+        procs = [(p.pid, tuple(p.stat), p.cmdline, p.role, p.rank, p.fds_readable,
+                  p.cmdline_bytes) for p in self.procs.values()]
         return marshal.dumps((procs, self.drm_fds, self.dmabuf_fds, self.sockets, self.files,
                               self.unreadable, self.malformed))
 
@@ -76,8 +82,8 @@ class FdTable:
     def loads(cls, data: bytes) -> FdTable:
         procs, drm, dmabuf, sockets, files, unreadable, malformed = marshal.loads(data)
         out = cls()
-        for pid, st, argv, role, rank, readable in procs:
-            out.procs[pid] = RawProcess(pid, ProcStat(*st), argv, role, rank, readable)
+        for pid, st, argv, role, rank, readable, nbytes in procs:
+            out.procs[pid] = RawProcess(pid, ProcStat(*st), argv, role, rank, readable, nbytes)
         out.drm_fds, out.dmabuf_fds = drm, dmabuf  # marshal keeps tuples tuples
         out.sockets, out.files = sockets, files
         out.unreadable, out.malformed = unreadable, malformed
@@ -152,12 +158,32 @@ def _still_running(host: Host, pids: list[tuple[int, int | None]]) -> list[bool]
     return [same_process(host, pid, ticks) is not None for pid, ticks in pids]
 
 
-def read_cmdline(host: Host, pid: int) -> list[str]:
-    """argv of a process; [] when it is gone, unreadable or a kernel thread."""
+def read_argv(host: Host, pid: int) -> tuple[list[str], int]:
+    """(argv, the whole argv's length in bytes) of a process; ([], 0) when it is gone,
+    unreadable or a kernel thread.
+
+    At most ARGV_READ_BYTES are read and kept (enough for the roles and vLLM's options;
+    what is shown is capped lower still, parse.procfs.shown_argv); a longer command line
+    is read through to count it, nothing more kept. Secret values are replaced
+    (parse.redact.argv: `--api-key X`), so no output can show them; the length is the
+    redacted command line's."""
+    path = f"/proc/{pid}/cmdline"
     try:
-        return parse_cmdline(host.read_bytes(f"/proc/{pid}/cmdline", 1 << 20))
+        data = host.read_bytes(path, ARGV_READ_BYTES + 1)
+        whole = len(data)
+        if whole > ARGV_READ_BYTES:
+            whole = max(whole, host.size_by_reading(path, ARGV_COUNT_BYTES))
+            data = data[:ARGV_READ_BYTES]
     except OSError:
-        return []
+        return [], 0
+    argv = redact.argv(parse_cmdline(data))
+    kept = redact.cmdline(data)
+    return argv, whole + len(kept) - len(data)
+
+
+def read_cmdline(host: Host, pid: int) -> list[str]:
+    """argv of a process (read_argv's); [] when it is gone, unreadable or a kernel thread."""
+    return read_argv(host, pid)[0]
 
 
 def read_process(host: Host, pid: int, argv_if: bool = True) -> RawProcess | None:
@@ -171,15 +197,15 @@ def read_process(host: Host, pid: int, argv_if: bool = True) -> RawProcess | Non
         return None
     if not argv_if and not _maybe_vllm(st.comm):
         return RawProcess(pid, st, None, None, None)
-    argv = read_cmdline(host, pid)
+    argv, nbytes = read_argv(host, pid)
     role, rank = classify(argv)
-    return RawProcess(pid, st, argv, role, rank)
+    return RawProcess(pid, st, argv, role, rank, cmdline_bytes=nbytes)
 
 
 def fill_cmdline(host: Host, proc: RawProcess) -> list[str]:
     """Read a deferred cmdline (for display of a device holder)."""
     if proc.cmdline is None:
-        proc.cmdline = read_cmdline(host, proc.pid)
+        proc.cmdline, proc.cmdline_bytes = read_argv(host, proc.pid)
     return proc.cmdline
 
 

@@ -36,7 +36,13 @@ from xpuctl.host.reads.protocol import BlockedRead
 from xpuctl.host.seam import CLK_TCK, Host  # noqa: F401 (CLK_TCK: cli's own-age check)
 from xpuctl.host.split import in_two
 from xpuctl.parse.net import TcpSocket, parse_tcp, parse_unix_paths
-from xpuctl.parse.procfs import parse_boot_time, parse_environ, parse_maps_paths, parse_status_uid
+from xpuctl.parse.procfs import (
+    parse_boot_time,
+    parse_environ,
+    parse_maps_paths,
+    parse_status_uid,
+    shown_command,
+)
 from xpuctl.parse.roles import API_SERVER, RAY
 
 RUN_ID_VAR = "XPUCTL_RUN_ID"
@@ -277,13 +283,15 @@ def _unreadable(host: Host, fds: FdTable, stuck: dict[int, BlockedRead]) -> list
         st = raw.stat if raw is not None else None
         argv = raw.cmdline if raw is not None else None
         out.append(Unreadable(
-            pid, " ".join(argv) if argv else None, st.comm if st else None,
+            pid, shown_command(argv, raw.cmdline_bytes) if raw and argv else None,
+            st.comm if st else None,
             st.state if st else None, _wchan(host, pid), b.path, b.reason, True,
             raw is not None and raw.fds_readable and pid not in fds.unreadable))
     for pid in sorted(set(fds.unreadable) - set(stuck)):
         raw = fds.procs.get(pid)
         st = raw.stat if raw is not None else None
-        out.append(Unreadable(pid, " ".join(raw.cmdline) if raw and raw.cmdline else None,
+        out.append(Unreadable(pid, shown_command(raw.cmdline, raw.cmdline_bytes)
+                              if raw and raw.cmdline else None,
                               st.comm if st else None, st.state if st else None, None,
                               f"/proc/{pid}/fd", "its open files could not be listed", False,
                               False))
@@ -402,5 +410,6 @@ def _processes(host: Host, fds: FdTable, lazy: _Lazy, clients: list[DrmClient],
             env=env,
             blocked=stuck[pid].path if pid in stuck else None,
             container=containers.of(pid) if pid not in stuck else None,
+            cmdline_bytes=raw.cmdline_bytes,
         )
     return procs

@@ -131,6 +131,11 @@ class Host:
     def read_bytes(self, hostpath: str, limit: int | None = None) -> bytes:
         return self._reads.read(self.root, "all", hostpath, limit or self.READ_LIMIT)  # type: ignore[no-any-return]
 
+    def size_by_reading(self, hostpath: str, limit: int) -> int:
+        """The bytes a read of the file to its end gives (at most `limit`), nothing kept: the
+        length of a /proc file whose st_size says 0."""
+        return int(self._reads.read(self.root, "count", hostpath, limit))
+
     def read_records(self, hostpath: str, limit: int | None = None) -> bytes:
         """A record device such as /dev/kmsg, every record it holds, without blocking
         (`reads.protocol.read_records`); a plain file under a root is read the same way."""

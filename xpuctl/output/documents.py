@@ -100,12 +100,14 @@ def kernel_dict(d: Device, scan: Scan) -> dict[str, Any]:
 
 
 def process_dict(p: Process) -> dict[str, Any]:
+    argv, cut = p.shown_argv  # capped (docs/output.md): cut is the bytes not shown
     return {
         "pid": p.pid,
         "ppid": p.ppid,
         "state": p.state,
-        "cmdline": p.command,
-        "argv": list(p.cmdline),
+        "cmdline": " ".join(argv) if p.cmdline else p.command,
+        "argv": list(argv),
+        "argv_truncated": cut,
         "comm": p.comm,
         "role": p.role,
         "rank": p.rank,

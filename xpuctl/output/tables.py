@@ -15,10 +15,13 @@ from typing import TYPE_CHECKING, Any
 from xpuctl.core.model import Finding, Report, Scan
 from xpuctl.output.safetext import safe
 from xpuctl.output.units import human_age, human_bytes
+from xpuctl.parse.procfs import ARGV_SHOWN_BYTES
 
 if TYPE_CHECKING:
     from rich.console import Console
 
+#: a command as Process.command gives it (capped), escaped (at worst \xNN a byte), its mark
+COMMAND_SHOWN = 4 * ARGV_SHOWN_BYTES + 64
 _SEV_STYLE = {"fail": "bold red", "warn": "yellow", "info": "cyan"}
 _STATUS_STYLE = {"clean": "bold green", "busy": "bold cyan", "dirty": "bold red",
                  "unknown": "bold yellow"}
@@ -144,7 +147,7 @@ def processes_table(scan: Scan, title: str = "Processes", width: int = 120) -> A
                 human_bytes(p.memory_bytes) if p.memory_bytes is not None else "-",
                 safe((p.run_id or "-")[:8]),
                 *([safe(p.container.short if p.container else "-", 64)] if boxed else []),
-                safe(p.command),
+                safe(p.command, COMMAND_SHOWN),
             ]
         )
     orphan = [False] + [p.orphan for p in scan.processes]

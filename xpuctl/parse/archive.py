@@ -3,8 +3,9 @@
 `manifest.json` (schema `xpuctl.snapshot/1`) says where and when the snapshot was taken and
 what could not be read. `index.json` holds the scan's answers that are not file contents:
 directory listings, link texts, lstat results, resolved sysfs paths, existence checks,
-char-device numbers, fd link texts and read errors. An archive comes from elsewhere, so
-every field is checked here; anything malformed is a ValueError naming the field.
+char-device numbers, fd link texts, read errors and the lengths of files read through. An
+archive comes from elsewhere, so every field is checked here; anything malformed is a
+ValueError naming the field.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class Index(NamedTuple):
     rdev: dict[str, Any]
     fds: dict[int, Any]
     read_errors: dict[str, list[Any]]
+    sizes: dict[str, Any]  # lengths of files read through (absent before: {})
 
 
 def _load(text: str | bytes, what: str) -> dict[str, Any]:
@@ -149,4 +151,5 @@ def parse_index(text: str | bytes) -> Index:
         rdev=rdev,
         fds=fds,
         read_errors=errors,
+        sizes=_table(d, "sizes", lambda v: _int(v) and 0 <= v < 1 << 40),
     )

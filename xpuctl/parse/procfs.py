@@ -80,6 +80,63 @@ def parse_cmdline(data: bytes) -> list[str]:
     return args
 
 
+#: The most of a command line any output shows (ps, doctor, JSON, findings): a process can
+#: have megabytes of argv, and 20 such made `ps --json` print 37 MiB.
+ARGV_SHOWN_BYTES = 4096
+
+
+def argv_bytes(argv: tuple[str, ...] | list[str]) -> int:
+    """The length of argv as /proc/<pid>/cmdline gives it: each word and its NUL."""
+    return sum(len(w.encode("utf-8", "surrogateescape")) + 1 for w in argv)
+
+
+def shown_argv(argv: tuple[str, ...] | list[str], total: int = 0,
+               cap: int = ARGV_SHOWN_BYTES) -> tuple[tuple[str, ...], int]:
+    """(the words shown, the bytes cut): argv within `cap` bytes as /proc/<pid>/cmdline
+    counts them (the last word maybe cut inside), and how many bytes of the whole, `total`
+    (0: argv is the whole), are not shown. The cut never splits a UTF-8 sequence."""
+    whole = max(total, argv_bytes(argv))
+    if whole <= cap:
+        return tuple(argv), whole - argv_bytes(argv)
+    out: list[str] = []
+    used = 0
+    for word in argv:
+        raw = word.encode("utf-8", "surrogateescape")
+        if used + len(raw) + 1 <= cap:
+            out.append(word)
+            used += len(raw) + 1
+            continue
+        part = _utf8_prefix(raw, cap - used)
+        if part:
+            out.append(part.decode("utf-8", "surrogateescape"))
+            used += len(part)
+        break
+    return tuple(out), whole - used
+
+
+def _utf8_prefix(raw: bytes, n: int) -> bytes:
+    """raw[:n], shortened so as not to end inside a UTF-8 sequence."""
+    if n <= 0:
+        return b""
+    end = n
+    i = end - 1
+    while i > end - 4 and i > 0 and raw[i] & 0xC0 == 0x80:
+        i -= 1
+    lead = raw[i]
+    if lead >= 0xC0:
+        size = 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4
+        if i + size > end:
+            end = i
+    return raw[:end]
+
+
+def shown_command(argv: tuple[str, ...] | list[str], total: int = 0) -> str:
+    """argv as one line for people, capped like `shown_argv`, with `…[+N bytes]` when cut."""
+    words, cut = shown_argv(argv, total)
+    line = " ".join(words)
+    return f"{line}…[+{cut} bytes]" if cut else line
+
+
 def parse_environ(data: bytes) -> dict[str, str]:
     env: dict[str, str] = {}
     for item in data.split(b"\0"):

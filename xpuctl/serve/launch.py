@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from xpuctl.errors import UsageError
-from xpuctl.host.devices import scan_devices, select_devices
+from xpuctl.host.devices import device_specs, scan_devices, select_devices
 from xpuctl.host.programs import interpreter_of
 from xpuctl.host.seam import Host
 from xpuctl.parse.vllmargs import merge_shared, port_from_argv, strip_flag
@@ -139,8 +139,7 @@ def _environment(opts: ServeOptions, host: Host, environ: dict[str, str],
     env = dict(environ)
     bdfs: list[str] = []
     if opts.devices:
-        specs = [s for item in opts.devices for s in item.split(",") if s.strip()]
-        chosen = select_devices(devices, specs)
+        chosen = select_devices(devices, device_specs(opts.devices))
         for d in chosen:
             if not d.is_intel or d.index is None:
                 raise UsageError(f"device {d.bdf} is not an Intel GPU (vendor {d.vendor_id})")
