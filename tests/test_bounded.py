@@ -133,6 +133,32 @@ def test_no_fork_while_other_threads_run(tmp_path, monkeypatch):
         t.join()
 
 
+SPAWNED = """
+import sys, threading
+from xpuctl.host.seam import Host
+threading.Thread(target=threading.Event().wait, daemon=True).start()  # a reader is spawned
+host = Host(sys.argv[1], read_timeout=5)
+print(host.read_bytes("/f").decode(), host.reader.pid)
+"""
+
+
+def test_a_spawned_reader_runs_this_xpuctl_not_one_in_its_working_directory(tmp_path):
+    """A command run as root from a directory others write to (/tmp) must not import what
+    it finds there: the spawned reader looked in its working directory first (`python -m`)."""
+    work = tmp_path / "work"
+    (work / "xpuctl").mkdir(parents=True)
+    marker = tmp_path / "imported"
+    (work / "xpuctl" / "__init__.py").write_text(
+        f"open({str(marker)!r}, 'w').close()\nraise ImportError('not this xpuctl')\n")
+    (tmp_path / "f").write_bytes(b"hello")
+    res = subprocess.run([sys.executable, "-P", "-c", SPAWNED, str(tmp_path)], cwd=work,
+                         capture_output=True, text=True, timeout=DEADLINE)
+    assert res.returncode == 0, res.stderr
+    text, pid = res.stdout.split()
+    assert text == "hello" and int(pid) > 0
+    assert not marker.exists()
+
+
 # -- every command, one blocked file at a time --------------------------------------------------
 
 #: command -> its arguments ({tmp}: the test's directory)

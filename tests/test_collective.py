@@ -375,3 +375,80 @@ def test_files_a_killed_rank_held_open_or_bound_are_removed_after_it(tmp_path):
     assert code == 1 and data["collective"]["verdict"] == "hung"
     assert all(gone(p) for p in pids(tmp_path))
     assert_no_files(token)
+
+
+# -- the files real oneCCL leaves (issue 31 §8) ---------------------------------------------
+
+def _made(tmp: Path) -> list[str]:
+    path = tmp / "made"
+    return path.read_text().split() if path.exists() else []
+
+
+def assert_none_left(tmp: Path) -> None:
+    """None of the files the ranks made is left (or only ones no file could be judged by, as
+    in assert_no_files: then removed here)."""
+    from xpuctl.host.scan import take_scan
+
+    made = _made(tmp)
+    assert len(made) >= 3, made
+    left = [p for p in made if os.path.lexists(p)]
+    if not left:
+        return
+    snap = take_scan(Host("/"), port=None, want_env=False)
+    why = {a.path: a.reason for a in snap.artifacts if a.path in left}
+    try:
+        assert why and all(r.startswith("not judged") for r in why.values()), (left, why)
+    finally:
+        for p in left:
+            os.unlink(p)
+
+
+@pytest.fixture
+def made(tmp_path):
+    """Where the ranks list the files they make; what a failed test left is removed after it."""
+    yield str(tmp_path / "made")
+    for p in _made(tmp_path):
+        if os.path.lexists(p):
+            os.unlink(p)
+
+
+def test_a_rank_says_what_it_holds_in_tmp_and_dev_shm():
+    text = "\n".join([
+        M + '{"ev": "files", "slot": 0, "paths": ["/dev/shm/fi_ccl-1", "/tmp/ccl-handle-7-0"]}',
+        M + '{"ev": "files", "slot": 0, "paths": ["/dev/shm/fi_ccl-1", "/etc/passwd", '
+            '"/tmp/a/b", 7, "/tmp/ccl-ipc-fd-sock-7:0"]}',
+        M + '{"ev": "files", "slot": 1, "paths": "/tmp/x"}',
+    ])
+    got = parse_events(text)
+    assert got[0].files == ("/dev/shm/fi_ccl-1", "/tmp/ccl-handle-7-0", "/tmp/ccl-ipc-fd-sock-7:0")
+    assert got[1].files == ()
+
+
+def test_a_healthy_check_leaves_none_of_the_files_oneccl_made(tmp_path, made):
+    """Real oneCCL left its fd-exchange socket (listening), its handle file and a mapped
+    libfabric region after a check that passed: the region carries no pid, and the ranks
+    had exited, so nothing tied it to them. Each rank now says what it holds."""
+    _, env = setup(tmp_path, {"oneccl": True, "made": made, "pidfile": str(tmp_path / "pids")})
+    code, data, _ = doctor(tmp_path, env, "--collective")
+    assert code == 0 and data["collective"]["verdict"] == "ok", data["findings"]
+    assert pids(tmp_path) and all(gone(p) for p in pids(tmp_path))
+    made = _made(tmp_path)
+    assert {p.rsplit("/", 1)[0] for p in made} == {"/tmp", "/dev/shm"}
+    assert not [a for a in data["artifacts"] if a["path"] in made]
+    assert_none_left(tmp_path)
+
+
+def test_a_hung_check_leaves_none_of_the_files_oneccl_made(tmp_path, made):
+    """Card 1 hangs in all_reduce: the group is killed at the bound with the files of both
+    ranks in place, then each card runs alone, card 0 to the end (its files made by a rank
+    that exited), card 1 killed again."""
+    _, env = setup(tmp_path, {"oneccl": True, "made": made, "hang": {"1": "all_reduce"},
+                              "pidfile": str(tmp_path / "pids")})
+    code, data, _ = doctor(tmp_path, env, "--collective", timeout="3")
+    c = data["collective"]
+    assert code == 1 and c["verdict"] == "hung" and c["stuck_phase"] == "all_reduce"
+    assert [a["verdict"] for a in c["alone"]] == ["ok", "hung"]
+    assert all(gone(p) for p in pids(tmp_path))
+    assert len(_made(tmp_path)) == 4 * 3  # two ranks in the group, two alone
+    assert not [a for a in data["artifacts"] if a["path"] in _made(tmp_path)]
+    assert_none_left(tmp_path)

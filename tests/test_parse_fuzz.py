@@ -323,6 +323,7 @@ near_events = st.lists(
                   "slot": st.integers(-3, 2000) | st.none() | st.booleans(),
                   "phase": st.sampled_from(collective.PHASES) | json_values,
                   "error": json_values, "pid": json_values, "returncode": json_values,
+                  "paths": json_values | st.lists(st.text(max_size=12).map("/tmp/".__add__)),
               }).map(lambda d: collective.MARKER + json.dumps(d))),
     max_size=12,
 ).map("\n".join)
@@ -335,3 +336,4 @@ def test_collective_events_never_raise(text):
         assert r.slot == slot and 0 <= slot < collective.MAX_SLOTS
         assert r.phase is None or r.phase in collective.PHASES
         assert r.error is None or (isinstance(r.error, str) and len(r.error) <= collective.MAX_TEXT)
+        assert len(r.files) <= collective.MAX_FILES and all(map(collective.in_file_dirs, r.files))

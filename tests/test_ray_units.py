@@ -200,3 +200,105 @@ def test_a_node_imports_xpuctl_from_the_shipped_zip_in_a_directory_of_its_own(tm
     (mine / f"{got['digest']}.zip").write_bytes(b"not a zip")
     again = _on_node(tmp_path, {"TMPDIR": str(tmp)}, "again")
     assert again["schema"] == "xpuctl.ps/1" and not again["from"].startswith(str(mine))
+
+
+ON_BARE_NODE = """
+import hashlib, importlib.util, json, os, sys, threading
+# xpuctl/ray/child.py by path, as the driver runs it: this Python cannot import xpuctl
+spec = importlib.util.spec_from_file_location(
+    "ray_child", os.path.join(sys.argv[1], "xpuctl", "ray", "child.py"))
+child = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(child)
+threading.Thread(target=threading.Event().wait, daemon=True).start()  # a Ray worker's threads
+package = child.package_zip(os.path.join(sys.argv[1], "xpuctl"))
+answer = child.on_node(package, hashlib.sha256(package).hexdigest()[:16], "xpuctl.ray.node",
+                       "doctor", {})
+print(json.dumps({"status": answer["document"]["status"], "exit_code": answer["exit_code"]}))
+"""
+
+
+def test_a_node_without_xpuctl_reads_through_a_reader_of_the_shipped_xpuctl(tmp_path):
+    """A plain Ray node's Python has ray and no xpuctl (issue 31 §8): a task imports xpuctl
+    from the zip it was sent, and a Ray worker runs threads, so the bounded reader is
+    spawned, not forked. It must run the shipped xpuctl too: it found none and every node
+    answered RayTaskError(Blocked) ("the reader process ended unexpectedly")."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import xpuctl
+
+    repo = Path(xpuctl.__file__).resolve().parent.parent  # the xpuctl under test
+    trap = tmp_path / "trap" / "xpuctl"
+    trap.mkdir(parents=True)
+    (trap / "__init__.py").write_text("raise ImportError('this node has no xpuctl')\n")
+    (tmp_path / "tmp").mkdir()
+    host = fakehost.orphan_host(tmp_path / "host")
+    res = subprocess.run([sys.executable, "-P", "-c", ON_BARE_NODE, str(repo)],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                         env={**os.environ, "XPUCTL_ROOT": str(host.root),
+                              "PYTHONPATH": str(tmp_path / "trap"),
+                              "TMPDIR": str(tmp_path / "tmp")})
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout) == {"status": "dirty", "exit_code": 1}  # the orphans
+
+
+EVIL = "\x1b[31mred\x1b[0m"
+
+
+def _hostile_cluster() -> ClusterResult:
+    doc = {"schema": "xpuctl.doctor/1", "status": "dirty", "root": "/",
+           "findings": [{"check": "orphans", "severity": "fail", "message": f"engine {EVIL}",
+                         "remedy": None, "device": None, "pids": [], "paths": []}]}
+    metrics = [[f"xpuctl_doctor_status{EVIL}", "x", [[{}, 1.0]]],
+               ["xpuctl_doctor_check_ok", f"help {EVIL}\nline two",
+                [[{"check": f"orphans{EVIL}", f"k{EVIL}": "v", "node": "forged"}, 0.0]]]]
+    nodes = [{"node_id": "01" + "ab" * 27, "ip": "10.0.0.1", "hostname": f"n1{EVIL}",
+              "result": {"hostname": f"n1{EVIL}", "document": doc, "exit_code": 1,
+                         "seconds": 0.1, "metrics": metrics}},
+             {"node_id": "02" + "ab" * 27, "ip": "10.0.0.2", "hostname": "n2",
+              "error": f"Blocked: [Errno 5] {EVIL}"}]
+    return ClusterResult("doctor", "10.0.0.1:6379", tuple(node_result("doctor", n) for n in nodes),
+                         1.0)
+
+
+def test_what_a_node_sends_is_escaped_wherever_it_is_printed():
+    """A node's texts (its error, hostname, findings, metric families) come from another
+    machine: on a terminal-like console, in plain output, in the serve preflight's refusal and
+    in the Prometheus text, an ESC is shown escaped, never sent raw."""
+    from xpuctl.output.safetext import console
+    from xpuctl.ray.launch import refusal
+
+    result = _hostile_cluster()
+    for terminal in (True, False):
+        buf = io.StringIO()
+        cluster_output.print_cluster(console(file=buf, force_terminal=terminal, width=200),
+                                     result)
+        out = buf.getvalue()
+        assert "\x1b[31mred" not in out and out.count("\\x1b[31mred") == 3, (terminal, out)
+    message = refusal(result)
+    assert message is not None and "\x1b" not in message
+    assert "engine \\x1b[31mred" in message and "Blocked: [Errno 5] \\x1b[31mred" in message
+    text = cluster_output.prometheus(result)
+    assert "\x1b" not in text
+    assert "# HELP xpuctl_doctor_check_ok help \\x1b[31mred\\x1b[0m\\nline two" in text
+    assert "xpuctl_doctor_status\\x1b" not in text and "k\\x1b" not in text  # not names: dropped
+    assert re.search(r'^xpuctl_doctor_check_ok\{node="01ababab",check="orphans[^"]*"\} 0$',
+                     text, re.M), text
+    assert 'node="forged"' not in text
+
+
+def test_a_node_task_error_is_named_by_its_cause_not_by_rays_coloured_header():
+    from xpuctl.ray.child import classify
+
+    class Blocked(OSError):
+        pass
+
+    cause = Blocked(5, "the reader process ended unexpectedly")
+    wrapper = type("RayTaskError(Blocked)", (Exception,), {})(
+        "\x1b[36mray::on_node()\x1b[39m (pid=2220, ip=192.0.2.2)\nTraceback ...")
+    wrapper.cause = cause
+    assert classify(wrapper).args[0] == "Blocked: [Errno 5] the reader process ended unexpectedly"
+    assert classify(wrapper).kind == "error"

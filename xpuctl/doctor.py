@@ -48,13 +48,19 @@ def check_collective(host: Host, bdfs: tuple[str, ...] | list[str] | None, envir
                      opts: CollectiveOptions, state_dir: str | None = None) -> CollectiveResult:
     """The collective check, then the oneCCL-like files its ranks left (this machine's /tmp
     and /dev/shm), removed once the ranks are gone by the stale-file rules, each removal an
-    audit line (in `state_dir` when given). The only files doctor deletes are its own."""
+    audit line (in `state_dir` when given). The only files doctor deletes are its own. A check
+    that passed proves its devices clean in `state_dir`: an unclean end of the last run on
+    them no longer asks serve for the check (state/lastrun.py)."""
     from xpuctl.probes import collective, runner
 
     env = opts.env if opts.env is not None else runner.probe_env(environ)
     result = collective.run_collective(host, bdfs, env, opts.timeout)
     if result.files:
         result = result._replace(files=remove_collective_files(result.files, state_dir))
+    if result.verdict == "ok" and result.ranks:
+        from xpuctl.state.lastrun import note_clean
+
+        note_clean(state_dir, [r.bdf for r in result.ranks], "collective check")
     return result
 
 

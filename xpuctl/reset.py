@@ -316,10 +316,23 @@ def run(host: Host, request: Request, state_dir: str | None,
     advice = last_run_findings(last_run(state_dir))
     on_event(Planned(plan, advice))
     out = Outcome(plan, advice)
-    if request.dry_run or plan.empty or (approve is not None and not approve(plan)):
+    if request.dry_run or (not plan.empty and approve is not None and not approve(plan)):
         return out
-    with audit.recording(state_dir, "reset") as log:
-        out.executed = execute(host, plan, bdfs, request.port, request.kill_after, request.timeout,
-                               on_event)
-    out.audit = log
+    if not plan.empty:
+        with audit.recording(state_dir, "reset") as log:
+            out.executed = execute(host, plan, bdfs, request.port, request.kill_after,
+                                   request.timeout, on_event)
+        out.audit = log
+    _note_clean(state_dir, bdfs, out)
     return out
+
+
+def _note_clean(state_dir: str | None, bdfs: tuple[str, ...], out: Outcome) -> None:
+    """A reset that leaves its devices clean (nothing failing after it, or nothing to clean
+    and no holder) proves them clean: an unclean end of the last run on them no longer asks
+    serve for the collective check (state/lastrun.py). Every device when no --device."""
+    from xpuctl.state.lastrun import note_clean
+
+    clean = not out.remaining if out.executed is not None else not out.plan.holders
+    if clean:
+        note_clean(state_dir, bdfs or None, "reset")

@@ -63,19 +63,22 @@ def _stop_group(proc: subprocess.Popen, token: str, grace: float) -> None:
 
 class RayCluster:
     def __init__(self, token: str, env: dict[str, str], nodes: list[dict],
-                 timeout: float = 180.0) -> None:
-        """`nodes`: one {"env": {...}, "resources": {...}} per node, the head first."""
+                 timeout: float = 180.0, plain: bool = False, hold_cpus: bool = False,
+                 cwd: str | os.PathLike | None = None) -> None:
+        """`nodes`: one {"env": {...}, "resources": {...}, "num_cpus": n} per node, the head
+        first; `plain` and `hold_cpus`: see ray_cluster_host.py. `cwd`: where the cluster's
+        processes work (its workers too: a task's relative imports look there)."""
         self.token = token
         self.env = env
-        cfg = {"nodes": nodes}
+        cfg = {"nodes": nodes, "plain": plain, "hold_cpus": hold_cpus}
         self.proc = subprocess.Popen(
             [sys.executable, str(HERE / "ray_cluster_host.py"), json.dumps(cfg)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
-            start_new_session=True, text=True,
+            start_new_session=True, text=True, cwd=cwd,
         )
         try:
-            line = self._first_line(timeout)
-            self.address = json.loads(line)["address"]
+            self.info = json.loads(self._first_line(timeout))
+            self.address = self.info["address"]
         except BaseException:
             self.stop()
             raise

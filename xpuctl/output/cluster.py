@@ -5,6 +5,7 @@ tables as on one host), and the nodes' Prometheus families with a `node` label.
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Any
 
 from xpuctl.core.cluster import ClusterResult, Family, NodeResult, Sample
@@ -68,6 +69,24 @@ def print_cluster(console: Console, result: ClusterResult) -> None:
     console.print(Text(safe(verdict(result)), style="bold"))
 
 
+_METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+
+
+def _remote(f: Family) -> Family | None:
+    """A node's family as this host prints it: the text came from another machine. Its help
+    is escaped (`safe`: a newline as \\n and a backslash doubled, as the exposition format
+    wants, any other control character visibly); a family or a label whose name is not a
+    Prometheus name is dropped (xpuctl never makes one; label values are escaped by the
+    exposition itself)."""
+    if not _METRIC_NAME.fullmatch(f.name):
+        return None
+    samples = tuple(s._replace(labels={k: v for k, v in s.labels.items()
+                                       if _LABEL_NAME.fullmatch(k) and k != "node"})
+                    for s in f.samples)
+    return f._replace(help=safe(f.help, 512), samples=samples)
+
+
 def cluster_families(result: ClusterResult) -> list[Family]:
     """One line per node saying whether it answered, then every node's doctor families,
     merged by name (the first node's help text), each sample with its node's `node` label
@@ -77,7 +96,7 @@ def cluster_families(result: ClusterResult) -> list[Family]:
                              0.0 if n.error else 1.0) for n in result.nodes))
     merged: dict[str, Family] = {}
     for n in result.nodes:
-        for f in n.metrics:
+        for f in filter(None, map(_remote, n.metrics)):
             samples = tuple(Sample({"node": n.short_id, **s.labels}, s.value) for s in f.samples)
             have = merged.get(f.name)
             merged[f.name] = f._replace(samples=samples) if have is None else \

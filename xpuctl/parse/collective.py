@@ -10,7 +10,12 @@ printing to stdout) is not an event and is skipped:
     XPUCTL-COLLECTIVE {"ev": "done", "slot": 0, "sum": 2.0}
     XPUCTL-COLLECTIVE {"ev": "error", "slot": 1, "phase": "init", "error": "RuntimeError: ..."}
     XPUCTL-COLLECTIVE {"ev": "unavailable", "slot": 0, "reason": "torch is not installed"}
+    XPUCTL-COLLECTIVE {"ev": "files", "slot": 0, "paths": ["/dev/shm/fi_ccl-3f2a"]}
     XPUCTL-COLLECTIVE {"ev": "exit", "slot": 1, "returncode": -11, "stderr": "last line"}  (leader)
+
+`files`: what the rank holds in /tmp and /dev/shm (open, mapped, or a unix socket it bound),
+said after each phase it passed (`held_files` reads it from the rank's own /proc): the
+backend's files, whose names need not carry the rank's pid.
 
 A slot is one rank of one group (the group's rank r is slot r; the per-device runs alone
 have one slot per device). The format is xpuctl's own. `parse_events` never raises: a line
@@ -20,13 +25,21 @@ that is not a well-formed event is skipped.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
+
+from xpuctl.parse.net import parse_unix_paths
+from xpuctl.parse.procfs import parse_maps_paths
 
 MARKER = "XPUCTL-COLLECTIVE "
 PHASES = ("import", "init", "all_reduce", "destroy")
-EVENTS = ("started", "phase", "done", "error", "unavailable", "exit")
+EVENTS = ("started", "phase", "done", "error", "unavailable", "exit", "files")
 MAX_TEXT = 400
 MAX_SLOTS = 1024
+MAX_FILES = 256  # per slot: a rank's backend makes a handful
+MAX_PATH = 4096
+#: Where the backend's files are: directly in these directories (the stale-file rules' own).
+FILE_DIRS = ("/tmp", "/dev/shm")
 
 
 class RankReport(NamedTuple):
@@ -42,6 +55,7 @@ class RankReport(NamedTuple):
     exited: bool = False
     returncode: int | None = None
     stderr: str | None = None  # the last line of its stderr (a crash's only word)
+    files: tuple[str, ...] = ()  # what it said it holds in /tmp and /dev/shm, in order
 
     @property
     def failed(self) -> bool:
@@ -92,6 +106,12 @@ def _fold(r: RankReport, ev: dict[str, Any]) -> RankReport:
                           phase=phase if phase in PHASES else r.phase, backend=backend)
     if kind == "unavailable":
         return r._replace(unavailable=_text(ev.get("reason")) or "unavailable", backend=backend)
+    if kind == "files":
+        paths = ev.get("paths")
+        new = [p for p in (paths if isinstance(paths, list) else [])
+               if isinstance(p, str) and in_file_dirs(p) and len(p) <= MAX_PATH
+               and p not in r.files]
+        return r._replace(files=(*r.files, *dict.fromkeys(new))[:MAX_FILES])
     return r._replace(exited=True, returncode=_int(ev.get("returncode")),
                       stderr=_text(ev.get("stderr")))
 
@@ -112,3 +132,28 @@ def earliest_phase(phases: list[str | None]) -> str | None:
     """The least advanced of these phases (a rank that never reported one counts as "import")."""
     known = [p or PHASES[0] for p in phases]
     return min(known, key=PHASES.index) if known else None
+
+
+def in_file_dirs(path: str) -> bool:
+    """A path directly in /tmp or /dev/shm (not below a directory there)."""
+    return any(path.startswith(d + "/") and "/" not in path[len(d) + 1:] and path != d + "/"
+               for d in FILE_DIRS)
+
+
+def held_files(links: Iterable[str], maps: Iterable[str], unix: Callable[[], str]) -> set[str]:
+    """The files directly in /tmp or /dev/shm that processes hold, from their fd links (a
+    path, or `socket:[INODE]`: a unix socket, named by /proc/net/unix, the text `unix()`
+    returns, read only when there is a socket), and their /proc/<pid>/maps texts."""
+    paths: set[str] = set()
+    inodes: set[int] = set()
+    for link in links:
+        if link.startswith("socket:[") and link.endswith("]") and link[8:-1].isdigit():
+            inodes.add(int(link[8:-1]))
+        elif in_file_dirs(link):
+            paths.add(link)
+    for text in maps:
+        paths.update(p for p in parse_maps_paths(text) if in_file_dirs(p))
+    if inodes:
+        paths.update(p for p, ino in parse_unix_paths(unix()).items()
+                     if ino in inodes and in_file_dirs(p))
+    return paths

@@ -16,9 +16,10 @@ by PCI address) when the environment has no ZE_AFFINITY_MASK (doctor drops it), 
 position in that mask (serve keeps the run's own). `env` is the ranks' whole environment
 except MASTER_ADDR (127.0.0.1), MASTER_PORT (a free one), RANK, LOCAL_RANK, WORLD_SIZE,
 set here. The files in /tmp and /dev/shm that appeared during the check under a name the
-stale-file rules know (`core.rules`) and carry a rank's pid, or that a rank still running
-at the kill had open, mapped or bound, are returned in `files`; removing them is not done here
-(only actions/ deletes: `doctor.remove_collective_files`).
+stale-file rules know (`core.rules`) and carry a rank's pid, or that a rank held (it says
+what it holds after each phase it passes; a rank still running at the kill is looked at
+before it), are returned in `files`; removing them is not done here (only actions/ deletes:
+`doctor.remove_collective_files`, once the ranks are gone).
 """
 
 from __future__ import annotations
@@ -37,9 +38,13 @@ from xpuctl.core import rules
 from xpuctl.core.model import AloneRun, CollectiveRank, CollectiveResult, Device
 from xpuctl.host.devices import scan_devices
 from xpuctl.host.seam import Host
-from xpuctl.parse.collective import RankReport, earliest_phase, parse_events
-from xpuctl.parse.net import parse_unix_paths
-from xpuctl.parse.procfs import parse_maps_paths
+from xpuctl.parse.collective import (
+    FILE_DIRS,
+    RankReport,
+    earliest_phase,
+    held_files,
+    parse_events,
+)
 from xpuctl.probes.runner import probe_python, xpuctl_path
 from xpuctl.state import audit
 
@@ -48,7 +53,6 @@ GRACE = 1.0  # after a rank failed: the others' last word, then the group is kil
 RANK_MODULE = "xpuctl.probes.children.collective_rank"
 GROUP_MODULE = "xpuctl.probes.children.collective_group"
 OUTPUT_LIMIT = 1 << 20
-FILE_DIRS = ("/tmp", "/dev/shm")
 FIXED_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")
 
 
@@ -80,15 +84,13 @@ def _spec(slot: int, rank: int, world: int, device: int, port: int,
 
 class _Outcome:
     def __init__(self, reports: dict[int, RankReport], timed_out: bool, stuck: tuple[int, ...],
-                 opened: tuple[str, ...] = ()) -> None:
+                 held: tuple[str, ...] = ()) -> None:
         self.reports = reports
         self.timed_out = timed_out
         self.stuck = stuck  # ranks still alive after SIGKILL (in the kernel)
-        self.opened = opened  # files in /tmp and /dev/shm the ranks had open right before the kill
-
-
-def _in_dirs(path: str) -> bool:
-    return any(path.startswith(d + "/") and "/" not in path[len(d) + 1:] for d in FILE_DIRS)
+        # files in /tmp and /dev/shm the ranks said they hold (after each phase they passed),
+        # and those the ranks still running had open, mapped or bound right before the kill
+        self.held = held
 
 
 def open_paths(host: Host, pids: tuple[int, ...]) -> tuple[str, ...]:
@@ -103,30 +105,26 @@ def open_paths(host: Host, pids: tuple[int, ...]) -> tuple[str, ...]:
 
 
 def _open_paths(host: Host, pids: tuple[int, ...]) -> tuple[str, ...]:
-    paths: set[str] = set()
-    inodes: set[int] = set()
+    links: list[str] = []
+    maps: list[str] = []
     for pid in pids:
         try:
-            links = host.fd_links(pid, ("socket:[", *(d + "/" for d in FILE_DIRS)))
+            links += [link for _fd, link in
+                      host.fd_links(pid, ("socket:[", *(d + "/" for d in FILE_DIRS)))]
         except OSError:
-            links = []
-        for _fd, link in links:
-            if link.startswith("socket:[") and link.endswith("]") and link[8:-1].isdigit():
-                inodes.add(int(link[8:-1]))
-            elif _in_dirs(link):
-                paths.add(link)
+            pass
         try:
-            maps = host.read_text(f"/proc/{pid}/maps", 8 << 20)
+            maps.append(host.read_text(f"/proc/{pid}/maps", 8 << 20))
         except OSError:
-            maps = ""
-        paths.update(p for p in parse_maps_paths(maps) if _in_dirs(p))
-    if inodes:
+            pass
+
+    def unix() -> str:
         try:
-            unix = parse_unix_paths(host.read_text("/proc/net/unix", 8 << 20))
+            return host.read_text("/proc/net/unix", 8 << 20)
         except OSError:
-            unix = {}
-        paths.update(p for p, ino in unix.items() if ino in inodes and _in_dirs(p))
-    return tuple(sorted(paths))
+            return ""
+
+    return tuple(sorted(held_files(links, maps, unix)))
 
 
 def _alive_in_group(pid: int, pgid: int) -> bool:
@@ -191,7 +189,8 @@ def _run_group(specs: list[dict[str, object]], env: dict[str, str], timeout: flo
     while any(_alive_in_group(p, proc.pid) for p in pids) and time.monotonic() < end:
         time.sleep(0.01)
     stuck = tuple(r.slot for r in reports.values() if r.pid and _alive_in_group(r.pid, proc.pid))
-    return _Outcome(reports, timed_out, stuck, opened)
+    said = (p for r in reports.values() for p in r.files)
+    return _Outcome(reports, timed_out, stuck, tuple(sorted({*opened, *said})))
 
 
 def _kill(pgid: int) -> None:
@@ -223,16 +222,17 @@ def _verdict(reports: list[RankReport], timeout: float) -> tuple[str, str | None
     return "hung", phase, f"no answer within {timeout:g} s (stuck in {phase})"
 
 
-def _new_files(before: set[str], pids: set[int], opened: set[str]) -> tuple[str, ...]:
+def _new_files(before: set[str], pids: set[int], held: set[str]) -> tuple[str, ...]:
     """The known-name files that appeared during the check and either carry one of the
-    ranks' pids in their name (oneCCL names its fd-exchange sockets after the process) or
-    were open, mapped or bound by a rank right before the kill (oneCCL's handle sockets,
-    libfabric's /dev/shm files); a file of another process that appeared meanwhile is
-    never one of ours."""
+    ranks' pids in their name (oneCCL names its fd-exchange sockets and handle files after
+    the process) or were held by a rank: it said so after a phase, or had them open, mapped
+    or bound right before the kill (libfabric's /dev/shm regions, oneCCL's handle sockets,
+    names without a pid, left also by a rank that exited by itself); a file of another
+    process that appeared meanwhile is never one of ours."""
     out = []
     for path in sorted(_known_files() - before):
         name = path.rsplit("/", 1)[-1]
-        if path in opened or any(re.search(rf"(?<![0-9]){pid}(?![0-9])", name) for pid in pids):
+        if path in held or any(re.search(rf"(?<![0-9]){pid}(?![0-9])", name) for pid in pids):
             out.append(path)
     return tuple(out)
 
@@ -283,7 +283,7 @@ def run_collective(host: Host, devices: Sequence[str] | None, env: dict[str, str
                   for r in reports)
     alone: tuple[AloneRun, ...] = ()
     pids = {r.pid for r in reports if r.pid}
-    opened = set(group.opened)
+    held = set(group.held)
     if world > 1 and verdict in ("hung", "failed"):
         specs = [_spec(i, 0, 1, index[i], free_port(), env) for i in range(world)]
         solo = _run_group(specs, env, timeout)
@@ -294,7 +294,7 @@ def run_collective(host: Host, devices: Sequence[str] | None, env: dict[str, str
             runs.append(AloneRun(d.bdf, v, p))
             if rep.pid:
                 pids.add(rep.pid)
-        opened.update(solo.opened)
+        held.update(solo.held)
         alone = tuple(runs)
     return CollectiveResult(verdict, backend, world, round(time.monotonic() - t0, 3), phase,
-                            reason, ranks, alone, _new_files(before, pids, opened))
+                            reason, ranks, alone, _new_files(before, pids, held))

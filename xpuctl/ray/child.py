@@ -31,19 +31,22 @@ class Failure(Exception):
         self.kind = kind
 
 
-def enable_token() -> None:
-    """Ray's own token discovery: a client that only reads the state API does not look for
-    the token unless told to (RAY_AUTH_MODE unset and a token found -> token mode)."""
+def enable_token() -> bool:
+    """Ray's own token discovery, for a cluster that refused a call without a token: token
+    mode when RAY_AUTH_MODE is unset and a token is found (RAY_AUTH_TOKEN,
+    RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token). True when token mode is now on and was not."""
+    if os.environ.get("RAY_AUTH_MODE") is not None:
+        return False  # the user's own choice, already in force
     try:
         from ray._private.authentication.authentication_token_setup import (
             maybe_enable_token_auth_if_token_available,
         )
     except ImportError:  # an older Ray without token authentication
-        return
+        return False
     try:
-        maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+        return bool(maybe_enable_token_auth_if_token_available(warn_if_disabled=False))
     except Exception:
-        pass
+        return False
 
 
 def resolve(address: str) -> str:
@@ -87,7 +90,24 @@ def _explicit(address: str) -> str | None:
 
 def _check_gcs(address: str) -> None:
     """One GCS read with a short timeout: a rejected token fails here at once (ray.init
-    retries it for 20 s and then reports a plain connection error)."""
+    retries it for 20 s and then reports a plain connection error).
+
+    A token is sent only to a cluster that asks for one, as Ray's own ray.init does for an
+    explicit address: the read is made without one first. A driver in token mode refuses the
+    calls of a cluster's workers that have none, so on a cluster without token
+    authentication every task but those that find their arguments locally fails with
+    OwnerDiedError (the owner of its arguments, this driver, refused it), while a token
+    found on disk (~/.ray/auth_token, left by any earlier `ray.init()`) says nothing about
+    the cluster."""
+    try:
+        _gcs_read(address)
+    except Failure as failure:
+        if failure.kind != "auth" or not enable_token():
+            raise
+        _gcs_read(address)
+
+
+def _gcs_read(address: str) -> None:
     from ray._raylet import GcsClient  # type: ignore[attr-defined]  # a Cython module: no stubs list it
 
     try:
@@ -101,6 +121,7 @@ def _check_gcs(address: str) -> None:
 def classify(exc: BaseException) -> Failure:
     if isinstance(exc, Failure):
         return exc
+    exc = _cause(exc)
     name = type(exc).__name__
     if isinstance(exc, ImportError) and (getattr(exc, "name", None) or "ray").startswith("ray"):
         return Failure("no-ray", f"{name}: {exc}")
@@ -110,6 +131,16 @@ def classify(exc: BaseException) -> Failure:
     if isinstance(exc, ConnectionError) or name in ("RpcError", "RayStateApiException"):
         return Failure("unreachable", text)
     return Failure("error", text)
+
+
+def _cause(exc: BaseException) -> BaseException:
+    """What went wrong in a task (a RayTaskError's cause) rather than Ray's wrapper around it,
+    whose text starts with Ray's own coloured header (`ray::on_node() (pid=.., ip=..)`) and
+    goes on with the remote traceback."""
+    cause = getattr(exc, "cause", None)
+    if type(exc).__name__.startswith("RayTaskError") and isinstance(cause, BaseException):
+        return cause
+    return exc
 
 
 def fetch_state(address: str | None, timeout: float) -> dict[str, Any]:
@@ -326,7 +357,6 @@ def main(argv: list[str]) -> int:
             # before Ray's address resolution and token (which may look up this host's own
             # address): an address where nothing listens is refused at once
             check_listening(explicit)
-        enable_token()
         answer: dict[str, Any] = {"ok": True, **op(req),
                                   "import_seconds": req.get("import_seconds")}
     except BaseException as exc:

@@ -14,6 +14,7 @@ from typing import Any
 
 from xpuctl.core.cluster import ClusterResult
 from xpuctl.errors import XpuctlError
+from xpuctl.output.safetext import safe
 from xpuctl.ray import bridge
 from xpuctl.ray.cluster import gather
 
@@ -40,12 +41,13 @@ def refusal(result: ClusterResult) -> str | None:
     if not bad:
         return None
     parts = []
-    for n in bad:
+    for n in bad:  # every field is the node's own text: escaped here (safe), one by one
         fails = [f for f in n.findings if f.severity == "fail"]
-        what = "; ".join(f"{f.check}: {f.message}" for f in fails[:3]) or n.error or n.status
-        parts.append(f"node {n.short_id} ({n.ip or '?'}): {what}")
+        what = "; ".join(f"{safe(f.check)}: {safe(f.message)}" for f in fails[:3]) \
+            or safe(n.error or n.status)
+        parts.append(f"node {safe(n.short_id)} ({safe(n.ip or '?')}): {what}")
     return (f"preflight failed on {len(bad)} of {len(result.nodes)} Ray node(s) of "
-            f"{result.address}: " + " | ".join(parts) +
+            f"{safe(result.address)}: " + " | ".join(parts) +
             " (check with `xpuctl doctor --ray`, clean that node with `xpuctl reset` there, or "
             "start anyway with --force)")
 

@@ -89,6 +89,7 @@ def run(host: Host, request: Request, state_dir: str | None,
                               list(request.devices), request.all_, request.environ)
     if request.dry_run or not trees:
         return Outcome(trees, plan.planned_members(host, trees), skipped=ladder.skipped_lines(host))
+    unclean = unclean_ends(trees)  # as the records were before this stop
     mark_records(state_dir, trees, state="stopping")
     # From our own start to the first signal: start-up plus finding the trees. On the
     # critical path of every restart, and the first thing to look at when a drain began late.
@@ -98,7 +99,7 @@ def run(host: Host, request: Request, state_dir: str | None,
     with audit.recording(state_dir, "shutdown") as log:
         result = ladder.stop(host, trees, timeout=request.timeout, kill_after=request.kill_after,
                              release_timeout=request.release_timeout, on_event=on_event)
-    mark_records(state_dir, trees, state="stopped" if result.verdict != "leftovers" else "failed")
+    mark_ended(state_dir, trees, result.verdict, unclean)
     return Outcome(trees, result.members, result, resolve_s, audit=log)
 
 
@@ -116,6 +117,7 @@ def _run_early(host: Host, request: Request, state_dir: str | None,
     from xpuctl import pausepoint
 
     trees = [early]
+    unclean = unclean_ends(trees)
     mark_records(state_dir, trees, state="stopping")
     pausepoint.reached("shutdown-found")
     # vLLM's drain lines begin at the signal: read its log from before it
@@ -134,8 +136,44 @@ def _run_early(host: Host, request: Request, state_dir: str | None,
         result = ladder.stop(host, trees, timeout=request.timeout, kill_after=request.kill_after,
                              release_timeout=request.release_timeout, on_event=on_event,
                              signalled={early.top.pid: signalled}, tails=tails)
-    mark_records(state_dir, trees, state="stopped" if result.verdict != "leftovers" else "failed")
+    mark_ended(state_dir, trees, result.verdict, unclean)
     return Outcome(trees, result.members, result, resolve_s, audit=log)
+
+
+def unclean_ends(trees: list[ServerTree]) -> dict[str, str]:
+    """Run name -> why, for the runs being stopped whose end was already unclean before this
+    stop: their record says so (`lastrun.unclean_end`), or their API server is gone and left
+    orphans (vLLM #55510). Stopping what they left does not make that end clean: the next
+    launch on their devices still needs the collective check (docs/collective.md)."""
+    from xpuctl.state.lastrun import unclean_end
+
+    out: dict[str, str] = {}
+    for t in trees:
+        if t.record is None:
+            continue
+        why = unclean_end(t.record, top_alive=not t.orphan)
+        if why is None and t.orphan:
+            why = "its API server was gone, its other processes left as orphans"
+        if why is not None:
+            out[t.record.name] = why
+    return out
+
+
+def mark_ended(state_dir: str | None, trees: list[ServerTree], verdict: str,
+               unclean: dict[str, str]) -> None:
+    """The records of the runs stopped: "stopped", or "failed" when leftovers stayed or the
+    run's end was unclean before this stop (`unclean_ends`; its reason kept, else said)."""
+    from xpuctl.state import runs
+
+    clean = [t for t in trees if t.record is None or t.record.name not in unclean]
+    mark_records(state_dir, clean, state="stopped" if verdict != "leftovers" else "failed")
+    for t in trees:
+        if t.record is None or t.record.name not in unclean:
+            continue
+        now = runs.read_record(state_dir, t.record.name) if state_dir else None
+        said = now.reason if now is not None and now.run_id == t.record.run_id else None
+        why = f"ended uncleanly before the shutdown: {unclean[t.record.name]}"
+        mark_records(state_dir, [t], state="failed", reason=said or t.record.reason or why)
 
 
 def mark_records(state_dir: str | None, trees: list[ServerTree], **changes: Any) -> None:

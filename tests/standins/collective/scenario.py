@@ -14,6 +14,12 @@ are fine alone). `files`: each rank makes oneCCL-like files named with TOKEN at 
 `files`, each rank also binds a listening /tmp/ccl-handle-TOKEN-r<rank>-x socket and keeps
 /dev/shm/ze_TOKEN_held<rank>_x open, names without its pid (oneCCL's handle sockets carry
 rank, comm, sched and op ids, not the pid).
+`oneccl`: each rank makes, at init, the files real oneCCL left behind after
+`doctor --collective` (issue 31 §8, seen with real oneCCL, healthy or hung): a listening unix
+socket /tmp/ccl-ipc-fd-sock-<pid>:0, a regular file /tmp/ccl-handle-<pid>-0 and a
+/dev/shm/fi_ccl-<random> region it keeps mapped (its descriptor closed, as libfabric does),
+and removes none of them, not even at exit (the XCCL process group has no shutdown:
+torch-xpu-ops #5071). `made`: each rank appends the paths it made there, one a line.
 """
 
 import json
@@ -65,7 +71,35 @@ def at(phase, device, world):
 _held = []
 
 
+def make_oneccl_files():
+    import mmap
+    import socket
+    import uuid
+
+    pid = os.getpid()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(f"/tmp/ccl-ipc-fd-sock-{pid}:0")
+    sock.listen(4)
+    _held.append(sock)
+    with open(f"/tmp/ccl-handle-{pid}-0", "w") as f:
+        f.write("x")
+    region = f"/dev/shm/fi_ccl-{uuid.uuid4().hex[:12]}"
+    fd = os.open(region, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, 1 << 16)
+        _held.append(mmap.mmap(fd, 1 << 16))
+    finally:
+        os.close(fd)  # mapped only, as libfabric keeps its regions
+    made = [f"/tmp/ccl-ipc-fd-sock-{pid}:0", f"/tmp/ccl-handle-{pid}-0", region]
+    if conf().get("made"):
+        with open(conf()["made"], "a") as f:
+            f.write("".join(p + "\n" for p in made))
+    return made
+
+
 def make_files(rank):
+    if conf().get("oneccl"):
+        make_oneccl_files()
     token = conf().get("files")
     if not token:
         return []

@@ -1,9 +1,9 @@
 """The caller's side of bounded reads: `Reader`, a Host's way of reading when its reads are
 bounded (the package's docstring says why and how).
 
-The reader is forked on first use (spawned as `python -m xpuctl.host.reads.child` when this
-process runs other threads: a fork copies only the calling thread, and locks the others hold
-would stay locked in the copy) and serves requests until its pipe closes.
+The reader is forked on first use (spawned, running `xpuctl.host.reads.child` of this very
+package, when this process runs other threads: a fork copies only the calling thread, and locks
+the others hold would stay locked in the copy) and serves requests until its pipe closes.
 """
 
 from __future__ import annotations
@@ -137,13 +137,38 @@ def _fork(req_r: int, rep_w: int, page: mmap.mmap, parent_ends: tuple[int, ...])
     return pid
 
 
+#: Where this xpuctl was imported from: the directory (or zip) that holds the package. A
+#: spawned reader imports xpuctl from there and from nowhere else: the interpreter may not find
+#: it by itself (a Ray task imports xpuctl from a zip it put on its own sys.path, and the
+#: node's Python has no xpuctl), or may find another one.
+PACKAGE_PARENT = os.path.dirname(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+#: A spawned reader's start: xpuctl from argv[1] (with the package's own importer: a directory
+#: or a zip), without putting that place on sys.path; `-P` keeps the working directory off
+#: sys.path as well (a reader started in /tmp as root must not import a file found there).
+_BOOT = """\
+import importlib.machinery as m, importlib.util as u, os, sys
+s = m.PathFinder.find_spec("xpuctl", [sys.argv[1]])
+x = u.module_from_spec(s)
+sys.modules["xpuctl"] = x
+s.loader.exec_module(x)
+import xpuctl.host.reads.child as c
+try:
+    c.main(sys.argv[2:])
+finally:
+    os._exit(0)
+"""
+
+
 def _spawn(req_r: int, rep_w: int, memfd: int) -> int:
     for fd in (req_r, rep_w, memfd):
         os.set_inheritable(fd, True)
     try:
         return os.posix_spawn(
             sys.executable,
-            [sys.executable, "-m", "xpuctl.host.reads.child", str(req_r), str(rep_w), str(memfd)],
+            [sys.executable, "-P", "-c", _BOOT, PACKAGE_PARENT,
+             str(req_r), str(rep_w), str(memfd)],
             dict(os.environ),
         )
     finally:

@@ -17,7 +17,6 @@ import errno
 import io
 import os
 import signal
-import sys
 from typing import TYPE_CHECKING, Any
 
 from xpuctl.host.reads.protocol import (
@@ -188,8 +187,8 @@ def read(host_reads: Any, root: str, kind: str, hostpath: str, limit: int) -> by
     return host_reads.read(root, kind, hostpath, limit)  # type: ignore[no-any-return]
 
 
-def _main(argv: list[str]) -> None:
-    """A spawned reader: `python -m xpuctl.host.reads.child REQUESTS REPLIES PAGE`."""
+def main(argv: list[str]) -> None:
+    """A spawned reader (caller._spawn): `REQUESTS REPLIES PAGE`, three descriptors."""
     import mmap
 
     requests, replies, memfd = (int(a) for a in argv)
@@ -197,9 +196,3 @@ def _main(argv: list[str]) -> None:
     isolate((requests, replies, memfd))
     serve(requests, replies, page)
 
-
-if __name__ == "__main__":
-    try:
-        _main(sys.argv[1:])
-    finally:
-        os._exit(0)

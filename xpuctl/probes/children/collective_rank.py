@@ -13,6 +13,12 @@ slot in the leader's report). It reports each phase as it enters it, so that a h
   `torch.xpu.synchronize()`; the sum must be the world size;
 - destroy: `torch.distributed.destroy_process_group()`.
 
+After each phase it passed (and before it fails) it says which files in /tmp and /dev/shm it
+holds (`files` events): the backend's (oneCCL's fd-exchange socket and handle files,
+libfabric's mapped regions), which stay after the rank ends (the XCCL process group has no
+shutdown) and whose names need not carry its pid. The check removes them once the ranks are
+gone (`doctor.remove_collective_files`, by the stale-file rules).
+
 Only public torch APIs. Events go to stdout (`xpuctl.parse.collective`), each one line
 written whole. Test-only: XPUCTL_TEST_COLLECTIVE_BACKEND=gloo runs the same code over
 `gloo` on CPU tensors (no torch.xpu), so tests exercise a real torch.distributed rendezvous
@@ -41,6 +47,34 @@ def emit(ev: str, **fields: Any) -> None:
 def _version(text: str) -> tuple[int, int]:
     m = re.match(r"^\s*(\d+)\.(\d+)", text or "")
     return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+def report_files() -> None:
+    """A `files` event (several, each a line well under emit's cap) naming what this process
+    holds in /tmp and /dev/shm: its fds, its mappings, the unix sockets it bound. Its own
+    /proc only; a failure to read says nothing (the kill's look and the pid in oneCCL's
+    names remain)."""
+    try:
+        from xpuctl.parse.collective import held_files
+
+        links = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                links.append(os.readlink(f"/proc/self/fd/{fd}"))
+            except OSError:
+                continue
+        with open("/proc/self/maps") as f:
+            maps = f.read()
+
+        def unix() -> str:
+            with open("/proc/self/net/unix") as f:
+                return f.read()
+
+        paths = sorted(held_files(links, [maps], unix))
+    except Exception:
+        return
+    for i in range(0, min(len(paths), 256), 8):
+        emit("files", paths=paths[i:i + 8])
 
 
 class Unavailable(Exception):
@@ -104,6 +138,7 @@ def rank() -> None:
         emit("phase", phase=phase, backend=backend)
         dist.init_process_group(backend, init_method="env://", rank=int(os.environ["RANK"]),
                                 world_size=world)
+        report_files()
         phase = "all_reduce"
         emit("phase", phase=phase, backend=backend)
         t = torch.ones(1, device=where)
@@ -113,13 +148,16 @@ def rank() -> None:
         got = float(t.item())
         if got != float(world):
             raise RuntimeError(f"all_reduce gave {got:g}, expected {world}")
+        report_files()
         phase = "destroy"
         emit("phase", phase=phase, backend=backend)
         dist.destroy_process_group()
+        report_files()
         emit("done", sum=got, backend=backend)
     except Unavailable as exc:
         emit("unavailable", reason=str(exc)[:400])
     except Exception as exc:
+        report_files()
         emit("error", phase=phase, error=f"{type(exc).__name__}: {exc}"[:400])
         os._exit(1)
 
