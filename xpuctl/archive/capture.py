@@ -40,6 +40,7 @@ from xpuctl.parse import redact, runtimestate
 from xpuctl.parse.archive import SCHEMA
 from xpuctl.parse.net import TcpSocket, format_tcp, is_v6
 from xpuctl.state import atomic
+from xpuctl.state.regular import open_regular
 
 LOG_LINES = 200
 _LOG_TAIL_MAX = 4 << 20  # bytes read from the end of a log for its last lines
@@ -65,7 +66,7 @@ class Taken(NamedTuple):
 
 def _tail(path: str, lines: int = LOG_LINES) -> bytes:
     """The last `lines` lines of a file (reads at most _LOG_TAIL_MAX bytes from its end)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    fd = open_regular(path)  # a FIFO in its place must not block the capture
     try:
         end = os.fstat(fd).st_size
         start = max(0, end - _LOG_TAIL_MAX)
@@ -88,7 +89,9 @@ def _state(state_dir: str | None) -> tuple[dict[str, bytes], list[dict[str, str]
         sdir = runs.ensure_state_dir(state_dir, create=False)
     except UsageError as exc:
         return files, [{"op": "state", "path": state_dir, "reason": str(exc)}]
-    for rec in runs.list_records(sdir):
+    found = runs.read_runs(sdir)
+    problems += [{"op": "record", "path": u.path, "reason": u.why} for u in found.unread]
+    for rec in found.records:
         files[f"state/runs/{rec.name}.json"] = json.dumps(rec.to_dict(), indent=2).encode()
         if not rec.log_path:
             continue

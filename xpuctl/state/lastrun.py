@@ -12,6 +12,7 @@ import os
 
 from xpuctl.core.model import LastRun
 from xpuctl.parse.vllmlog import furthest_phase, hang_signatures, log_lines
+from xpuctl.state.regular import open_regular
 from xpuctl.state.runs import ACTIVE_STATES, RunRecord, ensure_state_dir, read_record
 
 TAIL_BYTES = 64 * 1024
@@ -39,7 +40,7 @@ def newest_record(state_dir: str) -> RunRecord | None:
 def log_tail(path: str, limit: int = TAIL_BYTES) -> list[str]:
     """vLLM's lines among the last `limit` bytes of a run log (xpuctl's own lines dropped)."""
     try:
-        with open(path, "rb") as fh:
+        with os.fdopen(open_regular(path), "rb") as fh:  # a FIFO there must not block doctor
             size = os.fstat(fh.fileno()).st_size
             fh.seek(max(0, size - limit))
             data = fh.read(limit)
