@@ -134,6 +134,11 @@ def test_reset_killed_at_each_step(tmp_path, proc_token, step):
         assert len(sent) == int(step.partition(":")[2] or 1), lines
     if step == "reset-execute":
         assert lines == []
+    removed = [e for e in lines if e["action"] == "delete" and e["result"] == "removed"]
+    if step == "file-removed":  # each deletion is audited before the next one (issue 29 §9)
+        assert len(removed) == 1, lines
+    if step in ("reset-execute", "reset-removing") or step.startswith("signal-sent"):
+        assert removed == [], lines
 
     # the next doctor tells the truth: the orphans alive, exactly, and the files on disk
     rc, stdout, stderr = out["doctor"]

@@ -34,7 +34,8 @@ def logs(
     On a terminal every line is escaped (control characters shown as \\x1b...). Into a pipe
     or a file the log's bytes are copied unchanged.
 
-    Exit 0; 3: no run of that name.
+    Exit 0; 1: its record is damaged or unreadable (the line names it); 3: no run of that
+    name.
     """
     from xpuctl import logs as run_logs
     from xpuctl.state import runs
