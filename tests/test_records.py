@@ -150,6 +150,25 @@ def _bounded_memory() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
 
 
+def test_a_field_type_the_reader_cannot_check_is_named_and_never_a_crash():
+    """A field typed with something `conforms` does not know (a set, a NamedTuple) is named by
+    `supported` (the test above then fails first); read anyway, the record is refused with
+    one line instead of an exception."""
+    import dataclasses
+
+    from xpuctl.state import fields
+
+    @dataclasses.dataclass
+    class Later:
+        name: str
+        tags: set[str] = dataclasses.field(default_factory=set)
+
+    assert fields.supported(Later) == ["tags"]
+    assert fields.typed_fields(Later, {"name": "x"}) == {"name": "x"}
+    with pytest.raises(fields.FieldError, match="field 'tags' has a type this reader cannot"):
+        fields.typed_fields(Later, {"name": "x", "tags": ["a"]})
+
+
 def _xpuctl(*args: str, root: str | None = None, timeout: float = HANG, env=None):
     cmd = [*XPUCTL, *(["--root", root] if root else []), *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,

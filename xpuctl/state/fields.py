@@ -105,7 +105,11 @@ def typed_fields(cls: type, data: object) -> dict[str, Any]:
                 raise FieldError(f"field {f.name!r} is missing")
             continue
         value = data[f.name]
-        if not conforms(value, hints[f.name]):
+        try:
+            ok = conforms(value, hints[f.name])
+        except TypeError:  # an annotation `supported` would have refused: never exit 70
+            raise FieldError(f"field {f.name!r} has a type this reader cannot check") from None
+        if not ok:
             raise FieldError(f"field {f.name!r} is {_what(value)}, not {spelled[f.name]}")
         out[f.name] = value
     return out
