@@ -149,27 +149,29 @@ class RunSupervisor:
         """Say once (per kind) that the record is not being written: on the terminal (or in
         a detached run's log), and in the run log. A storage fault also covers the audit
         lines that are lost with it: the end of serve does not say it again."""
-        changed = isinstance(exc, StateDirChangedError)
-        kind = "changed" if changed else "failed"
+        kind = ("changed" if isinstance(exc, StateDirChangedError)
+                else "locked" if isinstance(exc, TimeoutError) else "failed")
         if kind in self.lost:
             return
         self.lost.add(kind)
-        sdir = safe(self.state_dir)
-        if changed:
-            msg = (f"xpuctl: warning: state directory {sdir} was {safe(exc.strerror or '')} "
-                   f"while {safe(self.rec.name)} ran: its record is no longer written (a run "
-                   "there may take its name); the run is still supervised and stopped as usual")
+        sdir, name, why = safe(self.state_dir), safe(self.rec.name), safe(exc.strerror or str(exc))
+        if kind == "changed":
+            msg = (f"xpuctl: warning: state directory {sdir} was {why} while {name} ran: its "
+                   "record is no longer written (a run there may take its name); the run is "
+                   "still supervised and stopped as usual")
+        elif kind == "locked":  # a stopped or stuck xpuctl holds the record's lock
+            msg = (f"xpuctl: warning: the record of {name} was not updated ({why}); the run "
+                   "is still supervised and stopped as usual")
         else:
-            msg = (f"xpuctl: warning: state directory {sdir} cannot be written "
-                   f"({safe(exc.strerror or str(exc))}): the record of {safe(self.rec.name)} "
-                   "(and its audit lines) are not kept; the run is still supervised and "
-                   "stopped as usual")
+            msg = (f"xpuctl: warning: state directory {sdir} cannot be written ({why}): the "
+                   f"record of {name} (and its audit lines) are not kept; the run is still "
+                   "supervised and stopped as usual")
             sink = audit.active()
             if sink is not None:
                 sink.told = True
         self.say(msg)
         if self.foreground and self.pump is not None:
-            self.pump.write(msg.encode() + b"\n")
+            self.pump.write(msg.encode("utf-8", "backslashreplace") + b"\n")
 
     def _on_signal(self, signum, frame) -> None:
         self.signals += 1
