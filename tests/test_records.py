@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -238,14 +239,29 @@ def test_a_runs_directory_that_is_a_file_is_reported(tmp_path, standin_root):
         {"path": runs_dir, "name": None, "damaged": True, "why": "a regular file, not a directory"}]
     p = _xpuctl("shutdown", "x", "--state-dir", str(state), root=root)
     assert p.returncode == 1 and f"the runs in {runs_dir} cannot be listed" in p.stderr, p.stderr
-    p = _xpuctl("doctor", "--json", "--state-dir", str(state), root=root, timeout=180)
-    assert p.returncode in (0, 1), p.stderr
+    host = fakehost.clean_host(tmp_path / "fake")
+    p = _xpuctl("doctor", "--json", "--state-dir", str(state), root=str(host.root))
+    assert p.returncode == 0, p.stderr
     assert [f["message"] for f in json.loads(p.stdout)["findings"] if f["check"] == "run-records"] \
         == [f"the runs in {runs_dir} cannot be listed: a regular file, not a directory"]
+    # a logs/ that is a file: logs NAME says it cannot read the log, doctor names it
+    (state / "runs").unlink()
+    (state / "runs").mkdir(mode=0o700)
+    rec = _record("r", log_path=str(state / "logs" / "r.log"))
+    (state / "runs" / "r.json").write_text(json.dumps(rec))
+    shutil.rmtree(state / "logs", ignore_errors=True)  # readers make a missing one
+    (state / "logs").write_text("not a directory\n")
+    p = _xpuctl("logs", "r", "--state-dir", str(state), root=root)
+    assert p.returncode == 1, p.stderr
+    assert p.stderr.strip() == (f"xpuctl: error: run 'r': its log {state}/logs/r.log cannot be "
+                                "read: Not a directory"), p.stderr
+    p = _xpuctl("doctor", "--json", "--state-dir", str(state), root=str(host.root))
+    assert [f["message"] for f in json.loads(p.stdout)["findings"] if f["check"] == "run-records"] \
+        == [f"{state}/logs is a regular file, not a directory: serve refuses this state directory"]
     # serve refuses it before anything starts: an unusable state directory (exit 2)
     p = _xpuctl("serve", "--state-dir", str(state), "--vllm", "/bin/false", "m", root=root)
     assert p.returncode == 2, p.stderr
-    assert p.stderr.strip() == (f"xpuctl: error: state directory {state}: {runs_dir} is a "
+    assert p.stderr.strip() == (f"xpuctl: error: state directory {state}: {state}/logs is a "
                                 "regular file, not a directory")
 
 

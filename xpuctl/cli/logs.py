@@ -73,6 +73,9 @@ def logs(
     except NotRegularError as exc:
         raise XpuctlError(f"run {safe(name)!r}: its log {safe(rec.log_path)} {exc.strerror}; "
                           "not read") from None
+    except OSError as exc:  # logs/ that is a file, a log we may not read
+        raise XpuctlError(f"run {safe(name)!r}: its log {safe(rec.log_path)} cannot be read: "
+                          f"{safe(exc.strerror or str(exc))}") from None
     finally:
         if tty:
             out.close()

@@ -10,12 +10,14 @@ such a run as `stale`, `shutdown NAME` says the run is gone, and doctor warns
 from __future__ import annotations
 
 import os
+import stat
 import time
 from typing import NamedTuple
 
 from xpuctl.core.model import RecordIssue
 from xpuctl.host.processes import same_process
 from xpuctl.host.seam import Host
+from xpuctl.state.regular import kind_of
 from xpuctl.state.runs import ACTIVE_STATES, RunRecord, Unread, list_records, read_runs, state_shown
 from xpuctl.state.statedir import ROOT_STATE_DIR
 
@@ -109,6 +111,14 @@ def record_issues(host: Host, state_dir: str) -> tuple[RecordIssue, ...]:
     found = read_runs(state_dir)
     out = [RecordIssue(u.path, u.name, "damaged" if u.damaged else "unreadable", u.why)
            for u in found.unread]
+    for sub in ("locks", "logs"):  # serve refuses a state directory where one is a file
+        path = os.path.join(state_dir, sub)
+        try:
+            mode = os.lstat(path).st_mode
+        except OSError:
+            continue
+        if not stat.S_ISDIR(mode):
+            out.append(RecordIssue(path, None, "damaged", f"{kind_of(mode)}, not a directory"))
     for r in found.records:
         if is_stale(host, r):
             out.append(RecordIssue(os.path.join(state_dir, "runs", f"{r.name}.json"), r.name,

@@ -70,6 +70,8 @@ def run_records(c: Ctx) -> list[Finding]:
     for r in c.scan.records:
         if r.kind == "stale":
             msg = f"run {r.name} is gone, its record is stale: {r.detail}"
+        elif r.name is None and r.path.rsplit("/", 1)[-1] in ("locks", "logs"):
+            msg = f"{r.path} is {r.detail}: serve refuses this state directory"
         elif r.name is None:
             msg = f"the runs in {r.path} cannot be listed: {r.detail}"
         else:
