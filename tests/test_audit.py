@@ -110,3 +110,79 @@ def test_a_deep_probes_group_kill_is_audited_when_the_command_records(tmp_path):
     assert (line["command"], line["action"], line["signal"], line["result"]) == (
         "serve", "signal", "SIGKILL", "sent")
     assert line["target"] == {"pgid": job.pid, "label": "probe torch"}
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 29 §9: each deletion is audited before the next one; the log is UTF-8 whatever a path
+
+
+def _reset_cmd(root, state) -> list[str]:
+    from serverig import XPUCTL
+
+    return [*XPUCTL, "--root", str(root), "reset", "--yes", "--json", "--state-dir", str(state)]
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_a_reset_killed_after_its_nth_deletion_has_audited_each_one(tmp_path, n):
+    """xpuctl paused right after its N-th unlink (file-removed:N) and SIGKILLed there: the
+    audit log holds exactly N deletions, the N files that are gone. On a fake host nothing
+    is signalled (its /proc is not ours), so deletions are the only acts."""
+    import fakehost
+    from proctools import pause_env, wait_for
+
+    h = fakehost.orphan_host(tmp_path / "root")
+    for i in range(4):  # stale from the start: regular, matching psm_*, held by nobody
+        (tmp_path / "root" / "dev/shm" / f"psm_extra{i}").write_bytes(b"x")
+    state = tmp_path / "state"
+    marker = tmp_path / "paused"
+    p = subprocess.Popen(_reset_cmd(h.root, state), env=dict(os.environ, **pause_env(
+        marker, f"file-removed:{n}")), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        assert wait_for(lambda: marker.exists() or p.poll() is not None, 120), "never paused"
+        assert marker.read_text().startswith(f"file-removed:{n} "), p.stderr
+    finally:
+        p.kill()
+        p.wait()
+    lines = _read_all(state)["audit.jsonl"]
+    deletions = [e for e in lines if e["action"] == "delete"]
+    assert [e["result"] for e in deletions] == ["removed"] * n, deletions
+    root = str(tmp_path / "root")
+    for e in deletions:
+        assert not os.path.lexists(root + e["target"]["path"]), e
+    # and what is still on disk of what was planned has no line yet
+    planned = {f"/dev/shm/psm_extra{i}" for i in range(4)} | {h.paths["stale_shm"]}
+    left = {q for q in planned if os.path.lexists(root + q)}
+    assert left.isdisjoint(e["target"]["path"] for e in deletions)
+    assert len(planned - left) <= n
+
+
+def test_a_path_that_is_not_utf8_is_deleted_and_the_log_stays_utf8_json(tmp_path):
+    import fakehost
+
+    h = fakehost.clean_host(tmp_path / "root")
+    # torch's file_system sharing names (torch_*) take any bytes; psm_* names are letters,
+    # digits and '_' only (core/rules.py): a psm_ name with such bytes is no candidate
+    name = b"torch_\xff\xfe"
+    target = os.path.join(os.fsencode(str(h.root)), b"dev/shm", name)
+    with open(target, "wb") as fh:
+        fh.write(b"x")
+    state = tmp_path / "state"
+    p = subprocess.run(_reset_cmd(h.root, state), capture_output=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert not os.path.lexists(target)
+    raw = (state / "audit.jsonl").read_bytes()
+    text = raw.decode("utf-8")  # strict: every byte of the log is UTF-8
+    (line,) = [json.loads(x) for x in text.splitlines()]
+    assert line["action"] == "delete" and line["result"] == "removed"
+    # readable: each byte that is not UTF-8 as the four characters \xNN; exact: its bytes in hex
+    assert line["target"]["path"] == "/dev/shm/torch_\\xff\\xfe"
+    assert bytes.fromhex(line["target"]["path_bytes"]) == b"/dev/shm/" + name
+
+
+def test_text_that_is_utf8_is_written_as_it_is():
+    """Only a path that is not UTF-8 gets `path_bytes`; other text is left alone."""
+    line = {"target": {"path": "/tmp/ccl-é", "label": "VLLM::Worker_TP0"}, "result": "sent"}
+    assert audit.utf8(line) == line
+    bad = os.fsdecode(b"/tmp/\xc3(")
+    assert audit.utf8({"path": bad}) == {"path": "/tmp/\\xc3(", "path_bytes": b"/tmp/\xc3(".hex()}
+    assert audit.text(os.fsdecode(b"VLLM::\xff")) == "VLLM::\\xff"

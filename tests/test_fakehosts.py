@@ -37,6 +37,7 @@ CHECKS = {
     "devcoredump",
     "collective",
     "last-run",
+    "run-records",
     "blocked-reads",
     "inspection",
 }

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from proctools import is_gone, pidns_available, wait_for
+from proctools import is_gone, pause_env, pidns_available, wait_for
 from serverig import XPUCTL
 
 from xpuctl.host.reads.protocol import COMM
@@ -47,7 +47,7 @@ _RESET_DRIVER = r"""
 import json, os, signal, subprocess, sys, time
 support, state, token, workdir, step = sys.argv[1:6]
 sys.path.insert(0, support)
-from proctools import StandInRoot, holders, is_gone, start_fake_vllm, wait_for
+from proctools import StandInRoot, holders, is_gone, pause_env, start_fake_vllm, wait_for
 out = {"pid": os.getpid()}
 root = StandInRoot(workdir, n_devices=2)
 R = root.root
@@ -70,7 +70,7 @@ try:
         fh.write(b"x" * 64)
     out["shm_before"] = root.shm()
     marker = os.path.join(workdir, "paused")
-    env = dict(os.environ, XPUCTL_TEST_PAUSE_AT=step, XPUCTL_TEST_PAUSE_FILE=marker)
+    env = dict(os.environ, **pause_env(marker, step))
     reset = xp + ["reset", "--yes", "--json", "--timeout", "1", "--kill-after", "1",
                   "--state-dir", state]
     p = subprocess.Popen(reset, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -134,6 +134,11 @@ def test_reset_killed_at_each_step(tmp_path, proc_token, step):
         assert len(sent) == int(step.partition(":")[2] or 1), lines
     if step == "reset-execute":
         assert lines == []
+    removed = [e for e in lines if e["action"] == "delete" and e["result"] == "removed"]
+    if step == "file-removed":  # each deletion is audited before the next one (issue 29 §9)
+        assert len(removed) == 1, lines
+    if step in ("reset-execute", "reset-removing") or step.startswith("signal-sent"):
+        assert removed == [], lines
 
     # the next doctor tells the truth: the orphans alive, exactly, and the files on disk
     rc, stdout, stderr = out["doctor"]
@@ -194,7 +199,7 @@ def test_shutdown_killed_at_each_step(rig, step):
     marker = rig.tmp / "paused"
     cmd = [*XPUCTL, "--root", rig.root.root, "shutdown", "victim", "--json", "--kill-after", "1",
            "--release-timeout", "5", "--state-dir", rig.state]
-    env = rig.env(XPUCTL_TEST_PAUSE_AT=step, XPUCTL_TEST_PAUSE_FILE=str(marker))
+    env = rig.env(**pause_env(marker, step))
     p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                          stdin=subprocess.DEVNULL)
     try:
@@ -251,7 +256,7 @@ def test_a_killed_shutdown_does_not_leave_its_stopping_state_to_be_believed(rig)
     rec = rig.record("orphaned-stop")
     marker = rig.tmp / "paused"
     cmd = [*XPUCTL, "--root", rig.root.root, "shutdown", "orphaned-stop", "--state-dir", rig.state]
-    env = rig.env(XPUCTL_TEST_PAUSE_AT="shutdown-found", XPUCTL_TEST_PAUSE_FILE=str(marker))
+    env = rig.env(**pause_env(marker, "shutdown-found"))
     p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                          stdin=subprocess.DEVNULL)
     try:

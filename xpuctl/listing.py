@@ -11,9 +11,10 @@ from xpuctl.host.seam import Host
 
 
 class ProcessListing(NamedTuple):
-    runs: list[Any]  # RunRow: xpuctl's runs from their records, live ones only
+    runs: list[Any]  # RunRow: xpuctl's active runs from their records (gone ones: "stale")
     processes: list[Process]
     scan: Scan  # the scan, for the device labels
+    unread: tuple[Any, ...] = ()  # runs.Unread: the records (or directories) not read
 
 
 def list_processes(host: Host, specs: list[str], show_all: bool, state_dir: str | None,
@@ -23,7 +24,7 @@ def list_processes(host: Host, specs: list[str], show_all: bool, state_dir: str 
     holding devices are tied to their run through Ray's state (`environ`: where Ray is)."""
     from xpuctl.host.devices import resolve_device_specs
     from xpuctl.ray.actors import scan_with_ray
-    from xpuctl.state.live import live_runs
+    from xpuctl.state.live import RunsShown, runs_shown
 
     bdfs = set(resolve_device_specs(host, specs))
     scan = scan_with_ray(host, environ, port=None, artifacts=False)
@@ -35,8 +36,9 @@ def list_processes(host: Host, specs: list[str], show_all: bool, state_dir: str 
     if bdfs:
         tops = {p.top for p in procs if bdfs & set(p.devices)}
         procs = [p for p in procs if p.devices or p.top in tops]
-    runs = live_runs(host, state_dir) if state_dir and host.proc_is_live else []
-    return ProcessListing(runs, procs, scan._replace(processes=tuple(procs)))
+    shown = runs_shown(host, state_dir) if state_dir and host.proc_is_live else RunsShown([], [])
+    return ProcessListing(shown.rows, procs, scan._replace(processes=tuple(procs)),
+                          tuple(shown.unread))
 
 
 def list_devices(host: Host, environ: dict[str, str], deep: Any, record_baseline: bool,

@@ -14,9 +14,7 @@ import time
 from collections.abc import Callable
 from typing import BinaryIO
 
-from xpuctl.host.processes import same_process
-from xpuctl.host.seam import Host
-from xpuctl.state.runs import RunRecord
+from xpuctl.state.regular import open_regular
 
 CHUNK = 1 << 16
 
@@ -49,19 +47,10 @@ def start_of_last_lines(fh: BinaryIO, n: int, end: int) -> int:
     return 0
 
 
-def run_alive(host: Host, rec: RunRecord) -> bool:
-    """The run's supervisor or its vLLM top process is still running.
-
-    The supervisor's start time is not recorded, but it started before vLLM did: a process
-    under its pid that started later is another process."""
-    if rec.pid and rec.start_ticks is not None and same_process(host, rec.pid, rec.start_ticks):
-        return True
-    if not rec.supervisor_pid:
-        return False
-    sup = same_process(host, rec.supervisor_pid)
-    if sup is None:
-        return False
-    return rec.start_ticks is None or sup.start_ticks <= rec.start_ticks
+def _open(path: str) -> BinaryIO:
+    """The log, a regular file (NotRegularError for a FIFO or a link: never read, so never
+    blocked on nor read without end)."""
+    return os.fdopen(open_regular(path), "rb")
 
 
 def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
@@ -78,7 +67,7 @@ def copy(path: str, lines: int | None, follow: bool, alive: Callable[[], bool],
     waited = False
     while fh is None:
         try:
-            fh = open(path, "rb")  # noqa: SIM115 (closed below; may be swapped on rotation)
+            fh = _open(path)
         except FileNotFoundError:
             if not follow or not alive():
                 raise
@@ -108,7 +97,7 @@ def copy(path: str, lines: int | None, follow: bool, alive: Callable[[], bool],
                 if rest:
                     emit(rest)
                 fh.close()
-                fh = open(path, "rb")  # noqa: SIM115 (the followed file, reopened on rotation; closed below)
+                fh = _open(path)
                 note(f"{path} was replaced; following the new file")
                 continue
             if mine.st_size < fh.tell():

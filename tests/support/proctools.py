@@ -472,6 +472,24 @@ def wait_log(fv_or_path, text: str, timeout: float = 30.0) -> bool:
     return wait_for(lambda: text in get(), timeout, 0.05)
 
 
+def pause_env(marker: str | os.PathLike, step: str) -> dict[str, str]:
+    """The variables that make xpuctl pause at `step` (xpuctl/pausepoint.py) and write
+    `marker` there: the step, the marker, and the per-run secret, which this writes into the
+    arming file beside the marker (0600, ours). Without the arming file and its secret the
+    variables do nothing: a production environment never pauses."""
+    marker = os.path.abspath(marker)
+    key = uuid.uuid4().hex
+    arm = f"{marker}.arm"
+    fd = os.open(arm, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, key.encode())
+    finally:
+        os.close(fd)
+    return {"XPUCTL_TEST_PAUSE_AT": step, "XPUCTL_TEST_PAUSE_FILE": marker,
+            "XPUCTL_TEST_PAUSE_KEY": key}
+
+
 def pidns_available() -> bool:
     """`unshare --pid --fork --mount-proc` works here (root, or user namespaces): tests that
     need a private PID namespace skip without it."""

@@ -36,17 +36,30 @@ def removable(scan: Scan, euid: int | None = None) -> list[Artifact]:
 
 
 def remove(host: Host, planned: list[Artifact], fresh: Scan, euid: int | None = None) -> list[Removal]:
-    """Delete the planned files that the fresh scan still calls stale."""
-    out = _remove(host, planned, fresh, euid)
-    by_path = {a.path: a for a in planned}
-    for r in out:  # every planned deletion, done or not, is one audit line
-        audit.deletion(r.path, by_path[r.path].inode, r.kind, "removed" if r.removed else f"kept: {r.reason}")
-    return out
+    """Delete the planned files that the fresh scan still calls stale. Every planned file,
+    deleted or kept, is one audit line, written right after its unlink (or the decision to
+    keep it) and before the next one: a reset killed halfway leaves a line for every
+    deletion it made, but at most the very last."""
+    return _remove(host, planned, fresh, euid)
+
+
+class _Audited(list[Removal]):
+    """The removals made so far; each is audited as it is appended (one write(2) into the
+    log, so it is there before the loop goes on to the next file)."""
+
+    def __init__(self, planned: list[Artifact]) -> None:
+        super().__init__()
+        self.inodes = {a.path: a.inode for a in planned}
+
+    def append(self, r: Removal) -> None:
+        audit.deletion(r.path, self.inodes.get(r.path), r.kind,
+                       "removed" if r.removed else f"kept: {r.reason}")
+        super().append(r)
 
 
 def _remove(host: Host, planned: list[Artifact], fresh: Scan, euid: int | None) -> list[Removal]:
     now = {a.path: a for a in fresh.artifacts}
-    out: list[Removal] = []
+    out = _Audited(planned)
     for a in planned:
         cur = now.get(a.path)
         if cur is None:

@@ -57,7 +57,8 @@ class Target(NamedTuple):
     def send(self, host: Host, sig: int) -> bool:
         """Signal the process if it is still the one we identified. True when sent.
 
-        Every attempt, sent or not, is one line in the audit log (when a command records)."""
+        Every attempt, sent or not, is one line in the audit log (when a command records),
+        written right after it and before anything else is done."""
         try:
             fd = os.pidfd_open(self.pid)
         except OSError:

@@ -42,6 +42,7 @@ from xpuctl.parse.archive import SCHEMA
 from xpuctl.parse.net import TcpSocket, format_tcp, is_v6
 from xpuctl.parse.procfs import parse_cmdline, parse_environ
 from xpuctl.state import atomic
+from xpuctl.state.regular import open_regular
 
 LOG_LINES = 200
 _LOG_TAIL_MAX = 4 << 20  # bytes read from the end of a log for its last lines
@@ -67,7 +68,7 @@ class Taken(NamedTuple):
 
 def _tail(path: str, lines: int = LOG_LINES) -> bytes:
     """The last `lines` lines of a file (reads at most _LOG_TAIL_MAX bytes from its end)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    fd = open_regular(path)  # a FIFO in its place must not block the capture
     try:
         end = os.fstat(fd).st_size
         start = max(0, end - _LOG_TAIL_MAX)
@@ -93,10 +94,11 @@ def _state(state_dir: str | None,
         sdir = runs.ensure_state_dir(state_dir, create=False)
     except UsageError as exc:
         return files, [{"op": "state", "path": state_dir, "reason": str(exc)}]
-    records = runs.list_records(sdir)
-    for rec in records:
+    found = runs.read_runs(sdir)
+    problems += [{"op": "record", "path": u.path, "reason": u.why} for u in found.unread]
+    for rec in found.records:
         secrets |= redact.secret_values(rec.command)
-    for rec in records:
+    for rec in found.records:
         doc = rec.to_dict()
         doc["command"] = redact.argv(rec.command)
         text = redact.scrub(json.dumps(doc, indent=2), secrets)

@@ -34,10 +34,13 @@ def logs(
     On a terminal every line is escaped (control characters shown as \\x1b...). Into a pipe
     or a file the log's bytes are copied unchanged.
 
-    Exit 0; 3: no run of that name.
+    Exit 0; 1: its record is damaged or unreadable (the line names it); 3: no run of that
+    name.
     """
     from xpuctl import logs as run_logs
     from xpuctl.state import runs
+    from xpuctl.state.live import run_alive
+    from xpuctl.state.regular import NotRegularError
 
     a = app_context(ctx)
     from xpuctl.errors import NotFoundError
@@ -51,7 +54,7 @@ def logs(
 
     def alive() -> bool:
         fresh = runs.read_record(sdir, name)
-        return run_logs.run_alive(a.host, fresh if fresh is not None and fresh.run_id == rec.run_id else rec)
+        return run_alive(a.host, fresh if fresh is not None and fresh.run_id == rec.run_id else rec)
 
     def note(msg: str) -> None:
         emit(sys.stderr, f"xpuctl: {msg}")
@@ -67,6 +70,12 @@ def logs(
         run_logs.copy(rec.log_path, lines, follow, alive, out, note)
     except FileNotFoundError:
         raise XpuctlError(f"run {safe(name)!r} has no log at {safe(rec.log_path)}") from None
+    except NotRegularError as exc:
+        raise XpuctlError(f"run {safe(name)!r}: its log {safe(rec.log_path)} {exc.strerror}; "
+                          "not read") from None
+    except OSError as exc:  # logs/ that is a file, a log we may not read
+        raise XpuctlError(f"run {safe(name)!r}: its log {safe(rec.log_path)} cannot be read: "
+                          f"{safe(exc.strerror or str(exc))}") from None
     finally:
         if tty:
             out.close()

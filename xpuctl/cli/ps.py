@@ -29,8 +29,9 @@ def ps(
 ) -> None:
     """xpuctl's runs and the vLLM process trees on this host.
 
-    Runs: name, state (starting, ready, stopping), age, pid, port, devices. Processes: role,
-    state, devices, memory, orphan, run.
+    Runs: name, state (starting, ready, stopping; stale: the record says one of those but
+    the run is gone), age, pid, port, devices; a record that could not be read is named on
+    stderr. Processes: role, state, devices, memory, orphan, run.
     """
     from xpuctl.listing import list_processes
     from xpuctl.state.statedir import resolve_state_dir
@@ -46,13 +47,16 @@ def ps(
     if as_json:
         from xpuctl.output.documents import ps_document, to_json
 
-        sys.stdout.write(to_json(ps_document(listing.runs, listing.processes, listing.scan)) + "\n")
+        sys.stdout.write(to_json(ps_document(listing.runs, listing.processes, listing.scan,
+                                             listing.unread)) + "\n")
         return
     from xpuctl.output.lines import blocked_lines
-    from xpuctl.output.safetext import emit
+    from xpuctl.output.safetext import emit, safe
 
     for line in blocked_lines(listing.scan):  # stderr: the table stays what it was
         emit(sys.stderr, f"xpuctl: warning: {line}")
+    for u in listing.unread:
+        emit(sys.stderr, f"xpuctl: warning: {safe(u.line())}")
 
     if listing.runs:
         from xpuctl.output.tables import runs_table

@@ -260,6 +260,15 @@ class LastRun(NamedTuple):
     ended_at: float | None = None
 
 
+class RecordIssue(NamedTuple):
+    """A run record of the state directory that doctor warns about (state/live)."""
+
+    path: str
+    name: str | None  # the run's name; None: the directory of records itself
+    kind: str  # "stale" (its run is gone) | "damaged" (no record) | "unreadable" (EACCES)
+    detail: str
+
+
 class KernelLog(NamedTuple):
     """What the kernel log said about the GPUs (parse/kmsg.py): their driver records in log
     order, and the boot time that dates them."""
@@ -360,6 +369,7 @@ class Scan(NamedTuple):
     kernel: KernelLog | None = None  # the kernel log's GPU records (doctor); None: not read
     coredumps: tuple[Coredump, ...] = ()  # pending devcoredumps of the devices (doctor)
     collective: CollectiveResult | None = None  # doctor --collective
+    records: tuple[RecordIssue, ...] = ()  # the state directory's stale and damaged records
 
     def process(self, pid: int) -> Process | None:
         for p in self.processes:

@@ -238,13 +238,23 @@ def to_json(data: dict[str, Any]) -> str:
 
 
 def run_dict(r: Any) -> dict[str, Any]:
+    """One run of `ps`; a stale one (state "stale") also says what its record still says."""
     return {"name": r.name, "state": r.state, "age_seconds": r.age_seconds, "pid": r.pid,
-            "port": r.port, "devices": list(r.devices), "run_id": r.run_id}
+            "port": r.port, "devices": list(r.devices), "run_id": r.run_id,
+            "recorded_state": getattr(r, "recorded_state", None)}
 
 
-def ps_document(runs: list[Any], processes: list[Process], scan: Scan | None = None) -> dict[str, Any]:
-    """`ps --json`; `scan`: the scan, for what it could not read."""
+def unread_run_dict(u: Any) -> dict[str, Any]:
+    """A run record (or directory of records, `name` null) that could not be read."""
+    return {"path": u.path, "name": u.name, "damaged": u.damaged, "why": u.why}
+
+
+def ps_document(runs: list[Any], processes: list[Process], scan: Scan | None = None,
+                unread: Sequence[Any] = ()) -> dict[str, Any]:
+    """`ps --json`; `scan`: the scan, for what it could not read; `unread`: the run records
+    that could not be read."""
     return {"schema": "xpuctl.ps/1", "runs": [run_dict(r) for r in runs],
+            "unread_runs": [unread_run_dict(u) for u in unread],
             "processes": [process_dict(p) for p in processes],
             "unreadable_processes": [unreadable_dict(u) for u in scan.unreadable_processes] if scan else [],
             "blocked_reads": blocked_dicts(scan) if scan else []}

@@ -45,8 +45,9 @@ def phase_line(t: float, label: str) -> str:
 
 
 def audit_warning(log: Any) -> str | None:
-    """The audit log could not be written: say so (the action itself went ahead)."""
-    if not log.lost:
+    """The audit log could not be written: say so (the action itself went ahead), unless a
+    warning that covers it was given (`told`)."""
+    if not log.lost or getattr(log, "told", False):
         return None
     return f"xpuctl: warning: audit log {safe(log.path)}: {log.lost} line(s) not written ({safe(log.error)})"
 

@@ -10,22 +10,23 @@ from typing import Any
 
 from xpuctl.core.model import Issue, Scan
 from xpuctl.state import atomic
+from xpuctl.state.regular import read_regular
 from xpuctl.state.runs import ensure_state_dir
 
 BASELINE_FILE = "baseline.json"
 BASELINE_SCHEMA = "xpuctl.baseline/1"
+BASELINE_MAX_BYTES = 1 << 20  # a few hundred bytes per device
 
 
 def _baseline_records(state_dir: str) -> tuple[dict[str, Any], Issue | None]:
     """The baseline file's per-device records as stored ({} when none is recorded), and why
     it could not be used, if so."""
     path = os.path.join(state_dir, BASELINE_FILE)
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+    try:  # a regular file of at most BASELINE_MAX_BYTES: a FIFO there must not block doctor
+        data = json.loads(read_regular(path, BASELINE_MAX_BYTES).decode("utf-8"))
     except FileNotFoundError:
         return {}, None
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         return {}, Issue(path, f"baseline unreadable, taken as 0: {exc}")
     devices = data.get("devices") if isinstance(data, dict) else None
     if not isinstance(devices, dict):

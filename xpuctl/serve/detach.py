@@ -16,7 +16,7 @@ from xpuctl.host.seam import Host
 from xpuctl.output import progress
 from xpuctl.output.lines import audit_warning
 from xpuctl.serve.launch import LaunchPlan, ServeOptions
-from xpuctl.serve.supervise import RunSupervisor
+from xpuctl.serve.supervise import RunSupervisor, open_log
 from xpuctl.state import audit
 from xpuctl.state.runs import Locks, RunRecord
 
@@ -25,11 +25,14 @@ def _supervise_child(host: Host, opts: ServeOptions, plan: LaunchPlan, rec: RunR
                      state_dir: str, locks: Locks, wfd: int) -> None:
     """In the forked child: a new session, no terminal, the run supervised to its end."""
     code = 1
+    # opened once: the log of this run, even if the state directory is replaced meanwhile
+    log_fd = open_log(rec.log_path)
 
     def log(msg: str) -> None:
+        if log_fd is None:
+            return
         try:
-            with open(rec.log_path, "a") as fh:
-                fh.write(msg + "\n")
+            os.write(log_fd, (msg + "\n").encode("utf-8", "backslashreplace"))
         except OSError:
             pass
 

@@ -4,7 +4,6 @@ then supervise the run here (foreground) or in a detached child (serve/detach)."
 from __future__ import annotations
 
 import os
-import re
 import sys
 import uuid
 from collections.abc import Callable
@@ -19,7 +18,8 @@ from xpuctl.output.safetext import safe
 from xpuctl.serve.launch import LaunchPlan, ServeOptions, plan_launch, ray_python
 from xpuctl.serve.supervise import RunSupervisor
 from xpuctl.state import audit
-from xpuctl.state.runs import Locks, RunRecord, ensure_state_dir
+from xpuctl.state.runs import NAME_RE, Locks, RunRecord, ensure_state_dir
+from xpuctl.state.statedir import check_writable
 
 if TYPE_CHECKING:  # types only: doctor is imported where used
     from xpuctl.doctor import CollectiveOptions
@@ -110,12 +110,13 @@ def _prepare(host: Host, opts: ServeOptions, environ: dict[str, str], out: Calla
         raise UsageError("serve needs the live /proc (a root whose proc is the real /proc)")
     assert opts.state_dir is not None  # resolve_state_dir gives one wherever /proc is live
     state_dir = ensure_state_dir(opts.state_dir)
+    check_writable(state_dir)  # read-only or full: refused before anything starts
     run_id = uuid.uuid4().hex[:16]
     plan = plan_launch(opts, host, environ, run_id)
     for note in plan.notes:
         out(f"xpuctl: note: {note}")
     name = opts.name or f"vllm-{plan.port}"
-    if not re.match(r"^[A-Za-z0-9_.-]{1,64}$", name):
+    if not NAME_RE.fullmatch(name):
         raise UsageError(f"--name {name!r}: use letters, digits, '.', '_' or '-'")
     _last_run_advice(state_dir, out)  # also with --force: advice only, it refuses nothing
     cluster = _ray_preflight(plan, opts, out)

@@ -12,6 +12,7 @@ becomes 1 (vLLM can exit 0 after its engine died, vLLM #48966).
 from __future__ import annotations
 
 import collections
+import os
 import signal
 import subprocess
 import threading
@@ -34,40 +35,64 @@ from xpuctl.output import progress
 from xpuctl.output.lines import event_line
 from xpuctl.output.safetext import safe
 from xpuctl.serve.launch import LaunchPlan, ServeOptions, ray_python
-from xpuctl.state.runs import RunRecord, stop_abandoned, update_record
+from xpuctl.state import audit
+from xpuctl.state.regular import open_regular
+from xpuctl.state.runs import (
+    PinnedRuns,
+    RunRecord,
+    StateDirChangedError,
+    stop_abandoned,
+    update_record,
+)
 
 READY_POLL = 0.1  # seconds between readiness probes
 READY_PROBE_TIMEOUT = 0.3  # one probe of /health (and /v1/models)
 LAST_LINES = 20  # of vLLM's output, kept in the record of a run that failed
 
 
+def open_log(log_path: str) -> int | None:
+    """The run log, opened once for the run's life (appended; a regular file only: a FIFO
+    there would block serve). None when it cannot be opened: the run goes on unlogged."""
+    try:
+        return open_regular(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    except OSError:
+        return None
+
+
 class _Pump(threading.Thread):
     """Copy vLLM's output to the log file, keeping the last lines, and hand each line to
     `on_line` (the start-up tracker) and `echo` (foreground: the terminal)."""
 
-    def __init__(self, stream, log_path: str, on_line: Callable[[str], None],
+    def __init__(self, stream, log_fd: int | None, on_line: Callable[[str], None],
                  echo: Callable[[str], None] | None) -> None:
         super().__init__(daemon=True, name="xpuctl-log")
         self.stream = stream
-        self.log = open(log_path, "ab", buffering=0)  # noqa: SIM115 (the run log, open for the run's life: closed in close())
+        self.log_fd = log_fd
         self.on_line = on_line
         self.echo = echo
         self.tail: collections.deque[str] = collections.deque(maxlen=200)
+
+    def write(self, raw: bytes) -> None:
+        """One write(2) onto the log (O_APPEND): vLLM's lines and xpuctl's never mix inside
+        a line. A full or read-only disk loses the line, never the run. (The descriptor
+        stays open until serve exits: xpuctl's own lines may still come after vLLM's.)"""
+        if self.log_fd is None:
+            return
+        try:
+            os.write(self.log_fd, raw)
+        except OSError:
+            pass
 
     def run(self) -> None:
         for raw in iter(self.stream.readline, b""):
             if not raw.endswith(b"\n"):
                 raw += b"\n"
-            try:
-                self.log.write(raw)
-            except OSError:
-                pass
+            self.write(raw)
             text = raw.decode("utf-8", "surrogateescape").rstrip("\n")
             self.tail.append(text)
             if self.echo is not None:  # the log keeps the exact bytes; the terminal, escapes
                 self.echo(text)
             self.on_line(text)
-        self.log.close()
 
 
 class _Interrupted(Exception):
@@ -95,12 +120,58 @@ class RunSupervisor:
         self.tracker = progress.Tracker(self.t0)
         self.track_lock = threading.Lock()
         self.ready = False
+        self.pinned: PinnedRuns | None = None
+        self.pin_error: OSError | None = None
+        try:  # the state directory as it is now: records go there, or nowhere
+            self.pinned = PinnedRuns(state_dir)
+        except OSError as exc:
+            self.pin_error = exc
+        self.lost: set[str] = set()  # the record faults already said (once each)
 
     def say(self, msg: str) -> None:
         self.view.say(msg)
 
     def _set(self, **changes) -> None:
-        update_record(self.state_dir, self.rec, **changes)
+        """Note `changes` in the run record. A record that cannot be written (a full or
+        read-only disk, a state directory deleted or replaced) stops nothing: the run is
+        supervised and stopped as on a writable one, and the fault is said once."""
+        try:
+            if self.pinned is None:
+                for k, v in changes.items():
+                    setattr(self.rec, k, v)
+                assert self.pin_error is not None
+                raise self.pin_error
+            update_record(self.state_dir, self.rec, pinned=self.pinned, **changes)
+        except OSError as exc:
+            self._record_lost(exc)
+
+    def _record_lost(self, exc: OSError) -> None:
+        """Say once (per kind) that the record is not being written: on the terminal (or in
+        a detached run's log), and in the run log. A storage fault also covers the audit
+        lines that are lost with it: the end of serve does not say it again."""
+        kind = ("changed" if isinstance(exc, StateDirChangedError)
+                else "locked" if isinstance(exc, TimeoutError) else "failed")
+        if kind in self.lost:
+            return
+        self.lost.add(kind)
+        sdir, name, why = safe(self.state_dir), safe(self.rec.name), safe(exc.strerror or str(exc))
+        if kind == "changed":
+            msg = (f"xpuctl: warning: state directory {sdir} was {why} while {name} ran: its "
+                   "record is no longer written (a run there may take its name); the run is "
+                   "still supervised and stopped as usual")
+        elif kind == "locked":  # a stopped or stuck xpuctl holds the record's lock
+            msg = (f"xpuctl: warning: the record of {name} was not updated ({why}); the run "
+                   "is still supervised and stopped as usual")
+        else:
+            msg = (f"xpuctl: warning: state directory {sdir} cannot be written ({why}): the "
+                   f"record of {name} (and its audit lines) are not kept; the run is still "
+                   "supervised and stopped as usual")
+            sink = audit.active()
+            if sink is not None:
+                sink.told = True
+        self.say(msg)
+        if self.foreground and self.pump is not None:
+            self.pump.write(msg.encode("utf-8", "backslashreplace") + b"\n")
 
     def _on_signal(self, signum, frame) -> None:
         self.signals += 1
@@ -120,6 +191,7 @@ class RunSupervisor:
 
     def launch(self) -> None:
         become_subreaper()
+        log_fd = open_log(self.rec.log_path)
         self.t0 = self.tracker.t0 = self.tracker.since = time.monotonic()
         self.proc = subprocess.Popen(
             self.plan.argv,
@@ -131,7 +203,7 @@ class RunSupervisor:
             preexec_fn=set_parent_death_signal,  # noqa: PLW1509 (no threads yet)
             close_fds=True,
         )
-        self.pump = _Pump(self.proc.stdout, self.rec.log_path, self._on_line,
+        self.pump = _Pump(self.proc.stdout, log_fd, self._on_line,
                           self.view.echo if self.foreground else None)
         self.pump.start()
         t = target_of(self.host, self.proc.pid)
@@ -331,8 +403,11 @@ class RunSupervisor:
         me = own_identity()
 
         def stopper() -> RunRecord | None:
-            """The record, when another xpuctl (a shutdown) marked the run "stopping"."""
-            disk = read_record(self.state_dir, self.rec.name)
+            """The record, when another xpuctl (a shutdown) marked the run "stopping" (read
+            from the run's own state directory only: one made since holds no word of it)."""
+            if self.pinned is None or self.pinned.changed():
+                return None
+            disk = read_record(self.state_dir, self.rec.name, self.pinned)
             if disk and disk.run_id == self.rec.run_id and disk.state == "stopping" \
                     and disk.stopping_by != me:
                 return disk

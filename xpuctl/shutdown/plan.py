@@ -20,13 +20,29 @@ def find_targets(host: Host, state_dir: str | None, name: str | None, pid: int |
 
     records = []
     if state_dir and os.path.isdir(state_dir):
-        records = runs.list_records(runs.ensure_state_dir(state_dir, create=False))
+        found = runs.read_runs(runs.ensure_state_dir(state_dir, create=False))
+        records = found.records
+        if name is not None and not any(r.name == name for r in records):
+            _damaged(name, found.unread)
     bdfs = resolve_device_specs(host, specs)
     from xpuctl.ray.actors import scan_with_ray
 
     # finding trees needs no files; Ray actors on an existing cluster join their run's tree
     scan = scan_with_ray(host, environ, port=port, artifacts=False)
     return targets.find_trees(host, scan, records, name, pid, port, bdfs, all_)
+
+
+def _damaged(name: str, unread: list[Any]) -> None:
+    """NAME has no record that could be read, but its file (or the directory of records) is
+    there: DamagedRecordError (exit 1), never "no such run" (exit 3): the run may live."""
+    from xpuctl.output.safetext import safe
+    from xpuctl.state.runs import DamagedRecordError
+
+    bad = next((u for u in unread if u.name == name), None) or next(
+        (u for u in unread if u.name is None), None)
+    if bad is not None:
+        raise DamagedRecordError(f"run {name!r}: {safe(bad.line())}; stop its server with "
+                                 "--pid or --port")
 
 
 def planned_members(host: Host, trees: list[Any]) -> dict[int, list[int]]:

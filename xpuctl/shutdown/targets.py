@@ -188,6 +188,11 @@ def _named_run(host: Host, scan: Scan, records: list[RunRecord], name: str,
         raise NotFoundError(f"no run named {name!r}{known}")
     tree = tree_from_record(rec, scan, host)
     if tree is None and not all_:
+        from xpuctl.state.live import is_stale
+
+        if is_stale(host, rec):  # nothing of the run lives: the record was never told
+            raise NotFoundError(f"run {name!r} is gone: its record is stale (it says "
+                                f"{rec.state}, but no process of the run is alive)")
         raise NotFoundError(f"run {name!r} has no live process (state: {rec.state})")
     return tree
 

@@ -10,6 +10,15 @@ File: `<state dir>/audit.jsonl` (0600, appended). Each line:
    "result": "removed"}
 
 `result` says what happened: "sent", "removed", or "not sent: ..." / "kept: ..." with why.
+Each act is audited before the next one: its line is written (one write(2), no buffer)
+right after the act, or right after deciding not to make it. A command SIGKILLed halfway
+leaves a line for every act it made but at most the last one (killed between that act and
+its line, a window of one system call).
+
+The log is UTF-8 JSON whatever bytes a path holds: a path is text decoded with
+surrogateescape (os.fsdecode); each byte that is not UTF-8 is written as the four
+characters `\\xNN` in `path`, and `path_bytes` gives the exact bytes in hex (only then).
+Every other text is written the same way (without the hex).
 
 The hooks sit where the actions happen, so no path misses them: `supervisor.Target.send`
 (the only code that signals) and `cleanup.remove` (the only code that deletes) call `signal`
@@ -17,7 +26,9 @@ and `deletion`; reset's device reset calls `record`. A command turns the log on 
 with `recording(state_dir, command)`: reset, shutdown, serve (its whole run, the --detach
 supervisor included) and doctor's textfile sweep; outside it (library use) nothing is written.
 A line that cannot be written never stops the action it describes: the error is kept and the
-command reports it (a shutdown must not fail because a disk is full).
+command reports it (a shutdown must not fail because a disk is full). A log or lock that is
+not a regular file (a FIFO, a link) is never opened in a way that blocks: the line is lost
+and said so.
 
 Rotation by size: before a line is written, a log that has reached `MAX_BYTES` (1 MiB, some
 3,000 lines) becomes `audit.jsonl.1`, `.1` becomes `.2`, and so on up to `.KEEP` (3); the
@@ -44,15 +55,13 @@ from typing import Any
 
 from xpuctl import pausepoint
 from xpuctl.state.flock import flock_within
+from xpuctl.state.regular import open_regular
 
 FILENAME = "audit.jsonl"
 LOCKNAME = "audit.lock"
 MAX_BYTES = 1 << 20  # rotate once the log reaches this size
 KEEP = 3  # rotated files kept: audit.jsonl.1 (newest) .. audit.jsonl.3
 LOCK_WAIT = 1.0  # seconds to wait for the lock (held by others for microseconds)
-_OPEN = os.O_CLOEXEC | os.O_NOFOLLOW
-
-
 
 
 def _size(path: str) -> int:
@@ -83,13 +92,13 @@ def rotate(path: str, lock_fd: int) -> bool:
 
 def append(path: str, data: bytes) -> None:
     """One line onto the log at `path`, rotating it first when full (see the module doc)."""
-    lock_fd = os.open(os.path.join(os.path.dirname(path), LOCKNAME), os.O_RDWR | os.O_CREAT | _OPEN, 0o600)
+    lock_fd = open_regular(os.path.join(os.path.dirname(path), LOCKNAME), os.O_RDWR | os.O_CREAT)
     try:
         if _size(path) >= MAX_BYTES:
             rotate(path, lock_fd)
         locked = flock_within(lock_fd, fcntl.LOCK_SH, LOCK_WAIT)
         # one write(2) on an O_APPEND file: concurrent xpuctl runs never interleave a line
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _OPEN, 0o600)
+        fd = open_regular(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         try:
             pausepoint.reached("audit-locked")
             os.write(fd, data)
@@ -99,6 +108,37 @@ def append(path: str, data: bytes) -> None:
                 fcntl.flock(lock_fd, fcntl.LOCK_UN)
     finally:
         os.close(lock_fd)
+
+
+def text(value: str) -> str:
+    """`value` as valid UTF-8 text: each byte that os.fsdecode kept as a lone surrogate is
+    written as the four characters \\xNN (any other lone surrogate as \\uDXXX)."""
+    try:
+        value.encode("utf-8")
+        return value
+    except UnicodeEncodeError:
+        pass
+    try:
+        raw = value.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    return raw.decode("utf-8", "backslashreplace")
+
+
+def utf8(value: Any) -> Any:
+    """`value` (a line, or part of one) with every text made valid UTF-8 (`text`); a `path`
+    that was not also gets `path_bytes`, its exact bytes in hex."""
+    if isinstance(value, str):
+        return text(value)
+    if isinstance(value, dict):
+        out = {k: utf8(v) for k, v in value.items()}
+        path = value.get("path")
+        if isinstance(path, str) and out["path"] != path:
+            out["path_bytes"] = os.fsencode(path).hex()
+        return out
+    if isinstance(value, (list, tuple)):
+        return [utf8(v) for v in value]
+    return value
 
 
 class Sink:
@@ -113,6 +153,7 @@ class Sink:
         self.lines = 0
         self.lost = 0
         self.error: str | None = None
+        self.told = False  # the loss was already said (serve's warning of a state dir fault)
         self._ready = False
 
     def _prepare(self) -> None:
@@ -134,8 +175,8 @@ class Sink:
             "command": self.command,
             **entry,
         }
-        data = (json.dumps(line, ensure_ascii=False, default=str) + "\n").encode("utf-8", "surrogateescape")
         try:
+            data = (json.dumps(utf8(line), ensure_ascii=False, default=str) + "\n").encode()
             self._prepare()
             append(self.path, data)
             self.lines += 1

@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from xpuctl.core.model import LastRun
 from xpuctl.parse.vllmlog import furthest_phase, hang_signatures, log_lines
 from xpuctl.state import atomic
+from xpuctl.state.regular import open_regular, read_regular
 from xpuctl.state.runs import ACTIVE_STATES, RunRecord, ensure_state_dir, read_record
 
 TAIL_BYTES = 64 * 1024
@@ -53,7 +54,7 @@ def newest_record(state_dir: str) -> RunRecord | None:
 def log_tail(path: str, limit: int = TAIL_BYTES) -> list[str]:
     """vLLM's lines among the last `limit` bytes of a run log (xpuctl's own lines dropped)."""
     try:
-        with open(path, "rb") as fh:
+        with os.fdopen(open_regular(path), "rb") as fh:  # a FIFO there must not block doctor
             size = os.fstat(fh.fileno()).st_size
             fh.seek(max(0, size - limit))
             data = fh.read(limit)
@@ -140,8 +141,7 @@ def proved_clean(state_dir: str) -> dict[str, float]:
     """When each device was last proved clean (BDF or EVERY_DEVICE -> epoch seconds); {} when
     nothing was, or the file cannot be read."""
     try:
-        with open(os.path.join(state_dir, PROOFS), "rb") as fh:
-            data = json.loads(fh.read(1 << 20))
+        data = json.loads(read_regular(os.path.join(state_dir, PROOFS), 1 << 20))
     except (OSError, ValueError):
         return {}
     devices = data.get("devices") if isinstance(data, dict) else None
@@ -165,8 +165,7 @@ def note_clean(state_dir: str | None, bdfs: Iterable[str] | None, by: str) -> bo
     if not keys:
         return False
     try:
-        with open(os.path.join(state_dir, PROOFS), "rb") as fh:
-            data = json.loads(fh.read(1 << 20))
+        data = json.loads(read_regular(os.path.join(state_dir, PROOFS), 1 << 20))
     except (OSError, ValueError):
         data = {}
     devices = data.get("devices") if isinstance(data, dict) else None

@@ -1,13 +1,27 @@
-"""The runs still running: records that say starting, ready or stopping, checked against /proc."""
+"""The runs still running: records that say starting, ready or stopping, checked against /proc.
+
+A record that says starting, ready or stopping while neither its vLLM top process nor its
+supervisor lives is **stale**: the run is gone (its supervisor was SIGKILLed, the host
+rebooted under a persistent state directory) and the record was never told. `ps` shows
+such a run as `stale`, `shutdown NAME` says the run is gone, and doctor warns
+(`run-records`), with the records that could not be read at all.
+"""
 
 from __future__ import annotations
 
+import os
+import stat
 import time
 from typing import NamedTuple
 
+from xpuctl.core.model import RecordIssue
 from xpuctl.host.processes import same_process
 from xpuctl.host.seam import Host
-from xpuctl.state.runs import ACTIVE_STATES, RunRecord, list_records, state_shown
+from xpuctl.state.regular import kind_of
+from xpuctl.state.runs import ACTIVE_STATES, RunRecord, Unread, list_records, read_runs, state_shown
+from xpuctl.state.statedir import ROOT_STATE_DIR
+
+STALE = "stale"  # the state shown for a record whose run is gone
 
 
 def active_records(state_dir: str) -> list[RunRecord]:
@@ -18,27 +32,96 @@ class RunRow(NamedTuple):
     """One run for `xpuctl ps`: its record's state and its age."""
 
     name: str
-    state: str  # starting | ready | stopping
+    state: str  # starting | ready | stopping | stale (the record says one of those: gone)
     age_seconds: float | None  # since launch
     pid: int | None
     port: int
     devices: tuple[str, ...]
     run_id: str
+    recorded_state: str | None = None  # a stale run: the state its record still says
+
+
+def run_alive(host: Host, rec: RunRecord) -> bool:
+    """The run's supervisor or its vLLM top process is still running.
+
+    The supervisor's start time is not recorded, but it started before vLLM did: a process
+    under its pid that started later is another process."""
+    if rec.pid and rec.start_ticks is not None and same_process(host, rec.pid, rec.start_ticks):
+        return True
+    if not rec.supervisor_pid:
+        return False
+    sup = same_process(host, rec.supervisor_pid)
+    if sup is None:
+        return False
+    return rec.start_ticks is None or sup.start_ticks <= rec.start_ticks
+
+
+def is_stale(host: Host, rec: RunRecord) -> bool:
+    """The record says the run is active, and nothing of it runs."""
+    return rec.state in ACTIVE_STATES and not run_alive(host, rec)
+
+
+def _row(host: Host, r: RunRecord, now: float) -> RunRow:
+    def alive(pid: int, ticks: int) -> bool:
+        return pid > 0 and same_process(host, pid, ticks) is not None
+
+    age = now - r.started_at if r.started_at else None
+    if not run_alive(host, r):
+        return RunRow(r.name, STALE, age, r.pid, r.port, tuple(r.devices), r.run_id, r.state)
+    shown = state_shown(r, alive)  # an abandoned stop is not one
+    return RunRow(r.name, shown, age, r.pid, r.port, tuple(r.devices), r.run_id)
 
 
 def live_runs(host: Host, state_dir: str) -> list[RunRow]:
     """The records that say starting, ready or stopping and whose API server or supervisor
     still runs (a record left by a killed supervisor is not a run)."""
+    rows = [_row(host, r, time.time()) for r in active_records(state_dir)]
+    return [r for r in rows if r.state != STALE]
 
-    def alive(pid: int | None, ticks: int | None = None) -> bool:
-        return pid is not None and pid > 0 and same_process(host, pid, ticks) is not None
 
+class RunsShown(NamedTuple):
+    """What `ps` lists of the state directory: its active runs (stale ones said so), and the
+    records (or directories of records) it could not read."""
+
+    rows: list[RunRow]
+    unread: list[Unread]
+
+
+def runs_shown(host: Host, state_dir: str, euid: int | None = None) -> RunsShown:
+    """The active runs of `state_dir`, stale ones included as `stale`, and what could not be
+    read. Not root (`euid`): root's own state directory too, when it is another one: its
+    runs are this host's, and when it may not be listed the listing says so."""
+    euid = os.geteuid() if euid is None else euid
+    dirs = [state_dir]
+    if euid != 0 and os.path.abspath(state_dir) != ROOT_STATE_DIR and os.path.isdir(ROOT_STATE_DIR):
+        dirs.append(ROOT_STATE_DIR)
+    rows: list[RunRow] = []
+    unread: list[Unread] = []
     now = time.time()
-    out = []
-    for r in active_records(state_dir):
-        if not (alive(r.pid, r.start_ticks) or alive(r.supervisor_pid)):
+    for d in dirs:
+        found = read_runs(d)
+        rows += [_row(host, r, now) for r in found.records if r.state in ACTIVE_STATES]
+        unread += found.unread
+    return RunsShown(rows, unread)
+
+
+def record_issues(host: Host, state_dir: str) -> tuple[RecordIssue, ...]:
+    """doctor's view of the state directory's records: the stale ones, and those that could
+    not be read (damaged, or not ours to read)."""
+    found = read_runs(state_dir)
+    out = [RecordIssue(u.path, u.name, "damaged" if u.damaged else "unreadable", u.why)
+           for u in found.unread]
+    for sub in ("locks", "logs"):  # serve refuses a state directory where one is a file
+        path = os.path.join(state_dir, sub)
+        try:
+            mode = os.lstat(path).st_mode
+        except OSError:
             continue
-        age = now - r.started_at if r.started_at else None
-        shown = state_shown(r, alive)  # an abandoned stop is not one
-        out.append(RunRow(r.name, shown, age, r.pid, r.port, tuple(r.devices), r.run_id))
-    return out
+        if not stat.S_ISDIR(mode):
+            out.append(RecordIssue(path, None, "damaged", f"{kind_of(mode)}, not a directory"))
+    for r in found.records:
+        if is_stale(host, r):
+            out.append(RecordIssue(os.path.join(state_dir, "runs", f"{r.name}.json"), r.name,
+                                   STALE, f"it says {r.state}, but neither its vLLM process "
+                                   "nor its supervisor runs"))
+    return tuple(out)

@@ -1,10 +1,17 @@
 """Run records and device locks in the state directory.
 
-State directory (found by state/statedir): created 0700; refused when owned by
-someone else or writable by group/others (a shared /tmp must not let another user forge a
-run record that makes root signal an arbitrary pid). Records are written atomically
-(temp file + rename). Locks are flock()s held by the supervising process for the whole run,
-so they vanish with it, even after SIGKILL.
+State directory (found by state/statedir): created 0700; refused when owned by someone
+else or writable by group/others (a shared /tmp must not let another user forge a run
+record that makes root signal an arbitrary pid). Records are written atomically (temp file +
+rename). Locks are flock()s held by the supervising process for the whole run, so they
+vanish with it, even after SIGKILL.
+
+Records are read by one typed reader (`read_runs`, `load_record`): a record is a regular
+file of at most `RECORD_MAX_BYTES`, UTF-8 JSON, an object whose every field has the type
+its annotation in `RunRecord` says (state/fields) and sane values (a positive pid, a known
+state, the name of its file). Anything else is a damaged record, named with its path and
+why (`Unread`), never a crash, a hang or an unbounded read. A record that cannot be read
+for want of permission (a non-root `ps` on root's runs) is named too.
 """
 
 from __future__ import annotations
@@ -13,17 +20,26 @@ import errno
 import fcntl
 import json
 import os
+import re
 import stat
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
-from xpuctl.errors import LockedError, UsageError
+from xpuctl.errors import LockedError, UsageError, XpuctlError
+from xpuctl.output.safetext import safe
 from xpuctl.state import atomic
+from xpuctl.state.fields import FieldError, typed_fields
 from xpuctl.state.flock import flock_within
+from xpuctl.state.regular import NotRegularError, open_regular, read_regular
 
 ACTIVE_STATES = ("starting", "ready", "stopping")  # a run that may still have processes
 STATES = (*ACTIVE_STATES, "stopped", "failed")
+SUBDIRS = ("runs", "locks", "logs")
+NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # a run's name: also its files' names
+#: a record is a few KiB (its command line, the last lines of a failed run); anything past
+#: this is not one of ours, and is not read further
+RECORD_MAX_BYTES = 1 << 20
 
 
 def ensure_state_dir(path: str, create: bool = True) -> str:
@@ -51,9 +67,37 @@ def ensure_state_dir(path: str, create: bool = True) -> str:
             f"state directory {path} is writable by others (mode {stat.S_IMODE(st.st_mode):o}); "
             "refusing it"
         )
-    for sub in ("runs", "locks", "logs"):
-        os.makedirs(os.path.join(path, sub), mode=0o700, exist_ok=True)
+    for sub in SUBDIRS:
+        _subdir(path, sub, create)
     return path
+
+
+def _subdir(path: str, sub: str, create: bool) -> None:
+    """Make `path/sub` (0700) unless it is there; with `create`, UsageError when it cannot
+    be made or something else has its name (a file called `runs` is no directory of runs).
+    Without, a reader goes on: what it reads there says what is wrong (`read_runs`)."""
+    full = os.path.join(path, sub)
+    try:
+        os.mkdir(full, 0o700)
+        return
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        if not create:
+            return
+        raise UsageError(f"state directory {path}: cannot make {sub}/: "
+                         f"{exc.strerror or exc}") from None
+    if not create:
+        return
+    try:
+        st = os.lstat(full)
+    except OSError as exc:
+        raise UsageError(f"state directory {path}: {sub}/: {exc.strerror or exc}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        from xpuctl.state.regular import kind_of
+
+        raise UsageError(f"state directory {path}: {full} is {kind_of(st.st_mode)}, "
+                         "not a directory")
 
 
 @dataclass
@@ -94,11 +138,37 @@ class RunRecord:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> RunRecord:
-        known = set(cls.__dataclass_fields__)
-        if "bind" not in data and "host" in data:  # a record of an earlier xpuctl
-            data = {**data, "bind": data["host"]}
-        return cls(**{k: v for k, v in data.items() if k in known})
+    def from_dict(cls, data: object, name: str | None = None) -> RunRecord:
+        """The record in the JSON `data`, every field typed (state/fields) and checked:
+        FieldError (a ValueError) with one line when it is not a record. `name`: the name
+        its file says it has."""
+        if isinstance(data, dict) and "bind" not in data and "host" in data:
+            data = {**data, "bind": data["host"]}  # a record of an earlier xpuctl
+        rec = cls(**typed_fields(cls, data))
+        why = rec.insane(name)
+        if why:
+            raise FieldError(why)
+        return rec
+
+    def insane(self, name: str | None = None) -> str | None:
+        """What is wrong with the values of a well typed record, if anything."""
+        if name is not None and self.name != name:
+            return f"it names the run {self.name!r}, not {name!r}"
+        if not NAME_RE.fullmatch(self.name):
+            return "its name is not a run name"
+        if self.state not in STATES:
+            return f"state {self.state!r} is not one of {', '.join(STATES)}"
+        for key in ("pid", "supervisor_pid", "session"):
+            value = getattr(self, key)
+            if value is not None and value <= 0:
+                return f"field {key!r} is {value}, not a pid"
+        if self.start_ticks is not None and self.start_ticks < 0:
+            return "field 'start_ticks' is negative"
+        if not 0 <= self.port <= 65535:
+            return f"field 'port' is {self.port}, not a port"
+        if self.stopping_by is not None and len(self.stopping_by) not in (0, 2):
+            return "field 'stopping_by' is not [pid, start ticks]"
+        return None
 
 
 def stop_abandoned(rec: RunRecord, alive: Callable[[int, int], bool]) -> bool:
@@ -118,61 +188,225 @@ def state_shown(rec: RunRecord, alive: Callable[[int, int], bool]) -> str:
     return rec.state
 
 
-def _record_path(state_dir: str, name: str) -> str:
-    return os.path.join(state_dir, "runs", f"{name}.json")
+def _runs_dir(state_dir: str, pinned: PinnedRuns | None) -> str:
+    return pinned.runs if pinned is not None else os.path.join(state_dir, "runs")
 
 
-def write_record(state_dir: str, rec: RunRecord) -> None:
-    atomic.replace(_record_path(state_dir, rec.name), json.dumps(rec.to_dict(), indent=2).encode())
+def write_record(state_dir: str, rec: RunRecord, pinned: PinnedRuns | None = None) -> None:
+    """Write `rec` atomically into `state_dir/runs` (into the pinned directory when given:
+    see PinnedRuns)."""
+    path = os.path.join(_runs_dir(state_dir, pinned), f"{rec.name}.json")
+    atomic.replace(path, json.dumps(rec.to_dict(), indent=2).encode())
+
+
+class StateDirChangedError(OSError):
+    """The state directory is no longer the one a supervisor started with."""
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino) if stat.S_ISDIR(st.st_mode) else None
+
+
+class PinnedRuns:
+    """The state directory a supervisor started with, held: its `runs/` open as a directory
+    descriptor, and the device and inode of both. Records are written through the
+    descriptor (`/proc/self/fd/N`), so they can only land in that very directory, and
+    `changed` tells, before each write, when the path now names another one (deleted and
+    made again, replaced): a run's supervisor then stops writing records, and never writes
+    over the record of a run that took its name in the new directory."""
+
+    def __init__(self, state_dir: str) -> None:
+        self.state_dir = os.path.abspath(state_dir)
+        runs = os.path.join(self.state_dir, "runs")
+        self.fd = os.open(runs, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        st = os.fstat(self.fd)
+        top = _identity(self.state_dir)
+        self.identity = (top, (st.st_dev, st.st_ino))
+
+    @property
+    def runs(self) -> str:
+        """The pinned `runs/` as a path: through the descriptor, whatever its name is now."""
+        return f"/proc/self/fd/{self.fd}"
+
+    def changed(self) -> str | None:
+        """Why the state directory's path no longer names the directory pinned (None: it
+        still does)."""
+        top = _identity(self.state_dir)
+        runs = _identity(os.path.join(self.state_dir, "runs"))
+        if top is None or runs is None:
+            return "deleted"
+        if (top, runs) != self.identity:
+            return "replaced by another directory"
+        return None
+
+    def close(self) -> None:
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
 
 
 #: Seconds update_record waits for the record's lock (others hold it for a read-modify-write).
 RECORD_LOCK_WAIT = 2.0
 
 
-def update_record(state_dir: str, rec: RunRecord, **changes: Any) -> RunRecord:
+def update_record(state_dir: str, rec: RunRecord, *, pinned: PinnedRuns | None = None,
+                  **changes: Any) -> RunRecord:
     """Apply `changes` to the record on disk (read-modify-write under a lock), so the
     supervisor and a `shutdown` never overwrite each other's fields. Returns the result;
     `rec` is updated too. TimeoutError (an OSError) when the lock is not free within
-    RECORD_LOCK_WAIT: its holder is stopped or stuck, and a shutdown must not wait for it."""
+    RECORD_LOCK_WAIT: its holder is stopped or stuck, and a shutdown must not wait for it.
+    `pinned`: the supervisor's own state directory (StateDirChangedError, an OSError, and
+    nothing written when its path now names another one)."""
     for k, v in changes.items():
         setattr(rec, k, v)
-    lock = os.path.join(state_dir, "runs", f".{rec.name}.lock")
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    if pinned is not None:
+        why = pinned.changed()
+        if why:
+            raise StateDirChangedError(errno.ESTALE, why, pinned.state_dir)
+    runs_dir = _runs_dir(state_dir, pinned)
+    fd = open_regular(os.path.join(runs_dir, f".{rec.name}.lock"), os.O_RDWR | os.O_CREAT)
     try:
         if not flock_within(fd, fcntl.LOCK_EX, RECORD_LOCK_WAIT):
-            raise TimeoutError(errno.ETIMEDOUT, f"the lock of run {rec.name!r} is held", lock)
-        disk = read_record(state_dir, rec.name)
-        if disk is None or disk.run_id != rec.run_id:
-            disk = rec
+            raise TimeoutError(errno.ETIMEDOUT, f"the lock of run {rec.name!r} is held", runs_dir)
+        got = _read_one(runs_dir, rec.name)
+        disk = got if isinstance(got, RunRecord) and got.run_id == rec.run_id else rec
         for k, v in changes.items():
             setattr(disk, k, v)
-        write_record(state_dir, disk)
+        write_record(state_dir, disk, pinned)
         return disk
     finally:
         os.close(fd)
 
 
-def read_record(state_dir: str, name: str) -> RunRecord | None:
+class Unread(NamedTuple):
+    """A record (or the directory of records) that could not be read: where, and why."""
+
+    path: str
+    name: str | None  # the run's name from the file's name; None: the directory itself
+    why: str  # "a FIFO", "not JSON: ...", "field 'pid' is a string, not int | None", ...
+    damaged: bool  # True: what is there is no record; False: it could not be read (EACCES)
+
+    def line(self) -> str:
+        if self.name is None:
+            return f"the runs in {self.path} cannot be listed: {self.why}"
+        what = "damaged" if self.damaged else "not readable"
+        return f"run record {self.path} is {what}: {self.why}"
+
+
+class DamagedRecordError(XpuctlError):
+    """The named run's record is damaged or unreadable (exit 1: something is wrong there,
+    and the run may live: never "no such run")."""
+
+
+class RunsRead(NamedTuple):
+    """Every record of a state directory: those read, and those that could not be."""
+
+    records: list[RunRecord]
+    unread: list[Unread]
+
+
+def parse_record(data: bytes, name: str | None = None) -> RunRecord:
+    """A record from its file's bytes: FieldError (a ValueError) with why when it is none."""
     try:
-        with open(_record_path(state_dir, name)) as fh:
-            return RunRecord.from_dict(json.load(fh))
-    except (OSError, ValueError, TypeError):
+        doc = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise FieldError("not UTF-8 text") from None
+    except RecursionError:
+        raise FieldError("not a record (JSON nested too deep)") from None
+    except ValueError as exc:
+        raise FieldError(f"not JSON ({exc})") from None
+    return RunRecord.from_dict(doc, name)
+
+
+def _read_one(runs_dir: str, name: str) -> RunRecord | Unread | None:
+    """The record `name` in `runs_dir`; Unread when it cannot be read or is none; None when
+    absent."""
+    path = os.path.join(runs_dir, f"{name}.json")
+    try:
+        return parse_record(read_regular(path, RECORD_MAX_BYTES), name)
+    except FileNotFoundError:
         return None
+    except NotRegularError as exc:
+        return Unread(path, name, exc.why, damaged=True)
+    except PermissionError as exc:
+        return Unread(path, name, exc.strerror or "permission denied", damaged=False)
+    except FieldError as exc:
+        return Unread(path, name, str(exc), damaged=True)
+    except OSError as exc:  # EIO, ENOTDIR (runs/ is a file), ...
+        return Unread(path, name, exc.strerror or str(exc), damaged=exc.errno != errno.EACCES)
+
+
+def load_record(state_dir: str, name: str) -> RunRecord | None:
+    """The record of run `name`, None when there is none; DamagedRecordError (exit 1, the
+    path and why in its line) when its file is there but is no record or cannot be read."""
+    got = _read_one(os.path.join(state_dir, "runs"), name)
+    if isinstance(got, Unread):
+        raise DamagedRecordError(f"run {name!r}: {safe(got.line())}")
+    return got
+
+
+def read_record(state_dir: str, name: str, pinned: PinnedRuns | None = None) -> RunRecord | None:
+    """The record of run `name` (in the pinned directory when given), or None when there is
+    none or it cannot be read (the callers that must say why use `load_record` or
+    `read_runs`)."""
+    got = _read_one(_runs_dir(state_dir, pinned), name)
+    return got if isinstance(got, RunRecord) else None
+
+
+def read_runs(state_dir: str) -> RunsRead:
+    """Every record in `state_dir/runs` (hidden and temporary files skipped), and what could
+    not be read: a record that is damaged or not ours to read, or the runs directory itself
+    (missing is no run; a file, or one we may not list, is said)."""
+    runs_dir = os.path.join(state_dir, "runs")
+    try:
+        names = sorted(os.listdir(runs_dir))
+    except FileNotFoundError:
+        try:
+            os.lstat(state_dir)
+        except FileNotFoundError:
+            return RunsRead([], [])
+        except PermissionError as exc:
+            return RunsRead([], [Unread(state_dir, None, exc.strerror or "permission denied",
+                                        damaged=False)])
+        return RunsRead([], [])
+    except NotADirectoryError:
+        return RunsRead([], [Unread(runs_dir, None, _not_dir(runs_dir), damaged=True)])
+    except PermissionError as exc:
+        where = runs_dir if os.access(state_dir, os.X_OK) else state_dir
+        return RunsRead([], [Unread(where, None, exc.strerror or "permission denied",
+                                    damaged=False)])
+    except OSError as exc:
+        return RunsRead([], [Unread(runs_dir, None, exc.strerror or str(exc), damaged=True)])
+    records: list[RunRecord] = []
+    unread: list[Unread] = []
+    for fn in names:
+        if not fn.endswith(".json") or fn.startswith("."):
+            continue
+        got = _read_one(runs_dir, fn[: -len(".json")])
+        if isinstance(got, RunRecord):
+            records.append(got)
+        elif got is not None:
+            unread.append(got)
+    return RunsRead(records, unread)
+
+
+def _not_dir(path: str) -> str:
+    from xpuctl.state.regular import kind_of
+
+    try:
+        return f"{kind_of(os.lstat(path).st_mode)}, not a directory"
+    except OSError:
+        return "not a directory"
 
 
 def list_records(state_dir: str) -> list[RunRecord]:
-    out = []
-    try:
-        names = sorted(os.listdir(os.path.join(state_dir, "runs")))
-    except OSError:
-        return []
-    for fn in names:
-        if fn.endswith(".json") and not fn.startswith("."):
-            rec = read_record(state_dir, fn[: -len(".json")])
-            if rec is not None:
-                out.append(rec)
-    return out
+    """The records that could be read (`read_runs` also says which could not)."""
+    return read_runs(state_dir).records
 
 
 class Locks:
@@ -186,7 +420,11 @@ class Locks:
         for key in keys:
             safe = key.replace("/", "_").replace(":", "_")
             path = os.path.join(self.dir, f"{safe}.lock")
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fd = open_regular(path, os.O_RDWR | os.O_CREAT)
+            except OSError as exc:
+                self.release()
+                raise UsageError(f"lock {path}: {exc.strerror or exc}") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -198,18 +436,23 @@ class Locks:
                 raise LockedError(
                     f"{key} is already claimed by another xpuctl run ({holder or 'unknown'})"
                 ) from None
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, owner.encode(), 0)
             self.fds.append(fd)
+            self._label(fd, owner)
 
     def relabel(self, owner: str) -> None:
         """Rewrite who holds the locks (after a fork handed them to another process)."""
         for fd in self.fds:
-            try:
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, owner.encode(), 0)
-            except OSError:
-                pass
+            self._label(fd, owner)
+
+    @staticmethod
+    def _label(fd: int, owner: str) -> None:
+        """Who holds the lock, for the message of a run refused it (a full disk leaves it
+        unsaid: the lock is the flock, not its text)."""
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, owner.encode(), 0)
+        except OSError:
+            pass
 
     def release(self) -> None:
         for fd in self.fds:
@@ -221,13 +464,18 @@ class Locks:
 
 
 def find_record(state_dir: str, name: str) -> tuple[str, RunRecord]:
-    """(state dir, the run record named `name`); NotFoundError (exit 3) when there is none."""
+    """(state dir, the run record named `name`); NotFoundError (exit 3) when there is none,
+    DamagedRecordError (exit 1) when its record is damaged or cannot be read."""
     from xpuctl.errors import NotFoundError
 
     sdir = ensure_state_dir(state_dir, create=False)
-    rec = read_record(sdir, name) if os.path.isdir(os.path.join(sdir, "runs")) else None
-    if rec is None or rec.name != name:
-        known = [r.name for r in list_records(sdir)]
+    rec = load_record(sdir, name) if NAME_RE.fullmatch(name) else None
+    if rec is None:
+        found = read_runs(sdir)
+        if found.unread and found.unread[0].name is None:  # the runs directory itself
+            raise DamagedRecordError(f"no run {name!r} could be read: "
+                                     f"{safe(found.unread[0].line())}")
+        known = [r.name for r in found.records]
         # the names are the user's or a record's text: escaped where the line is printed
         raise NotFoundError(f"no run named {name!r} in {sdir}"
                             + (f"; known runs: {', '.join(known)}" if known else ""))

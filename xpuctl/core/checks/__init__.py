@@ -36,6 +36,7 @@ CHECKS = (
     "probe-timeout",
     "collective",
     "last-run",
+    "run-records",
     "blocked-reads",
     "inspection",
 )

@@ -1,4 +1,5 @@
-"""The last run's oneCCL/vLLM hang and crash signatures, and what to try before relaunching."""
+"""The last run's oneCCL/vLLM hang and crash signatures, and what to try before relaunching;
+the state directory's run records that are stale or could not be read."""
 
 from __future__ import annotations
 
@@ -52,4 +53,30 @@ def last_run(c: Ctx) -> list[Finding]:
     return last_run_findings(c.scan.last_run)
 
 
-# Output order of the ids; every registered check has a place here (a test holds them equal).
+
+_RECORD_REMEDY = {
+    "stale": "nothing of the run is left to stop; `xpuctl ps` shows it as stale until a run "
+             "of that name replaces the record (or remove {path})",
+    "damaged": "xpuctl does not read it: move it aside or remove it ({path}); a run it "
+               "named is found by --pid or --port",
+    "unreadable": "run xpuctl as the user who owns the state directory (root's runs: as root)",
+}
+
+
+@check("run-records")
+def run_records(c: Ctx) -> list[Finding]:
+    """A run record whose run is gone (stale), or one that could not be read (state/live)."""
+    out = []
+    for r in c.scan.records:
+        if r.kind == "stale":
+            msg = f"run {r.name} is gone, its record is stale: {r.detail}"
+        elif r.name is None and r.path.rsplit("/", 1)[-1] in ("locks", "logs"):
+            msg = f"{r.path} is {r.detail}: serve refuses this state directory"
+        elif r.name is None:
+            msg = f"the runs in {r.path} cannot be listed: {r.detail}"
+        else:
+            what = "damaged" if r.kind == "damaged" else "not readable"
+            msg = f"run record {r.path} is {what}: {r.detail}"
+        out.append(Finding("run-records", "warn", msg,
+                           _RECORD_REMEDY.get(r.kind, "").format(path=r.path), paths=(r.path,)))
+    return out
