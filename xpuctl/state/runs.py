@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from xpuctl.core.model import Health
 from xpuctl.errors import LockedError, UsageError
 from xpuctl.state import atomic
 from xpuctl.state.flock import flock_within
@@ -89,15 +90,21 @@ class RunRecord:
     # even with code 0, is a failure: vLLM can exit 0 after its engine died)
     reason: str | None = None
     last_lines: list[str] = field(default_factory=list)
+    # serve's liveness watch: its last verdict and when it checked (core/watch.py); None in
+    # a record of an xpuctl without the watch
+    health: Health | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        data["health"] = self.health.to_dict() if self.health is not None else None
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunRecord:
         known = set(cls.__dataclass_fields__)
         if "bind" not in data and "host" in data:  # a record of an earlier xpuctl
             data = {**data, "bind": data["host"]}
+        data = {**data, "health": Health.from_dict(data.get("health"))}
         return cls(**{k: v for k, v in data.items() if k in known})
 
 
