@@ -164,8 +164,9 @@ def diagnose(
         scan = scan._replace(issues=scan.issues + (ns,))
     if state_dir and os.path.isdir(state_dir):  # no directory, no run: nothing to import (9 ms)
         from xpuctl.state.lastrun import last_run
+        from xpuctl.state.live import run_healths
 
-        scan = scan._replace(last_run=last_run(state_dir))
+        scan = scan._replace(last_run=last_run(state_dir), runs=run_healths(host, state_dir))
     if checked is not None:
         scan = scan._replace(collective=checked)
     return evaluate(scan, opts)

@@ -29,8 +29,8 @@ def ps(
 ) -> None:
     """xpuctl's runs and the vLLM process trees on this host.
 
-    Runs: name, state (starting, ready, stopping), age, pid, port, devices. Processes: role,
-    state, devices, memory, orphan, run.
+    Runs: name, state (starting, ready, stopping), age, pid, port, devices, health (serve's
+    watch, as `xpuctl health` judges it). Processes: role, state, devices, memory, orphan, run.
     """
     from xpuctl.listing import list_processes
     from xpuctl.state.statedir import resolve_state_dir
