@@ -479,3 +479,29 @@ def test_exit_codes_are_one_table():
     epilog = out.split("Exit codes", 1)[1]
     for code in ExitCode:
         assert f"\n{int(code):>5}  " in epilog, code
+
+
+def test_checks_that_run_a_little_late_still_decide_at_the_window():
+    """Checks run a hair after their due time: three intervals between the first failed check
+    and the fourth measure 2.95 s; the 3 s window is reached there, not a check later."""
+    w = Watch(CFG, 0.0)
+    states = run(w, [failing(1.05), failing(2.02), failing(3.03), failing(4.0)])
+    assert states == [HEALTHY, HEALTHY, HEALTHY, UNHEALTHY]
+
+
+def test_a_malformed_or_hostile_health_field_is_read_safely(standin_root, state_dir):
+    """A record written by something else: a health that is not the watch's reads as none
+    (unknown, not healthy); a reason with control characters is escaped on the terminal."""
+    root = standin_root.root
+    rec = live_record("ready", None)
+    data = rec.to_dict()
+    for bad in ("healthy", {"state": "healthy"}, {"state": 1, "since": 1, "checked_at": 1,
+                                                  "interval": 1, "reason": None}):
+        (Path(state_dir) / "runs" / "llm.json").write_text(json.dumps({**data, "health": bad}))
+        res = cli(root, "health", "llm", "--state-dir", state_dir)
+        assert res.exit_code == 1 and res.stdout.startswith("llm: unknown"), res.stdout
+    evil = "unhealthy: \x1b[31mred\x1b[0m\rline"
+    put(state_dir, live_record("ready", Health(UNHEALTHY, time.time(), evil, time.time(), 5.0)))
+    res = cli(root, "health", "llm", "--state-dir", state_dir)
+    assert res.exit_code == 1 and "\x1b" not in res.stdout and "\r" not in res.stdout
+    assert "\\x1b[31mred" in res.stdout, res.stdout

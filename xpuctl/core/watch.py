@@ -33,6 +33,10 @@ STARTING, HEALTHY, UNHEALTHY, STALLED = "starting", "healthy", "unhealthy", "sta
 STALE_INTERVALS = 3
 #: the longest line of vLLM's (or the kernel's) quoted in a reason
 QUOTE = 400
+#: a check runs a little after its due time, so N intervals between two checks measure a hair
+#: under N intervals: a window is reached this share of an interval early (else a 3 s window
+#: checked every second would often be decided at the 5th failed check, not the 4th)
+SLACK = 0.1
 
 
 class WatchConfig(NamedTuple):
@@ -110,11 +114,13 @@ class Watch:
         if obs.wedged is not None:
             return (f"unhealthy: the kernel declared a device of the run wedged: "
                     f"{_quote(obs.wedged)}; /health {said}")
-        if self.failing_since is not None and obs.at - self.failing_since >= self.config.unhealthy_after:
+        slack = SLACK * self.config.interval
+        if (self.failing_since is not None
+                and obs.at - self.failing_since + slack >= self.config.unhealthy_after):
             kernel = f"; the kernel logged {_quote(obs.reset)}" if obs.reset else ""
             return (f"unhealthy: /health {said} at every check for "
                     f"{obs.at - self.failing_since:.1f}s{kernel}")
-        if stalled_for is not None and stalled_for >= self.config.stall_after:
+        if stalled_for is not None and stalled_for + slack >= self.config.stall_after:
             c = obs.counters
             assert c is not None
             return (f"stalled: {_number(c.running)} request(s) running and neither "
