@@ -505,3 +505,35 @@ def test_a_malformed_or_hostile_health_field_is_read_safely(standin_root, state_
     res = cli(root, "health", "llm", "--state-dir", state_dir)
     assert res.exit_code == 1 and "\x1b" not in res.stdout and "\r" not in res.stdout
     assert "\\x1b[31mred" in res.stdout, res.stdout
+
+
+def test_health_reads_the_record_only(state_dir, tmp_path):
+    """A liveness probe runs every few seconds: `xpuctl health` loads no scan of /proc, no
+    process reader, nothing of serve."""
+    import subprocess
+    import sys
+
+    put(state_dir, live_record("ready", NOW_HEALTHY()))
+    code = (
+        "import atexit, sys, runpy\n"
+        "atexit.register(lambda: print(sorted(m for m in sys.modules if m.startswith(("
+        "'xpuctl.host.scan', 'xpuctl.host.processes', 'xpuctl.host.split', 'xpuctl.serve', "
+        "'xpuctl.doctor', 'prometheus_client')))))\n"
+        f"sys.argv = ['xpuctl', 'health', 'llm', '--state-dir', {state_dir!r}]\n"
+        "runpy.run_module('xpuctl', run_name='__main__')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout + out.stderr
+    assert out.stdout.startswith("llm: healthy"), out.stdout
+
+
+def test_no_module_of_xpuctl_imports_prometheus_client():
+    """vLLM's /metrics is read by xpuctl's own parser (parse/metrics.py)."""
+    import ast
+
+    src = Path(__file__).resolve().parents[1] / "xpuctl"
+    for path in src.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(n.split(".")[0] == "prometheus_client" for n in names), path
