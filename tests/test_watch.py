@@ -249,7 +249,7 @@ def test_an_old_record_without_health_still_reads(tmp_path):
 
 
 def test_the_api_servers_shutdown_line_is_found():
-    # vLLM 0.33 launcher.py serve_http's handler (docs/vllm.md, "What happens on SIGTERM")
+    # vLLM 0.33 launcher.py serve_http's handler (docs/vllm.md, "Signals and shutdown")
     line = "(APIServer pid=1) INFO 12-03 06:38:41 [launcher.py:241] [shutdown] API server: shutdown triggered"
     assert stop_triggered(line)
     assert not stop_triggered("[shutdown] API server: stopping engine client mode=drain")

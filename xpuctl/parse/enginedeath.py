@@ -17,7 +17,7 @@ the lines that do (substrings of vLLM's messages, with the source file that logs
 A signal that asked vLLM itself to stop shows in its log too: the single API server's handler
 (`vllm/entrypoints/launchers/launcher.py`, `serve_http`, vLLM 0.33) logs
 `[shutdown] API server: shutdown triggered` when SIGTERM or SIGINT reaches it (docs/vllm.md,
-"What happens on SIGTERM/SIGINT"). `stop_triggered` finds that line.
+"Signals and shutdown"). `stop_triggered` finds that line.
 """
 
 from __future__ import annotations
