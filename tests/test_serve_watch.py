@@ -17,7 +17,6 @@ a SIGTERM to vLLM's API server from outside the run exits 1.
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 import signal
 import statistics
@@ -308,13 +307,13 @@ def test_a_supervisor_that_stopped_checking_is_not_healthy(rig):
     assert res.rc == 0, str(res)
     assert health(rig, "frozen").rc == 0
     supervisor = rig.record("frozen")["supervisor_pid"]
-    os.kill(supervisor, signal.SIGSTOP)
+    rig.kill_mine(supervisor, signal.SIGSTOP)  # ours: it carries the rig's token
     try:
         time.sleep(3 * 1 + 1.5)
         h = health(rig, "frozen")
         assert h.rc == 1 and h.json["status"] == "stale", h.out
     finally:
-        os.kill(supervisor, signal.SIGCONT)
+        rig.kill_mine(supervisor, signal.SIGCONT)
     assert wait_for(lambda: health(rig, "frozen").rc == 0, 30, 0.2)
     assert rig.shutdown("frozen").rc == 0
     assert wait_for(lambda: is_gone(supervisor), 60)
