@@ -167,6 +167,50 @@ def test_gpu_resource_readiness_and_port(pod):
     assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
 
 
+def test_liveness_probe_runs_xpuctl_health_on_the_run(pod, tmp_path):
+    """The kubelet's exec probes run `xpuctl health NAME` for the run serve names, with the
+    container's environment (the same state directory), and give it time to start."""
+    main = serving(pod)
+    _, p = parse_xpuctl(main["command"][1:])
+    name = p["name"]
+    assert name
+    for kind_ in ("livenessProbe", "startupProbe"):
+        probe = main[kind_]
+        argv = probe["exec"]["command"]
+        assert argv == ["xpuctl", "health", name], argv
+        command, q = parse_xpuctl(argv[1:])
+        assert command == "health" and q["name"] == name and not q["as_json"]
+        assert probe["timeoutSeconds"] >= 5  # the kubelet's default 1 s is a Python start-up
+    live = main["livenessProbe"]
+    # a run's check is stale after three --health-interval: probe no faster than an interval
+    assert live["periodSeconds"] >= p["health_interval"]
+    start = main["startupProbe"]
+    assert start["periodSeconds"] * start["failureThreshold"] >= 120  # the preflight
+    env = {e["name"]: e.get("value") for e in main["env"]}
+    state = env["XPUCTL_STATE_DIR"]
+    mounts = {m["mountPath"] for m in main["volumeMounts"]}
+    assert any(state.startswith(m + "/") for m in mounts), (state, mounts)
+
+    # what the probe runs: 3 before serve wrote the record (the startup probe's window), 0
+    # while the record says healthy, 1 once it says unhealthy
+    import time
+
+    from xpuctl.core.model import Health
+    from xpuctl.state.runs import RunRecord, ensure_state_dir, write_record
+
+    sdir = ensure_state_dir(str(tmp_path / "state"))
+    res = runner.invoke(app, ["health", name, "--state-dir", sdir])
+    assert res.exit_code == 3, res.output
+    rec = RunRecord(name=name, run_id="r", pid=None, start_ticks=None, session=None, command=[],
+                    devices=[], port=8000, bind="0.0.0.0", shutdown_timeout=50,
+                    drain_timeout=30, teardown_timeout=20, log_path="x", state="ready")
+    for state, code in (("healthy", 0), ("unhealthy", 1)):
+        rec.health = Health(state, time.time(), None, time.time(), p["health_interval"])
+        write_record(sdir, rec)
+        res = runner.invoke(app, ["health", name, "--state-dir", sdir])
+        assert res.exit_code == code, res.output
+
+
 def test_init_container_is_the_deep_idle_gate(pod):
     (init,) = pod["initContainers"]
     assert init["command"][:2] == ["xpuctl", "doctor"]

@@ -109,7 +109,26 @@ def test_stop_timeout_covers_the_worst_case_stop(unit, env):
     assert p["name"] == INSTANCE
     # xpuctl sets vLLM's --shutdown-timeout from the budgets; one in the args would override it
     assert not any(a.startswith("--shutdown") for a in p["_extra"] + list(p["vllm_args"] or []))
-    assert one(unit, "Service", "Type") == "simple"
+    assert one(unit, "Service", "Type") == "notify"
+
+
+def test_the_unit_speaks_the_notify_protocol_with_a_watchdog(unit):
+    """Type=notify: READY=1 ends the start (serve sends it once vLLM answers); serve is the main
+    process and NotifyAccess=main hears only it; WatchdogSec= restarts a run whose keep-alives
+    stop (serve sends them only while its watch finds the run healthy, every WatchdogSec/2),
+    with SIGTERM so the drain still runs; a run the watch stopped (7) restarts too."""
+    from xpuctl.serve.launch import ServeOptions
+
+    assert one(unit, "Service", "Type") == "notify"
+    assert one(unit, "Service", "NotifyAccess") == "main"
+    watchdog = seconds(one(unit, "Service", "WatchdogSec"))
+    # a keep-alive every half of it, from a loop that checks every --health-interval (the
+    # unit keeps the default) with requests bounded by about an interval each
+    assert watchdog / 2 >= 4 * ServeOptions(model="m", vllm_args=[]).health_interval
+    assert one(unit, "Service", "WatchdogSignal") == "SIGTERM"
+    force = {int(c) for c in one(unit, "Service", "RestartForceExitStatus").split()}
+    assert {ExitCode.PROBLEMS, ExitCode.UNHEALTHY} <= force
+    assert "--detach" not in one(unit, "Service", "ExecStart")
 
 
 def test_start_timeout_covers_the_gate(unit, env):
@@ -170,6 +189,9 @@ def test_exec_start_drains_on_sigterm(unit, env, tmp_path):
     """The unit's ExecStart, as systemd expands it, with the fake vLLM and short budgets: serve
     stays in the foreground, and a SIGTERM to it alone (what KillMode=mixed sends) becomes the
     drain: SIGTERM to vLLM's API server only, the tree exits by itself, serve exits 0."""
+    import tempfile
+
+    from notifytools import Listener
     from proctools import (
         FAKE_VLLM,
         StandInRoot,
@@ -186,6 +208,8 @@ def test_exec_start_drains_on_sigterm(unit, env, tmp_path):
     token = new_token()
     root = StandInRoot(tmp_path, n_devices=1)
     port = free_port()
+    sock_dir = tempfile.mkdtemp(prefix="xn", dir="/tmp")  # a socket path under 108 bytes
+    manager = Listener(sock_dir, abstract=False)  # systemd's end of NOTIFY_SOCKET
     events = tmp_path / "events.jsonl"
     short = {**env, "XPUCTL_DRAIN_TIMEOUT": "2", "XPUCTL_TEARDOWN_TIMEOUT": "2",
              "XPUCTL_KILL_AFTER": "1", "XPUCTL_PORT": str(port), "XPUCTL_DEVICES": "0",
@@ -196,7 +220,8 @@ def test_exec_start_drains_on_sigterm(unit, env, tmp_path):
             if not k.startswith(("XPUCTL_", "FAKE_VLLM_", "ZE_", "VLLM_")) and k != "SPT_NOENV"}
     run_env = token_env(token, base, **short, XPUCTL_ROOT=root.root,
                         XPUCTL_STATE_DIR=str(tmp_path / "state"), FAKE_VLLM_EVENTS=str(events),
-                        XPUCTL_VLLM=f"{sys.executable} {FAKE_VLLM} serve")
+                        XPUCTL_VLLM=f"{sys.executable} {FAKE_VLLM} serve",
+                        **manager.env(watchdog_usec=2_000_000))
     procs = []
     try:
         for attempt in (1, 2):
@@ -219,6 +244,8 @@ def test_exec_start_drains_on_sigterm(unit, env, tmp_path):
             break
         assert proc.poll() is None, text
         assert http_get(url, 2.0)[0] == 200
+        assert wait_for(lambda: manager.first("READY", "1") is not None, 10, 0.05), manager.all()
+        assert wait_for(lambda: manager.pings(manager.first("READY").t), 10, 0.05)
         proc.send_signal(signal.SIGTERM)
         budget = worst_stop_seconds(2, 2, 1)
         rc = proc.wait(timeout=3 * budget + 30)
@@ -231,8 +258,14 @@ def test_exec_start_drains_on_sigterm(unit, env, tmp_path):
         assert sigs and sigs[0] == (api, "SIGTERM"), sigs
         assert not [s for s in sigs if s[1] == "SIGKILL"], sigs
         assert wait_for(lambda: not pids_with_token(token), 10, 0.1)
+        stopping = manager.first("STOPPING", "1")
+        assert stopping is not None and stopping.t > manager.first("READY").t, manager.all()
+        assert manager.statuses()[0].startswith("starting vLLM")
+        assert not any(m.has(k) for m in manager.all() for k in ("NOTIFY_SOCKET", "MAINPID"))
     finally:
         reap_token(token)
+        manager.close()
+        shutil.rmtree(sock_dir, ignore_errors=True)
         for p in procs:
             try:
                 p.wait(5)

@@ -28,6 +28,7 @@ CHECKS = {
     "stale-ipc",
     "ports",
     "env",
+    "run-health",
     "unattributed-memory",
     "device-lost",
     "device-survivability",

@@ -249,9 +249,10 @@ def test_a_killed_shutdown_does_not_leave_its_stopping_state_to_be_believed(rig)
     not keep saying "stopping", and when vLLM later crashes by itself the supervisor must
     not take the crash for a requested stop (it would record "stopped", not "failed")."""
     crash = rig.tmp / "crash-now"
-    res = rig.serve(name="orphaned-stop", env={"FAKE_VLLM_FAULTS": "crash-engine",
-                                               "FAKE_VLLM_CRASH_FILE": str(crash),
-                                               "FAKE_VLLM_ENGINE_DEAD_EXIT_S": "0.5"})
+    # report: the watch would stop the crashed run itself (exit 7, test_serve_watch.py)
+    res = rig.serve(name="orphaned-stop", opts=["--on-unhealthy", "report"],
+                    env={"FAKE_VLLM_FAULTS": "crash-engine", "FAKE_VLLM_CRASH_FILE": str(crash),
+                         "FAKE_VLLM_ENGINE_DEAD_EXIT_S": "0.5"})
     assert res.rc == 0, str(res)
     rec = rig.record("orphaned-stop")
     marker = rig.tmp / "paused"

@@ -337,3 +337,35 @@ def test_collective_events_never_raise(text):
         assert r.phase is None or r.phase in collective.PHASES
         assert r.error is None or (isinstance(r.error, str) and len(r.error) <= collective.MAX_TEXT)
         assert len(r.files) <= collective.MAX_FILES and all(map(collective.in_file_dirs, r.files))
+
+
+# Prometheus text (parse/metrics.py): lines near vLLM's samples (names, labels with escapes,
+# values, timestamps) mixed with any text
+near_metrics = st.lists(
+    st.one_of(
+        texts,
+        st.tuples(
+            st.sampled_from(["vllm:num_requests_running", "vllm:generation_tokens_total",
+                             "vllm:prompt_tokens_total", "vllm:generation_tokens_created", "x"]),
+            st.lists(st.tuples(st.text(max_size=6), st.text(max_size=8)), max_size=3),
+            st.sampled_from(["1", "2.5", "NaN", "+Inf", "-Inf", "1e400", "-3", "x", ""]),
+            st.sampled_from(["", " 1700000000000", " x", " 1 2"]),
+        ).map(lambda t: t[0] + ("{" + ",".join(
+            f'{k}="{v.replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"'
+            for k, v in t[1]) + "}" if t[1] else "") + " " + t[2] + t[3]),
+    ),
+    max_size=12,
+).map("\n".join)
+
+
+@FUZZ
+@given(near_metrics)
+def test_metrics_never_raise(text):
+    import math
+
+    from xpuctl.parse import metrics
+
+    for s in metrics.samples(text):
+        assert s.name and isinstance(s.value, float)
+    c = metrics.counters(text)
+    assert all(v is None or math.isfinite(v) for v in c)

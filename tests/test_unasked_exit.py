@@ -24,6 +24,9 @@ pytestmark = pytest.mark.slow
 
 EXIT_0 = {"FAKE_VLLM_FAULTS": "crash-engine,exit-0-on-engine-death",
           "FAKE_VLLM_ENGINE_DEAD_EXIT_S": "0.3"}
+# the watch would stop a ready run whose engine died (exit 7, test_serve_watch.py): report
+# leaves the exit to vLLM, which is what these tests are about
+REPORT = ["--on-unhealthy", "report"]
 
 
 def _state(rig: Rig, name: str) -> str | None:
@@ -49,7 +52,7 @@ def _assert_failed_record(rig: Rig, name: str, what: str) -> dict:
 
 def test_foreground_exit_0_after_the_engine_died_is_a_failure(rig):
     crash = rig.tmp / "crash-now"
-    fg = rig.serve_bg(env={**EXIT_0, "FAKE_VLLM_CRASH_FILE": str(crash)})
+    fg = rig.serve_bg(opts=REPORT, env={**EXIT_0, "FAKE_VLLM_CRASH_FILE": str(crash)})
     assert wait_for(lambda: _state(rig, fg.name) == "ready", 60, 0.1), str(fg)
     crash.touch()
     assert fg.proc.wait(120) == 1, str(fg)
@@ -82,7 +85,7 @@ while True:
 def test_detached_supervisor_exit_0_after_the_engine_died_is_a_failure(rig):
     crash = rig.tmp / "crash-now"
     name = "detached-exit0"
-    cmd = rig.serve_cmd(port=free_port(), opts=["--name", name, "--force"])
+    cmd = rig.serve_cmd(port=free_port(), opts=["--name", name, "--force", *REPORT])
     reaper = subprocess.Popen([sys.executable, "-c", _REAPER, json.dumps(cmd)],
                               env=rig.env(**EXIT_0, FAKE_VLLM_CRASH_FILE=str(crash)),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

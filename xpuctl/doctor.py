@@ -170,9 +170,10 @@ def diagnose(
         scan = scan._replace(issues=scan.issues + (ns,))
     if state_dir and os.path.isdir(state_dir):  # no directory, no run: nothing to import (9 ms)
         from xpuctl.state.lastrun import last_run
-        from xpuctl.state.live import record_issues
+        from xpuctl.state.live import record_issues, run_healths
 
-        scan = scan._replace(last_run=last_run(state_dir), records=record_issues(host, state_dir))
+        scan = scan._replace(last_run=last_run(state_dir), records=record_issues(host, state_dir),
+                             runs=run_healths(host, state_dir))
     if checked is not None:
         scan = scan._replace(collective=checked)
     return evaluate(scan, opts)

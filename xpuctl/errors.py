@@ -1,15 +1,8 @@
 """Exit codes and the errors that carry them: the one place where failures become numbers.
 
-Exit codes (stable, documented in the README):
-  0  OK: nothing wrong (doctor clean or busy, shutdown stopped and released)
-  1  PROBLEMS: doctor found failing findings, leftovers remain, or a wait timed out
-  2  USAGE: bad arguments, unknown device, unusable state directory
-  3  NOT_FOUND: a named server, pid or port matches nothing
-  4  NOT_READY: serve gave up waiting for readiness (the tree was stopped)
-  5  LOCKED: a device is already claimed by another xpuctl run
-  6  RAY: Ray could not be asked (no Python with ray, an unreachable address, a missing or
-     rejected token, or a Ray call past its deadline)
-  130 INTERRUPTED: Ctrl-C
+Every exit code is a member of `ExitCode`, with its one-line meaning in `MEANINGS`: the
+README's table, docs/serve-exits.md and the `xpuctl --help` epilog are that table (a test
+holds the README's equal to it; the epilog is made from it).
 """
 
 from __future__ import annotations
@@ -25,7 +18,31 @@ class ExitCode(IntEnum):
     NOT_READY = 4
     LOCKED = 5
     RAY = 6
+    UNHEALTHY = 7
+    INTERNAL = 70
     INTERRUPTED = 130
+
+
+#: What each code means, in one line (the README's exit-code table and `xpuctl --help`).
+MEANINGS: dict[ExitCode, str] = {
+    ExitCode.OK: "OK: doctor found nothing failing; a stop that was asked for (shutdown, a "
+                 "signal to serve) released the GPU, even after a SIGKILL or during start-up; "
+                 "health: the run is healthy",
+    ExitCode.PROBLEMS: "problems: failing findings, leftovers after a stop, a refused "
+                       "preflight, vLLM exiting when nobody asked (its own exit, or a signal "
+                       "from outside the run); health: unhealthy, stalled, ended or not checked",
+    ExitCode.USAGE: "usage error: a bad option or value, an unknown device, an unsafe state "
+                    "directory",
+    ExitCode.NOT_FOUND: "not found: no run, pid or port of that name",
+    ExitCode.NOT_READY: "serve: not ready before --ready-timeout (diagnosed, then stopped)",
+    ExitCode.LOCKED: "serve: a device, the port or the run name is claimed by another run",
+    ExitCode.RAY: "Ray could not be asked (no Python with ray, an unreachable address, a "
+                  "rejected token, no answer in time)",
+    ExitCode.UNHEALTHY: "serve: the run was unhealthy or stalled (its watch), so it was "
+                        "stopped and the GPU's release proven",
+    ExitCode.INTERNAL: "internal error (one line; --debug for the traceback)",
+    ExitCode.INTERRUPTED: "interrupted: Ctrl-C",
+}
 
 
 class XpuctlError(Exception):

@@ -19,6 +19,9 @@ Fixtures:
 - xpuctl_serve  (function) -> start(**serve_kw) running `xpuctl serve --detach`
                  (xpuctl_run.XpuctlRun); same token-based teardown, which also
                  catches the detached supervisor.
+- xpuctl_foreground (function) -> start(**serve_kw) running `xpuctl serve` in the
+                 foreground, left running (XpuctlRun with .fg, its Popen); the same
+                 teardown, after SIGCONT to anything of the run a test stopped.
 
 Set XPUCTL_SKIP_REAL_VLLM=1 to skip the tier without touching the cache.
 """
@@ -168,4 +171,29 @@ def xpuctl_serve(vllm_venv, tiny_model, tmp_path, vllm_log):
 
     yield start
 
+    _clean_up(runs, vllm_log, "xpuctl/vLLM")
+
+
+@pytest.fixture
+def xpuctl_foreground(vllm_venv, tiny_model, tmp_path, vllm_log):
+    """start(**serve_kw) -> XpuctlRun whose `.fg` is a foreground `xpuctl serve` (exit status
+    read by the test). Teardown: SIGCONT to the run's processes (a test may SIGSTOP one),
+    then the token-based cleanup."""
+    import signal
+
+    from .xpuctl_run import XpuctlRun
+
+    runs: list[XpuctlRun] = []
+
+    def start(**serve_kw) -> XpuctlRun:
+        run = XpuctlRun(venv=vllm_venv, model=tiny_model, work=tmp_path / f"fg{len(runs)}")
+        runs.append(run)
+        run.serve_foreground(**serve_kw)
+        return run
+
+    yield start
+
+    for run in runs:
+        for p in run.tree():
+            realvllm.signal_if_token(p.pid, run.token, signal.SIGCONT)
     _clean_up(runs, vllm_log, "xpuctl/vLLM")

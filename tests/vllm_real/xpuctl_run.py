@@ -150,14 +150,34 @@ class XpuctlRun:
         return run_xpuctl([str(a) for a in args], self.env, timeout, self.work / "cmd")
 
     def serve_argv(self, drain: float = 10, teardown: float = 10, ready: float = 600,
-                   vllm_args: tuple[str, ...] = ()) -> list[str]:
+                   vllm_args: tuple[str, ...] = (), opts: tuple[str, ...] = (),
+                   detach: bool = True) -> list[str]:
+        """`opts`: more of serve's own options (before MODEL)."""
         vllm = f"{realvllm.venv_python(self.venv)} -m vllm.entrypoints.openai.api_server --model"
         return [
             "serve", "--vllm", vllm, "--state-dir", str(self.state_dir),
             "--drain-timeout", f"{drain:g}", "--teardown-timeout", f"{teardown:g}",
-            "--ready-timeout", f"{ready:g}", "--detach",
+            "--ready-timeout", f"{ready:g}", *(["--detach"] if detach else []), *opts,
             str(self.model), "--port", str(self.port), *realvllm.vllm_flags(), *vllm_args,
         ]
+
+    def serve_foreground(self, **kw) -> subprocess.Popen:
+        """`xpuctl serve` in the foreground, left running (its output in files under
+        work/cmd): the test waits for it and reads its exit status."""
+        argv = [sys.executable, "-m", "xpuctl", *self.serve_argv(detach=False, **kw)]
+        out_dir = self.work / "cmd"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.fg_err = out_dir / "serve-fg.err"
+        with open(out_dir / "serve-fg.out", "wb") as out, open(self.fg_err, "wb") as err:
+            self.fg = subprocess.Popen(argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+                                       env=self.env, cwd=REPO_ROOT, start_new_session=True)
+        return self.fg
+
+    def fg_stderr(self) -> str:
+        try:
+            return self.fg_err.read_text(errors="replace")
+        except (OSError, AttributeError):
+            return ""
 
     def serve(self, timeout: float = 660.0, **kw) -> XResult:
         """`xpuctl serve --detach`; while it waits, note the files the tree binds

@@ -41,6 +41,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "shutdown": ("xpuctl.cli.shutdown", "Drain and stop a vLLM server, escalate step by step, verify the GPU is released."),
     "reset": ("xpuctl.cli.reset", "Clean stuck oneCCL/vLLM state before a relaunch: stop orphans, remove stale files."),
     "logs": ("xpuctl.cli.logs", "Print a run's log (vLLM's output and, for --detach, the supervisor's lines)."),
+    "health": ("xpuctl.cli.health", "Whether a run is healthy, as its supervisor's watch last found it (for liveness probes)."),
     "snapshot": ("xpuctl.cli.snapshot", "Capture what doctor reads into a .tar.gz for support."),
     "completion": ("xpuctl.cli.completion", "Print the completion script for bash, zsh or fish."),
 }
@@ -112,10 +113,25 @@ def ray_value_optional(args: list[str]) -> list[str]:
     return out
 
 
+def exit_epilog(width: int = 78) -> str:
+    """The exit codes for `xpuctl --help`, made from `errors.MEANINGS` (the README's table is
+    the same table: a test holds them equal). `\b` keeps click from reflowing it."""
+    import textwrap
+
+    from xpuctl.errors import MEANINGS
+
+    lines = ["Exit codes (the same for every command):", "", "\b"]
+    for code, meaning in MEANINGS.items():
+        lines += textwrap.wrap(meaning, width, initial_indent=f"{int(code):>3}  ",
+                               subsequent_indent=" " * 5, break_on_hyphens=False)
+    return "\n".join(lines)
+
+
 app = typer.Typer(
     name="xpuctl",
     cls=Group,
     help="Intel XPU serving hygiene around vLLM: serve, shutdown, doctor, reset.",
+    epilog=exit_epilog(),
     no_args_is_help=True,
     add_completion=False,
     rich_markup_mode=None,

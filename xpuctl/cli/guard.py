@@ -22,7 +22,7 @@ from xpuctl.errors import ExitCode, XpuctlError
 from xpuctl.output.safetext import emit, neutral, safe
 
 F = TypeVar("F", bound=Callable[..., Any])
-INTERNAL_ERROR = 70
+INTERNAL_ERROR = ExitCode.INTERNAL
 
 
 def debug_requested(ctx: Any = None) -> bool:

@@ -30,8 +30,9 @@ def ps(
     """xpuctl's runs and the vLLM process trees on this host.
 
     Runs: name, state (starting, ready, stopping; stale: the record says one of those but
-    the run is gone), age, pid, port, devices; a record that could not be read is named on
-    stderr. Processes: role, state, devices, memory, orphan, run.
+    the run is gone), age, pid, port, devices, health (serve's watch, as `xpuctl health`
+    judges it); a record that could not be read is named on stderr. Processes: role, state,
+    devices, memory, orphan, run.
     """
     from xpuctl.listing import list_processes
     from xpuctl.state.statedir import resolve_state_dir

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from enum import StrEnum
 from typing import Annotated, Any
 
 import typer
@@ -23,6 +24,7 @@ from xpuctl.cli.options import (
 )
 from xpuctl.errors import UsageError
 from xpuctl.output.safetext import emit, safe
+from xpuctl.parse.seconds import DAY
 
 app = command_app()
 
@@ -31,6 +33,11 @@ SHARED_SERVE_OPTIONS = frozenset({"--port", "--host"})
 
 
 PREFLIGHTS = ("fast", "deep", "collective")
+
+
+class OnUnhealthy(StrEnum):
+    stop = "stop"
+    report = "report"
 
 
 def parse_preflight(value: str | None) -> set[str]:
@@ -94,12 +101,39 @@ def serve(
         str | None,
         typer.Option("--host", show_default=False, help="vLLM's bind address, passed on to vLLM (before or after MODEL)."),
     ] = None,
+    health_interval: Annotated[
+        float,
+        typer.Option("--health-interval", click_type=Seconds(0.1, HOUR),
+                     help="Once ready, check /health, /metrics, vLLM's log and the kernel log "
+                     "this often."),
+    ] = 5.0,
+    unhealthy_after: Annotated[
+        float,
+        typer.Option("--unhealthy-after", click_type=Seconds(0, DAY),
+                     help="Unhealthy when /health fails at every check for this long (at once "
+                     "when vLLM logs that its engine died, or a device is declared wedged)."),
+    ] = 30.0,
+    stall_after: Annotated[
+        float,
+        typer.Option("--stall-after", click_type=Seconds(0, DAY),
+                     help="Stalled when requests are running and no token was counted "
+                     "(vllm:generation_tokens_total, vllm:prompt_tokens_total) for this long."),
+    ] = 300.0,
+    on_unhealthy: Annotated[
+        OnUnhealthy,
+        typer.Option("--on-unhealthy", help="stop: stop the run (drain, escalate, prove the "
+                     "release) and exit 7; report: keep it running and say it is unhealthy "
+                     "(record, ps, health, doctor, systemd)."),
+    ] = OnUnhealthy.stop,
 ) -> None:
     """Launch vLLM with a forced drain timeout and supervise it.
 
-    Exit: vLLM's code when it exits by itself (1 when that is 0: an exit nobody asked for
-    is a failure); 0 after a clean requested stop; 1 when leftovers remain or the preflight
-    fails; 4 when not ready in time; 5 when a device or the port is claimed by another run.
+    Exit: 0 after a stop that was asked for (xpuctl shutdown, a signal to serve) once the GPU
+    is released, even after a SIGKILL or during start-up; 7 when the watch found the run
+    unhealthy or stalled and stopped it; vLLM's code when it exits by itself (1 when that is
+    0, or when a signal from outside the run stopped it: an exit nobody asked serve for is a
+    failure); 1 when leftovers remain or the preflight fails; 4 when not ready in time; 5
+    when a device or the port is claimed by another run.
     """
     from xpuctl.serve import launch, start
 
@@ -120,7 +154,9 @@ def serve(
                         if "deep" in kinds else None),
         collective_preflight="collective" in kinds, collective_auto=preflight is None,
         collective_timeout=collective_timeout,
-        quiet=quiet, port=port, bind=bind,
+        quiet=quiet, port=port, bind=bind, health_interval=health_interval,
+        unhealthy_after=unhealthy_after, stall_after=stall_after,
+        on_unhealthy=on_unhealthy.value,
     )
     code = start.serve(a.host, opts, a.environ, _say, _print_preflight)
     raise typer.Exit(int(code))

@@ -10,6 +10,7 @@ command pays at start-up. Change one with `_replace`. A record holding a dict (`
 
 from __future__ import annotations
 
+import math
 import stat as _stat
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -269,6 +270,46 @@ class RecordIssue(NamedTuple):
     detail: str
 
 
+class Health(NamedTuple):
+    """A run's health as serve's watch last judged it: the run record's `health` field
+    (core/watch.py judges it; docs/serve-exits.md)."""
+
+    state: str  # starting | healthy | unhealthy | stalled
+    since: float  # wall-clock seconds: when the run entered `state`
+    reason: str | None  # unhealthy or stalled: why, starting "unhealthy:" or "stalled:"
+    checked_at: float  # wall-clock seconds of the watch's last check
+    interval: float  # seconds between checks: a check older than three of them proves nothing
+
+    def to_dict(self) -> dict[str, object]:
+        return dict(self._asdict())
+
+    @classmethod
+    def from_dict(cls, data: object) -> Health | None:
+        """The field as a record holds it; None when it is missing or malformed (a record of
+        an xpuctl without the watch has none)."""
+        if not isinstance(data, dict):
+            return None
+        state, reason = data.get("state"), data.get("reason")
+        if not isinstance(state, str) or not (reason is None or isinstance(reason, str)):
+            return None
+        numbers: list[float] = []
+        for key in ("since", "checked_at", "interval"):
+            n = data.get(key)
+            if isinstance(n, bool) or not isinstance(n, (int, float)) or not math.isfinite(n):
+                return None
+            numbers.append(float(n))
+        return cls(state, numbers[0], reason, numbers[1], numbers[2])
+
+
+class RunHealth(NamedTuple):
+    """A live run and its recorded health, for doctor (read from the state directory)."""
+
+    name: str
+    state: str  # the record's: starting | ready | stopping
+    devices: tuple[str, ...]
+    health: Health | None
+
+
 class KernelLog(NamedTuple):
     """What the kernel log said about the GPUs (parse/kmsg.py): their driver records in log
     order, and the boot time that dates them."""
@@ -370,6 +411,7 @@ class Scan(NamedTuple):
     coredumps: tuple[Coredump, ...] = ()  # pending devcoredumps of the devices (doctor)
     collective: CollectiveResult | None = None  # doctor --collective
     records: tuple[RecordIssue, ...] = ()  # the state directory's stale and damaged records
+    runs: tuple[RunHealth, ...] = ()  # the live runs of the state directory (doctor)
 
     def process(self, pid: int) -> Process | None:
         for p in self.processes:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client
 import re
+from typing import NamedTuple
 
 _METRIC_RE = re.compile(
     r"^vllm:num_requests_(running|waiting)(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$", re.MULTILINE
@@ -17,17 +18,38 @@ def local_host(bind: str | None) -> str:
     return bind.strip("[]")
 
 
-def get(host: str, port: int, path: str, timeout: float = 1.0) -> tuple[int, str] | None:
-    """(status, body) or None when nothing answers."""
+class Reply(NamedTuple):
+    """One request's outcome: the status and body, or why nothing answered."""
+
+    status: int | None
+    body: str
+    error: str | None  # "connection refused", "timed out after 1s", ...
+
+
+def request(host: str, port: int, path: str, timeout: float = 1.0,
+            limit: int = 1 << 20) -> Reply:
+    """GET `path`; the body is read up to `limit` bytes. Never raises."""
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
     try:
         conn.request("GET", path, headers={"Connection": "close"})
         resp = conn.getresponse()
-        return resp.status, resp.read(1 << 20).decode("utf-8", "replace")
-    except (OSError, http.client.HTTPException):
-        return None
+        return Reply(resp.status, resp.read(limit).decode("utf-8", "replace"), None)
+    except TimeoutError:
+        return Reply(None, "", f"timed out after {timeout:g}s")
+    except ConnectionRefusedError:
+        return Reply(None, "", "connection refused")
+    except OSError as exc:
+        return Reply(None, "", exc.strerror or type(exc).__name__)
+    except http.client.HTTPException as exc:
+        return Reply(None, "", f"bad answer: {type(exc).__name__}")
     finally:
         conn.close()
+
+
+def get(host: str, port: int, path: str, timeout: float = 1.0) -> tuple[int, str] | None:
+    """(status, body) or None when nothing answers."""
+    reply = request(host, port, path, timeout)
+    return None if reply.status is None else (reply.status, reply.body)
 
 
 def parse_in_flight(metrics_text: str) -> int | None:

@@ -14,10 +14,15 @@ mtime of the data file.
 from __future__ import annotations
 
 import errno
+import os
+from typing import TYPE_CHECKING
 
 from xpuctl.core.model import Coredump, Device, Issue, KernelLog
 from xpuctl.host.seam import Host
 from xpuctl.parse.procfs import parse_boot_time
+
+if TYPE_CHECKING:  # types only: the parser is imported where a record is read
+    from xpuctl.parse.kmsg import GpuEvent
 
 KMSG = "/dev/kmsg"
 _COREDUMP_SAID = "coredump has been created"
@@ -72,3 +77,71 @@ def read_kernel(host: Host, devices: tuple[Device, ...]
                 age = max(0.0, now - (log.boot_time + said[-1].record.seconds))
         dumps.append(Coredump(d.bdf, link, age))
     return log, tuple(dumps), issues
+
+
+class KernelFollower:
+    """The kernel log's new GPU records, for serve's watch: what was logged since the last
+    call, never the whole log again (a check every few seconds must stay cheap).
+
+    /dev/kmsg is opened without blocking and moved to its end (SEEK_END: the next read gives
+    the next record logged); each read(2) gives one record, EAGAIN says there is no more, and
+    EPIPE says records were overwritten before they were read (the read continues with the
+    oldest one left). Under `--root`, ROOT/dev/kmsg is a plain file of records: it is read
+    from where the last call stopped, and from its start when it appeared after the watch
+    began. A log that cannot be opened (no root, no CAP_SYSLOG) is tried again at each call.
+    """
+
+    READ = 8192  # one record is at most about 1 KiB of text plus its dictionary
+
+    def __init__(self, host: Host) -> None:
+        self.path = host.root + KMSG
+        self.fd: int | None = None
+        self.rest = b""  # a plain file: the start of a record whose end is not written yet
+        self._open(at_end=True)
+
+    def _open(self, at_end: bool) -> None:
+        try:
+            self.fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            self.fd = None
+            return
+        if at_end:
+            try:
+                os.lseek(self.fd, 0, os.SEEK_END)
+            except OSError:
+                pass
+
+    def read(self) -> list[GpuEvent]:
+        """The GPU records logged since the last call, in order."""
+        if self.fd is None:
+            self._open(at_end=False)
+            if self.fd is None:
+                return []
+        chunks = [self.rest]
+        while True:
+            try:
+                data = os.read(self.fd, self.READ)
+            except BlockingIOError:
+                break
+            except InterruptedError:
+                continue
+            except OSError as exc:
+                if exc.errno == errno.EPIPE:
+                    continue
+                break
+            if not data:
+                break
+            chunks.append(data)
+        raw = b"".join(chunks)
+        cut = raw.rfind(b"\n") + 1
+        self.rest, raw = raw[cut:], raw[:cut]
+        if not raw:
+            return []
+        from xpuctl.parse.kmsg import gpu_events, parse_kmsg
+
+        return gpu_events(parse_kmsg(raw.decode("utf-8", "surrogateescape"), relevant_only=True))
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None

@@ -9,8 +9,9 @@ records (`tables`, `lines`), so the three forms always agree.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from xpuctl import __version__
 from xpuctl.core.model import (
@@ -19,6 +20,7 @@ from xpuctl.core.model import (
     Container,
     Device,
     Finding,
+    Health,
     Port,
     Process,
     Report,
@@ -27,6 +29,9 @@ from xpuctl.core.model import (
     Unreadable,
 )
 from xpuctl.parse.probes import ProbeResult, result_to_dict
+
+if TYPE_CHECKING:  # types only: the watch's judgement is imported where a run is shown
+    from xpuctl.core.watch import Judged
 
 
 def probe_dict(r: ProbeResult) -> dict[str, Any]:
@@ -237,11 +242,30 @@ def to_json(data: dict[str, Any]) -> str:
 
 
 
-def run_dict(r: Any) -> dict[str, Any]:
-    """One run of `ps`; a stale one (state "stale") also says what its record still says."""
-    return {"name": r.name, "state": r.state, "age_seconds": r.age_seconds, "pid": r.pid,
-            "port": r.port, "devices": list(r.devices), "run_id": r.run_id,
-            "recorded_state": getattr(r, "recorded_state", None)}
+def run_dict(r: Any, now: float | None = None) -> dict[str, Any]:
+    """One run of `ps --json`; a stale one (state "stale") also says what its record still
+    says; `health` is the record's (null: an xpuctl without the watch)
+    with `healthy` and `status` as `xpuctl health` judges it at `now`."""
+    health = getattr(r, "health", None)
+    out: dict[str, Any] = {"name": r.name, "state": r.state, "age_seconds": r.age_seconds, "pid": r.pid,
+           "port": r.port, "devices": list(r.devices), "run_id": r.run_id, "health": None}
+    if health is not None:
+        from xpuctl.core.watch import judge
+
+        seen = judge(r.state, health, time.time() if now is None else now)
+        out["health"] = {**health.to_dict(), "healthy": seen.healthy, "status": seen.status}
+    return out
+
+
+def health_document(name: str, state: str, health: Health | None, seen: Judged,
+                    now: float) -> dict[str, Any]:
+    """`xpuctl health --json`: one object; `health` is the record's field (null: an xpuctl
+    without the watch), `seen` how it is judged at `now`."""
+    return {"schema": "xpuctl.health/1", "name": name, "healthy": seen.healthy,
+            "status": seen.status, "detail": seen.detail, "state": state,
+            "health": health.to_dict() if health is not None else None,
+            "checked_seconds_ago": round(max(0.0, now - health.checked_at), 3)
+            if health is not None else None}
 
 
 def unread_run_dict(u: Any) -> dict[str, Any]:

@@ -42,7 +42,8 @@ def prometheus(report: Report) -> str:
 
 def families(report: Report) -> list[Family]:
     """doctor's metric families, typed (a Ray node sends these with its document)."""
-    raw = [*_doctor_families(report), *_device_families(report.scan), *_file_families(report.scan)]
+    raw = [*_doctor_families(report), *_device_families(report.scan), *_file_families(report.scan),
+           *_run_families(report.scan)]
     return [Family(name, help_, tuple(Sample({k: str(v) for k, v in labels.items()}, float(value))
                                       for labels, value in samples))
             for name, help_, samples in raw]
@@ -151,3 +152,18 @@ def _file_families(scan: Scan) -> list[_Family]:
          [({"kind": k}, float(sum(1 for a in stale if a.kind == k))) for k in STALE_KINDS]),
         ("xpuctl_stale_bytes", "Bytes in stale files.", [({}, float(sum(a.size_bytes for a in stale)))]),
     ]
+
+
+def _run_families(scan: Scan) -> list[_Family]:
+    """Each live run's health as serve's watch recorded it (`xpuctl health` says the same);
+    a run without a recorded health (an xpuctl without the watch) has no sample."""
+    from xpuctl.core.watch import judge
+
+    samples: Samples = []
+    for run in scan.runs:
+        seen = judge(run.state, run.health, scan.taken_at)
+        if seen.status != "unknown":
+            samples.append(({"run": run.name}, 1.0 if seen.healthy else 0.0))
+    what = ("1 when the run's watch found it healthy within three intervals (serve's "
+            "--health-interval); 0 when unhealthy, stalled, stopping or not checked.")
+    return [("xpuctl_run_healthy", what, samples)] if samples else []

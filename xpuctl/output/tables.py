@@ -172,13 +172,26 @@ def processes_table(scan: Scan, title: str = "Processes", width: int = 120) -> A
     return out
 
 
+def _health_cell(r: Any, now: float) -> str:
+    """What the watch says of a run, as `xpuctl health` judges it ("-": nothing recorded)."""
+    health = getattr(r, "health", None)
+    if health is None:
+        return "-"
+    from xpuctl.core.watch import judge
+
+    return judge(r.state, health, now).status
+
+
 def runs_table(rows: list[Any]) -> Any:
-    """xpuctl's runs (from their records): name, state, age, pid, port, devices."""
+    """xpuctl's runs (from their records): name, state, age, pid, port, devices, health."""
+    import time
+
     from rich.text import Text
 
-    heads = ["NAME", "STATE", "AGE", "PID", "PORT", "DEVICES"]
+    now = time.time()
+    heads = ["NAME", "STATE", "AGE", "PID", "PORT", "DEVICES", "HEALTH"]
     cells = [[safe(r.name), r.state, human_age(r.age_seconds), str(r.pid or "-"), str(r.port),
-              ",".join(r.devices) or "-"] for r in rows]
+              ",".join(r.devices) or "-", _health_cell(r, now)] for r in rows]
     widths = [max([len(heads[i])] + [len(c[i]) for c in cells]) for i in range(len(heads))]
     out = Text("Runs", style="bold")
     for i, row in enumerate([heads, *cells]):

@@ -13,6 +13,11 @@ the lines that do (substrings of vLLM's messages, with the source file that logs
   engine monitor thread of vLLM 0.33)
 - `vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.`
   (a request that was running when the engine died; vLLM #51013)
+
+A signal that asked vLLM itself to stop shows in its log too: the single API server's handler
+(`vllm/entrypoints/launchers/launcher.py`, `serve_http`, vLLM 0.33) logs
+`[shutdown] API server: shutdown triggered` when SIGTERM or SIGINT reaches it (docs/vllm.md,
+"Signals and shutdown"). `stop_triggered` finds that line.
 """
 
 from __future__ import annotations
@@ -45,3 +50,11 @@ def engine_death(lines: list[str]) -> EngineDeath | None:
             if rx.search(line):
                 return EngineDeath(what, line.strip())
     return None
+
+
+_STOP_TRIGGERED = "[shutdown] API server: shutdown triggered"
+
+
+def stop_triggered(line: str) -> bool:
+    """The line where vLLM's API server says a signal asked it to stop."""
+    return _STOP_TRIGGERED in line

@@ -15,7 +15,8 @@ from typing import NamedTuple
 
 MINUTE = 60.0
 HOUR = 3600.0
-WEEK = 7 * 24 * HOUR
+DAY = 24 * HOUR
+WEEK = 7 * DAY
 
 # ASCII digits only (float() takes other scripts' digits too), an optional exponent
 _NUMBER = re.compile(r"\+?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]{1,3})?\Z")

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from xpuctl.errors import UsageError
+from xpuctl.host import notify
 from xpuctl.host.devices import device_specs, scan_devices, select_devices
 from xpuctl.host.programs import interpreter_of
 from xpuctl.host.seam import Host
@@ -54,6 +55,12 @@ class ServeOptions:
     quiet: bool = False
     port: int | None = None  # --port/--host given before MODEL (passed on to vLLM once)
     bind: str | None = None  # --host: the address vLLM binds
+    # the liveness watch once ready (core/watch.py): seconds between checks, of /health
+    # failing without a break, of running requests with no token counted; stop or report
+    health_interval: float = 5.0
+    unhealthy_after: float = 30.0
+    stall_after: float = 300.0
+    on_unhealthy: str = "stop"  # stop | report
 
 
 @dataclass
@@ -137,6 +144,8 @@ def _environment(opts: ServeOptions, host: Host, environ: dict[str, str],
     """vLLM's environment and the BDFs of the run's devices."""
     devices, _ = scan_devices(host)
     env = dict(environ)
+    for key in notify.VARIABLES:  # the service manager talks to serve, never to vLLM
+        env.pop(key, None)
     bdfs: list[str] = []
     if opts.devices:
         chosen = select_devices(devices, device_specs(opts.devices))

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from xpuctl.actions.signals import can_signal
 from xpuctl.errors import UsageError, XpuctlError
+from xpuctl.host.notify import Notifier
 from xpuctl.host.seam import Host
 from xpuctl.output import progress
 from xpuctl.output.lines import audit_warning
@@ -132,12 +133,14 @@ def _prepare(host: Host, opts: ServeOptions, environ: dict[str, str], out: Calla
     return _Prepared(state_dir, plan, rec, keys)
 
 
-def _run_foreground(host: Host, opts: ServeOptions, p: _Prepared, view: progress.View) -> int:
+def _run_foreground(host: Host, opts: ServeOptions, p: _Prepared, view: progress.View,
+                    environ: dict[str, str]) -> int:
     locks = Locks(p.state_dir)
     locks.acquire(p.keys, f"{p.rec.name} pid {os.getpid()}")
     p.rec.supervisor_pid = os.getpid()
     try:
-        return RunSupervisor(host, opts, p.plan, p.rec, p.state_dir, view, foreground=True).run()
+        return RunSupervisor(host, opts, p.plan, p.rec, p.state_dir, view, foreground=True,
+                             notifier=Notifier(environ)).run()
     finally:
         locks.release()
 
@@ -165,5 +168,5 @@ def _start(host: Host, opts: ServeOptions, environ: dict[str, str], out: Callabl
         from xpuctl.serve.detach import run_detached
 
         p = prepared
-        return run_detached(host, opts, p.plan, p.rec, p.state_dir, p.keys, view)
-    return _run_foreground(host, opts, prepared, view)
+        return run_detached(host, opts, p.plan, p.rec, p.state_dir, p.keys, view, environ)
+    return _run_foreground(host, opts, prepared, view, environ)

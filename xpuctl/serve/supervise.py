@@ -3,10 +3,17 @@
 The run supervisor (this process, or a detached child of it) is a child subreaper; vLLM runs
 in a new session with SIGTERM as its parent-death signal, `XPUCTL_RUN_ID` and `SPT_NOENV=1`
 in its environment, output streamed to the terminal and a log file, and a run record in the
-state directory. Readiness has a deadline vLLM itself lacks. An exit of vLLM that nobody
-asked for (no `xpuctl shutdown`, readiness deadline or signal to serve) is a failure, whatever
-its code: the record says `failed` with the reason and vLLM's last lines, and a code of 0
-becomes 1 (vLLM can exit 0 after its engine died, vLLM #48966).
+state directory. Readiness has a deadline vLLM itself lacks. Once ready, a liveness watch
+(serve/watch.py, core/watch.py) checks the run every `--health-interval` seconds: an engine
+that died or spins under a living API server is unhealthy or stalled, and with
+`--on-unhealthy stop` the run is stopped (exit 7). The service manager is told every phase
+(systemd's notify protocol, host/notify.py) when it asked for that.
+
+How a run ends is one table (docs/serve-exits.md): a stop that was asked for (`xpuctl
+shutdown`, a signal to serve) exits 0 once the release is proven; an exit of vLLM that nobody
+asked for is a failure, whatever its code: the record says `failed` with the reason and
+vLLM's last lines, and a code of 0 becomes 1 (vLLM can exit 0 after its engine died, vLLM
+#48966); vLLM stopped by a signal from outside the run exits 1.
 """
 
 from __future__ import annotations
@@ -28,13 +35,19 @@ from xpuctl.actions.signals import (
     set_parent_death_signal,
     target_of,
 )
+from xpuctl.core.model import Health
+from xpuctl.core.watch import Observation, Verdict, WatchConfig
 from xpuctl.errors import ExitCode, XpuctlError
 from xpuctl.host import http
+from xpuctl.host.notify import Notifier
 from xpuctl.host.seam import Host
 from xpuctl.output import progress
 from xpuctl.output.lines import event_line
 from xpuctl.output.safetext import safe
+from xpuctl.parse.vllmlog import STARTING
+from xpuctl.serve.budget import worst_stop_seconds
 from xpuctl.serve.launch import LaunchPlan, ServeOptions, ray_python
+from xpuctl.serve.watch import LineWatch, Observer, Watcher, probe_timeout, starting_health
 from xpuctl.state import audit
 from xpuctl.state.regular import open_regular
 from xpuctl.state.runs import (
@@ -48,6 +61,7 @@ from xpuctl.state.runs import (
 READY_POLL = 0.1  # seconds between readiness probes
 READY_PROBE_TIMEOUT = 0.3  # one probe of /health (and /v1/models)
 LAST_LINES = 20  # of vLLM's output, kept in the record of a run that failed
+EXTEND_EVERY = 10.0  # seconds between EXTEND_TIMEOUT_USEC messages while vLLM starts
 
 
 def open_log(log_path: str) -> int | None:
@@ -105,7 +119,8 @@ class RunSupervisor:
     budget, advise) or `watch` (until vLLM exits or a signal asks for a stop)."""
 
     def __init__(self, host: Host, opts: ServeOptions, plan: LaunchPlan, rec: RunRecord,
-                 state_dir: str, view: progress.View, foreground: bool) -> None:
+                 state_dir: str, view: progress.View, foreground: bool,
+                 notifier: Notifier | None = None) -> None:
         self.host = host
         self.opts = opts
         self.plan = plan
@@ -127,6 +142,13 @@ class RunSupervisor:
         except OSError as exc:
             self.pin_error = exc
         self.lost: set[str] = set()  # the record faults already said (once each)
+        self.notify = notifier if notifier is not None else Notifier({})
+        self.lines = LineWatch()
+        self.watcher: Watcher | None = None
+        self.observer: Observer | None = None
+        self.url = f"http://{http.local_host(plan.bind)}:{plan.port}"
+        self.stop_budget = worst_stop_seconds(opts.drain_timeout, opts.teardown_timeout,
+                                              opts.kill_after)
 
     def say(self, msg: str) -> None:
         self.view.say(msg)
@@ -179,6 +201,7 @@ class RunSupervisor:
             raise _Interrupted()
 
     def _on_line(self, line: str) -> None:
+        self.lines.feed(line, self.ready)
         if self.ready:
             return
         with self.track_lock:
@@ -203,6 +226,10 @@ class RunSupervisor:
             preexec_fn=set_parent_death_signal,  # noqa: PLW1509 (no threads yet)
             close_fds=True,
         )
+        # the kernel's records are read from here on: a device wedged while vLLM starts counts
+        self.observer = Observer(self.host, self.plan.bind, self.plan.port, self.plan.bdfs,
+                                 self.lines, probe_timeout(self.opts.health_interval,
+                                                           self.notify.watchdog))
         self.pump = _Pump(self.proc.stdout, log_fd, self._on_line,
                           self.view.echo if self.foreground else None)
         self.pump.start()
@@ -211,6 +238,20 @@ class RunSupervisor:
                   session=self.proc.pid, started_at=time.time(), state="starting")
         self.say(f"xpuctl: started {self.rec.name} (pid {self.proc.pid}, run {self.rec.run_id}), "
                  f"log {self.rec.log_path}")
+        self.notify.status(f"starting vLLM (pid {self.proc.pid}): waiting for /health and "
+                           f"/v1/models on {self.url}")
+
+    def _starting_beat(self, now: float, phase: str) -> None:
+        """While vLLM starts: the record says the supervisor is alive (health "starting"),
+        and the service manager may wait until our own readiness deadline and the stop
+        after it (EXTEND_TIMEOUT_USEC)."""
+        try:
+            self._set(health=starting_health(self.rec.started_at or time.time(), time.time(),
+                                             self.opts.health_interval))
+        except OSError:
+            pass  # the record is the state directory's business; the start goes on
+        left = max(0.0, self.t0 + self.opts.ready_timeout - now)
+        self.notify.extend(left + self.stop_budget + EXTEND_EVERY)
 
     def wait_ready(self) -> str | int:
         """"ready", "signal", "timeout", or vLLM's exit code when it exited first.
@@ -220,6 +261,8 @@ class RunSupervisor:
         about POLL + one probe of /health first answering."""
         deadline = self.t0 + self.opts.ready_timeout
         local = http.local_host(self.plan.bind)
+        phase = STARTING.label  # launch() said what it waits for
+        next_beat = time.monotonic()
         while True:
             code = self.exit_code()
             if code is not None:
@@ -228,8 +271,18 @@ class RunSupervisor:
                 return "signal"
             if http.ready(local, self.plan.port, READY_PROBE_TIMEOUT):
                 return "ready"
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if now >= deadline:
                 return "timeout"
+            with self.track_lock:
+                label = self.tracker.phase.label
+            if label != phase:
+                phase = label
+                self.notify.status(f"starting vLLM: {label} after {now - self.t0:.0f}s "
+                                   f"(ready by {self.opts.ready_timeout:g}s or stopped)")
+            if now >= next_beat:
+                self._starting_beat(now, label)
+                next_beat = now + min(self.opts.health_interval, EXTEND_EVERY)
             self.view.tick()
             time.sleep(READY_POLL)
 
@@ -258,7 +311,10 @@ class RunSupervisor:
             summary = self.tracker.summary()
         self.ready = True
         self._set(state="ready", ready_at=time.time())
-        url = f"http://{http.local_host(self.plan.bind)}:{self.plan.port}"
+        self.notify.ready(f"ready on {self.url}: healthy (checked every "
+                          f"{self.opts.health_interval:g}s)")
+        self._start_watch()
+        url = self.url
         took = f"after {now - self.t0:.1f}s"
         if self.foreground:  # the wording scripts and units already look for, per mode
             self.view.ready(f"xpuctl: ready on {url} {took} ({self.rec.name}: {summary})")
@@ -266,21 +322,81 @@ class RunSupervisor:
             self.view.ready(f"xpuctl: {self.rec.name} is ready on port {self.plan.port} ({url}) "
                             f"{took}: {summary}")
 
+    def _start_watch(self) -> None:
+        """The liveness watch, from now on (its first verdict, healthy, is recorded)."""
+        config = WatchConfig(self.opts.health_interval, self.opts.unhealthy_after,
+                             self.opts.stall_after)
+        assert self.observer is not None
+        self.watcher = Watcher(config, self.observer, self.notify, self._record_health,
+                               f"ready on {self.url}")
+
+    def _record_health(self, health: Health) -> None:
+        try:
+            self._set(health=health)
+        except OSError as exc:  # a check that cannot be recorded: `xpuctl health` says stale
+            self.say(f"xpuctl: could not record the run's health: {safe(str(exc))}")
+
     def watch(self) -> int:
-        """Supervise a ready server until vLLM exits or a signal asks for a stop."""
+        """Supervise a ready server until vLLM exits, a signal asks for a stop, or (with
+        `--on-unhealthy stop`) the watch finds it unhealthy or stalled."""
+        assert self.watcher is not None
         while True:
             code = self.exit_code()
             if code is not None:
                 return self._after_exit(code, requested=False, ready=True)
             if self.signals:
                 return self._stop_on_signal()
-            time.sleep(0.2)
+            before = self.watcher.verdict
+            verdict = self.watcher.tick()
+            if verdict is not None and verdict.state != before.state:
+                self._said(verdict)
+            if (verdict is not None and not verdict.healthy and self.opts.on_unhealthy == "stop"
+                    and not self._stopped_by_other()):  # a shutdown's stop: vLLM's lines too
+                return self._stop_unhealthy(verdict)
+            self.watcher.sleep()
+
+    def _said(self, verdict: Verdict) -> None:
+        """A change of the watch's verdict, on the terminal (or the run log)."""
+        if verdict.healthy:
+            self.say(f"xpuctl: {self.rec.name} is healthy again")
+            return
+        if self._stopped_by_other():
+            then = "a shutdown is stopping it"
+        elif self.opts.on_unhealthy == "stop":
+            then = "stopping it"
+        else:
+            then = "--on-unhealthy report: it keeps running"
+        self.say(f"xpuctl: {self.rec.name}: {safe(verdict.reason or verdict.state, 600)}; {then}")
+
+    def _stop_unhealthy(self, verdict: Verdict) -> int:
+        """`--on-unhealthy stop`: the normal ladder, the release proven; exit 7 (1 when
+        something was left)."""
+        result = self.stop_tree(f"stopping: {verdict.reason}")
+        return self._unhealthy_end(verdict.reason or verdict.state, result.verdict)
+
+    def _unhealthy_end(self, reason: str, verdict: str) -> int:
+        lines = list(self.pump.tail) if self.pump is not None else []
+        leftovers = verdict == "leftovers"
+        self._set(state="failed", exit_code=self.exit_code(), stopped_at=time.time(),
+                  reason=reason, last_lines=lines[-LAST_LINES:])
+        code = ExitCode.PROBLEMS if leftovers else ExitCode.UNHEALTHY
+        self.say(f"xpuctl: stopped: {verdict}: the run was {reason.split(':', 1)[0]}; serve "
+                 f"exits {int(code)}")
+        return code
 
     def run(self) -> int:
         """Supervise until vLLM is gone. Returns the exit code for xpuctl."""
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, self._on_signal)
         self.launch()
+        try:
+            return self._supervise()
+        finally:
+            if self.observer is not None:
+                self.observer.close()
+            self.notify.close()
+
+    def _supervise(self) -> int:
         outcome = self.wait_ready()
         if outcome == "ready":
             self.became_ready()
@@ -323,11 +439,12 @@ class RunSupervisor:
     def _show(self, ev) -> None:
         self.say(f"xpuctl: {event_line(ev)}")
 
-    def stop_tree(self):
+    def stop_tree(self, why: str):
         """The ladder on our own tree. A server that never became ready has nothing to
         drain: the tree gets the teardown budget only (ServerTree.never_ready)."""
         from xpuctl.shutdown.ladder import stop
 
+        self.notify.stopping(why, self.stop_budget)
         self._set(state="stopping", stopping_by=own_identity())
         try:
             return stop(self.host, [self._tree()], kill_after=self.opts.kill_after,
@@ -340,9 +457,9 @@ class RunSupervisor:
 
     def _stop_on_signal(self) -> int:
         self.say("xpuctl: stopping (signal received; press Ctrl-C again to kill)")
-        result = self.stop_tree()
+        result = self.stop_tree("stopping: signal received")
         code = self._after_stop(result)
-        self.end(f"exit {int(code)}")
+        self.end("stopped" if code == ExitCode.OK else f"exit {int(code)}")
         return code
 
     def not_ready(self) -> int:
@@ -371,7 +488,8 @@ class RunSupervisor:
             pass
         self._set(notes=[*self.rec.notes,
                          f"not ready after {self.opts.ready_timeout:g}s: {phase.label}"])
-        self.stop_tree()
+        self.stop_tree(f"stopping: not ready after {self.opts.ready_timeout:g}s (stuck in: "
+                       f"{where})")
         self._set(state="failed", exit_code=int(ExitCode.NOT_READY), stopped_at=time.time())
         keys = ["not-ready"] + [s.key for s in hang_signatures(lines, ever_ready=False)]
         self.say("xpuctl: before the next launch, try (advice only; each has a cost):")
@@ -381,6 +499,8 @@ class RunSupervisor:
         return ExitCode.NOT_READY
 
     def _after_stop(self, result) -> int:
+        """A stop that was asked for: 0 once the release is proven (also after a SIGKILL,
+        and during start-up), 1 when something was left."""
         code = self.exit_code()
         leftovers = result.verdict == "leftovers"
         self._set(state="stopped" if not leftovers else "failed", exit_code=code, stopped_at=time.time())
@@ -394,28 +514,12 @@ class RunSupervisor:
         from xpuctl.shutdown.ladder import stop
 
         self.say(f"xpuctl: vLLM exited with code {code}")
+        self.notify.stopping(f"stopping: vLLM exited with code {code}", self.stop_budget)
         if self.pump is not None:
             self.pump.join(timeout=0.5)  # orphans may keep the pipe open
         # its tree should follow; whatever carries our run id and stays is a leftover.
         # When `xpuctl shutdown` is stopping the run, it owns the ladder: only watch.
-        from xpuctl.state.runs import read_record
-
-        me = own_identity()
-
-        def stopper() -> RunRecord | None:
-            """The record, when another xpuctl (a shutdown) marked the run "stopping" (read
-            from the run's own state directory only: one made since holds no word of it)."""
-            if self.pinned is None or self.pinned.changed():
-                return None
-            disk = read_record(self.state_dir, self.rec.name, self.pinned)
-            if disk and disk.run_id == self.rec.run_id and disk.state == "stopping" \
-                    and disk.stopping_by != me:
-                return disk
-            return None
-
-        def someone_else() -> bool:
-            disk = stopper()
-            return disk is not None and not stop_abandoned(disk, self._alive)
+        stopper, someone_else = self._stopper, self._stopped_by_other
 
         # a shutdown asked for this exit, even one that died after its SIGTERM (abandoned: we
         # finish the stop ourselves, but the exit was still asked for); unless that shutdown
@@ -428,22 +532,64 @@ class RunSupervisor:
                       kill_after=self.opts.kill_after, release_timeout=self.opts.teardown_timeout,
                       on_event=lambda ev: self._show(ev) if ev.phase not in ("gone", "drain") else None,
                       passive=passive, yield_to=someone_else)
-        leftovers = result.verdict != "clean"
         # asked for: `xpuctl shutdown` is (or was) stopping the run, or serve or its supervisor
         # got a signal (which it turns into its own stop; vLLM may have exited first)
         requested = requested or asked or passive or self.signals > 0
-        changes: dict[str, object] = {}
-        if not requested:
-            changes = self._unasked_exit(code)
-        self._set(state="failed" if (not requested or leftovers) else "stopped",
-                  exit_code=code, stopped_at=time.time(), **changes)
+        if requested:  # 0 once released, whatever vLLM's code (a SIGKILL, a stopped start)
+            leftovers = result.verdict == "leftovers"
+            self._set(state="failed" if leftovers else "stopped", exit_code=code,
+                      stopped_at=time.time())
+            rv = int(ExitCode.PROBLEMS if leftovers else ExitCode.OK)
+            if not ready:
+                self.end("stopped" if rv == ExitCode.OK else f"exit {rv}")
+            return rv
+        if ready and self.lines.death is not None and self.opts.on_unhealthy == "stop":
+            # its engine died under a ready run: the watch's case, whoever was faster (vLLM
+            # exits within seconds of its engine unless VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1)
+            return self._unhealthy_end(self._death_reason(), result.verdict)
+        leftovers = result.verdict != "clean"
+        self._set(state="failed", exit_code=code, stopped_at=time.time(),
+                  **self._unasked_exit(code))
         if not ready:
             self.end(f"exit {code}")
+        if self.lines.stop_line is not None:
+            return ExitCode.PROBLEMS  # a signal from outside the run: nobody asked serve
         if code < 0:
             code = 128 - code
         if code == 0 and (leftovers or not requested):
             return ExitCode.PROBLEMS
         return code
+
+    def _stopper(self) -> RunRecord | None:
+        """The record, when another xpuctl (a shutdown) marked the run "stopping" (read from
+        the run's own state directory only: one made since holds no word of it)."""
+        from xpuctl.state.runs import read_record
+
+        if self.pinned is None or self.pinned.changed():
+            return None
+        disk = read_record(self.state_dir, self.rec.name, self.pinned)
+        if disk and disk.run_id == self.rec.run_id and disk.state == "stopping" \
+                and disk.stopping_by != own_identity():
+            return disk
+        return None
+
+    def _stopped_by_other(self) -> bool:
+        """A live `xpuctl shutdown` is stopping the run (it owns the ladder)."""
+        disk = self._stopper()
+        return disk is not None and not stop_abandoned(disk, self._alive)
+
+    def _death_reason(self) -> str:
+        """The watch's reason for an engine death vLLM reported before exiting."""
+        if self.watcher is not None and not self.watcher.verdict.healthy:
+            return self.watcher.verdict.reason or self.watcher.verdict.state
+        now = time.monotonic()
+        config = WatchConfig(self.opts.health_interval, self.opts.unhealthy_after,
+                             self.opts.stall_after)
+        from xpuctl.core.watch import Watch
+
+        verdict = Watch(config, now).feed(Observation(now, None, "vLLM exited", None,
+                                                      self.lines.death))
+        return verdict.reason or verdict.state
 
     def _engine_died(self) -> bool:
         from xpuctl.parse.enginedeath import engine_death
@@ -458,12 +604,18 @@ class RunSupervisor:
 
         lines = list(self.pump.tail) if self.pump is not None else []
         death = engine_death(lines)
-        reason = (f"vLLM exited with code {code} and nobody asked it to (no shutdown, no "
-                  "readiness deadline, no signal to serve)")
+        if self.lines.stop_line is not None:
+            reason = (f"vLLM exited with code {code} after a signal from outside this run (it "
+                      "logged \"[shutdown] API server: shutdown triggered\"; no xpuctl shutdown, "
+                      "readiness deadline or signal to serve asked for it)")
+        else:
+            reason = (f"vLLM exited with code {code} and nobody asked it to (no shutdown, no "
+                      "readiness deadline, no signal to serve)")
         if death is not None:
             reason += f": {death.what}: {death.line}"
         self.say(f"xpuctl: {safe(reason, 400)}")
-        if code == 0:
-            self.say("xpuctl: the run failed: serve exits 1 (an exit nobody asked for is a failure)")
+        if code == 0 or self.lines.stop_line is not None:
+            self.say("xpuctl: the run failed: serve exits 1 (an exit nobody asked serve for is "
+                     "a failure)")
         return {"reason": reason, "last_lines": lines[-LAST_LINES:]}
 

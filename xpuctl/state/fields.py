@@ -17,6 +17,7 @@ import functools
 import math
 import types
 import typing
+from collections.abc import Callable, Mapping
 from typing import Any
 
 
@@ -75,9 +76,11 @@ def _known(tp: Any) -> bool:
 
 
 def supported(cls: type) -> list[str]:
-    """The fields of dataclass `cls` whose annotation `conforms` cannot check (none, for a
-    record read from disk)."""
-    return [name for name, tp in _hints(cls).items() if not _known(tp)]
+    """The fields of dataclass `cls` whose annotation `conforms` cannot check and that have no
+    reader of their own in `cls.FIELD_READERS` (none, for a record read from disk)."""
+    readers = getattr(cls, "FIELD_READERS", {})
+    return [f.name for f in dataclasses.fields(cls)
+            if f.name not in readers and not _known(_hints(cls)[f.name])]
 
 
 def _what(value: object) -> str:
@@ -89,11 +92,13 @@ def _what(value: object) -> str:
             list: "a list", dict: "an object"}.get(type(value), type(value).__name__)
 
 
-def typed_fields(cls: type, data: object) -> dict[str, Any]:
+def typed_fields(cls: type, data: object,
+                 readers: Mapping[str, Callable[[object], object]] | None = None) -> dict[str, Any]:
     """The fields of dataclass `cls` found in the JSON `data`, each checked against its
-    annotation: FieldError when `data` is not an object, a field without a default is
-    missing, or a value has the wrong type. Keys `cls` does not know are left out (a newer
-    xpuctl's record is read by an older one)."""
+    annotation, or read by its own reader in `readers` (which never raises: it returns what
+    the field means, e.g. None for a malformed value): FieldError when `data` is not an
+    object, a field without a default is missing, or a value has the wrong type. Keys `cls`
+    does not know are left out (a newer xpuctl's record is read by an older one)."""
     if not isinstance(data, dict):
         raise FieldError(f"not a JSON object but {_what(data)}")
     hints = _hints(cls)
@@ -105,6 +110,9 @@ def typed_fields(cls: type, data: object) -> dict[str, Any]:
                 raise FieldError(f"field {f.name!r} is missing")
             continue
         value = data[f.name]
+        if readers and f.name in readers:
+            out[f.name] = readers[f.name](value)
+            continue
         try:
             ok = conforms(value, hints[f.name])
         except TypeError:  # an annotation `supported` would have refused: never exit 70

@@ -14,11 +14,20 @@ import stat
 import time
 from typing import NamedTuple
 
-from xpuctl.core.model import RecordIssue
+from xpuctl.core.model import Health, RecordIssue, RunHealth
+from xpuctl.errors import UsageError
 from xpuctl.host.processes import same_process
 from xpuctl.host.seam import Host
 from xpuctl.state.regular import kind_of
-from xpuctl.state.runs import ACTIVE_STATES, RunRecord, Unread, list_records, read_runs, state_shown
+from xpuctl.state.runs import (
+    ACTIVE_STATES,
+    RunRecord,
+    Unread,
+    ensure_state_dir,
+    list_records,
+    read_runs,
+    state_shown,
+)
 from xpuctl.state.statedir import ROOT_STATE_DIR
 
 STALE = "stale"  # the state shown for a record whose run is gone
@@ -39,6 +48,7 @@ class RunRow(NamedTuple):
     devices: tuple[str, ...]
     run_id: str
     recorded_state: str | None = None  # a stale run: the state its record still says
+    health: Health | None = None  # serve's watch: its last verdict and check (core/watch.py)
 
 
 def run_alive(host: Host, rec: RunRecord) -> bool:
@@ -67,9 +77,10 @@ def _row(host: Host, r: RunRecord, now: float) -> RunRow:
 
     age = now - r.started_at if r.started_at else None
     if not run_alive(host, r):
-        return RunRow(r.name, STALE, age, r.pid, r.port, tuple(r.devices), r.run_id, r.state)
+        return RunRow(r.name, STALE, age, r.pid, r.port, tuple(r.devices), r.run_id, r.state,
+                      r.health)
     shown = state_shown(r, alive)  # an abandoned stop is not one
-    return RunRow(r.name, shown, age, r.pid, r.port, tuple(r.devices), r.run_id)
+    return RunRow(r.name, shown, age, r.pid, r.port, tuple(r.devices), r.run_id, None, r.health)
 
 
 def live_runs(host: Host, state_dir: str) -> list[RunRow]:
@@ -125,3 +136,15 @@ def record_issues(host: Host, state_dir: str) -> tuple[RecordIssue, ...]:
                                    STALE, f"it says {r.state}, but neither its vLLM process "
                                    "nor its supervisor runs"))
     return tuple(out)
+
+
+def run_healths(host: Host, state_dir: str | None) -> tuple[RunHealth, ...]:
+    """The live runs of the state directory with their recorded health (doctor); none when
+    the directory is not one to trust (not ours, or writable by others: ensure_state_dir)."""
+    if not state_dir or not host.proc_is_live:
+        return ()
+    try:
+        state_dir = ensure_state_dir(state_dir, create=False)
+    except UsageError:
+        return ()
+    return tuple(RunHealth(r.name, r.state, r.devices, r.health) for r in live_runs(host, state_dir))

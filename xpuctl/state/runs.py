@@ -24,8 +24,9 @@ import re
 import stat
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
+from xpuctl.core.model import Health
 from xpuctl.errors import LockedError, UsageError, XpuctlError
 from xpuctl.output.safetext import safe
 from xpuctl.state import atomic
@@ -133,9 +134,19 @@ class RunRecord:
     # even with code 0, is a failure: vLLM can exit 0 after its engine died)
     reason: str | None = None
     last_lines: list[str] = field(default_factory=list)
+    # serve's liveness watch: its last verdict and when it checked (core/watch.py); None in
+    # a record of an xpuctl without the watch
+    health: Health | None = None
+
+    #: Fields read by a reader of their own instead of their annotation (state/fields): the
+    #: watch's verdict is advice, so a malformed one reads as unknown (None), never as a
+    #: damaged record.
+    FIELD_READERS: ClassVar[dict[str, Callable[[object], object]]] = {"health": Health.from_dict}
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        data["health"] = self.health.to_dict() if self.health is not None else None
+        return data
 
     @classmethod
     def from_dict(cls, data: object, name: str | None = None) -> RunRecord:
@@ -144,7 +155,7 @@ class RunRecord:
         its file says it has."""
         if isinstance(data, dict) and "bind" not in data and "host" in data:
             data = {**data, "bind": data["host"]}  # a record of an earlier xpuctl
-        rec = cls(**typed_fields(cls, data))
+        rec = cls(**typed_fields(cls, data, cls.FIELD_READERS))
         why = rec.insane(name)
         if why:
             raise FieldError(why)

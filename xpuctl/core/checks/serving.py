@@ -80,3 +80,26 @@ def env(c: Ctx) -> list[Finding]:
         problems.append(envvars.check_hierarchy(environ["ZE_FLAT_DEVICE_HIERARCHY"]))
     remedy = "fix or unset the variable before serving"
     return [Finding("env", "fail", problem, remedy) for problem in filter(None, problems)]
+
+
+@check("run-health")
+def run_health(c: Ctx) -> list[Finding]:
+    """A live run whose watch (serve's --health-interval) found it unhealthy or stalled, or
+    whose supervisor has not checked it for more than three intervals."""
+    from xpuctl.core.watch import judge
+
+    out = []
+    for run in c.scan.runs:
+        if not c.on_wanted(run.devices):
+            continue
+        seen = judge(run.state, run.health, c.scan.taken_at)
+        if seen.healthy or seen.status in ("unknown", "stopping"):
+            continue  # a run of an xpuctl without the watch; a run on its way out
+        detail = seen.detail.removeprefix(f"{seen.status}: ")
+        out.append(Finding(
+            "run-health", "fail",
+            f"run {run.name} is unhealthy ({seen.status}): {detail}",
+            f"`xpuctl logs {run.name}`; stop it with `xpuctl shutdown {run.name}` (serve "
+            "--on-unhealthy stop does that by itself)",
+        ))
+    return out

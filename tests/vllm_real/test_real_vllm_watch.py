@@ -1,0 +1,112 @@
+"""serve's liveness watch against real vLLM (CPU build), serve in the foreground:
+
+- EngineCore SIGKILLed under a ready server (what an engine reset does to it, vLLM #54553):
+  vLLM 0.32's engine monitor logs `[shutdown] MPClient: engine core exited unexpectedly;
+  starting cleanup` (v1/engine/core_client.py) and /health answers 503; serve stops the run
+  as unhealthy and exits 7;
+- EngineCore SIGSTOPped with a request running (a spinning engine, vLLM #54698): /health stays
+  200 (AsyncLLM.check_health asks the engine nothing), the running gauge and the token
+  counters freeze; serve finds the run stalled, stops it (vLLM's own deadline SIGKILLs the
+  stopped EngineCore) and exits 7.
+
+Short intervals (`--health-interval 1 --unhealthy-after 3 --stall-after 4`). `--force`: the
+preflight doctor is other tests' business, and another engineer's vLLM on this shared host
+must not refuse these. Everything the runs start carries their token and is SIGCONTed, then
+SIGKILLed, at teardown, even on failure.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import pytest
+
+from . import realvllm, workload
+from .xpuctl_run import XpuctlRun, in_flight
+
+pytestmark = pytest.mark.vllm
+
+WATCH = ("--health-interval", "1", "--unhealthy-after", "3", "--stall-after", "4", "--force")
+READY_S = 600
+
+
+def _ready(run: XpuctlRun) -> dict:
+    def state() -> str | None:
+        try:
+            return run.record()["state"]
+        except (OSError, ValueError):
+            return None
+
+    end = time.monotonic() + READY_S
+    while time.monotonic() < end and state() != "ready" and run.fg.poll() is None:
+        time.sleep(0.2)
+    assert state() == "ready", (f"serve did not come up (rc {run.fg.poll()}):\n"
+                                f"{run.fg_stderr()[-3000:]}\n--- log\n{run.log_tail()}")
+    return run.record()
+
+
+def _engine(run: XpuctlRun) -> realvllm.ProcInfo:
+    parts = run.parts()
+    assert len(parts["engine"]) == 1, run.describe_tree()
+    return parts["engine"][0]
+
+
+def test_a_killed_engine_core_is_stopped_as_unhealthy(xpuctl_foreground, vllm_timings, request):
+    run = xpuctl_foreground(opts=WATCH)
+    _ready(run)
+    engine = _engine(run)
+    killed_at = time.time()
+    assert realvllm.signal_if_token(engine.pid, run.token, signal.SIGKILL)
+    rc = run.fg.wait(300)
+    err = run.fg_stderr()
+    assert rc == 7, f"rc {rc}\n{err[-3000:]}\n--- log\n{run.log_tail()}"
+    rec = run.record()
+    assert rec["state"] == "failed", rec
+    reason = rec["reason"]
+    assert reason.startswith("unhealthy: "), reason
+    assert "exited unexpectedly" in reason or "died unexpectedly" in reason, reason
+    assert rec["health"]["state"] == "unhealthy"
+    gone, _ = run.wait_gone(60)
+    assert gone, run.describe_tree()
+    vllm_timings[request.node.name] = {
+        "kill_to_unhealthy": round(rec["health"]["since"] - killed_at, 2)}
+
+
+def test_a_stopped_engine_core_with_a_request_running_is_stalled(xpuctl_foreground,
+                                                                vllm_timings, request):
+    run = xpuctl_foreground(opts=WATCH, drain=5, teardown=5)
+    _ready(run)
+    engine = _engine(run)
+    model = str(run.model)
+    body = workload.completion_body(model, n=32, max_tokens=200)
+    answered: list[object] = []
+
+    def ask() -> None:  # its connection dies with the stopped server: that is the point
+        try:
+            answered.append(realvllm.http_json(run.base_url + "/v1/completions", body, 300))
+        except OSError as exc:
+            answered.append(exc)
+
+    threading.Thread(target=ask, daemon=True).start()
+    end = time.monotonic() + 120
+    while time.monotonic() < end and not (in_flight(run.base_url) or 0) > 0:
+        time.sleep(0.05)
+    assert (in_flight(run.base_url) or 0) > 0, "the request never ran"
+    time.sleep(1.0)  # a check or two with tokens counted
+    stopped_at = time.time()
+    try:
+        assert realvllm.signal_if_token(engine.pid, run.token, signal.SIGSTOP)
+        rc = run.fg.wait(300)
+    finally:
+        realvllm.signal_if_token(engine.pid, run.token, signal.SIGCONT)
+    err = run.fg_stderr()
+    assert rc == 7, f"rc {rc}\n{err[-3000:]}\n--- log\n{run.log_tail()}"
+    rec = run.record()
+    assert rec["state"] == "failed" and rec["reason"].startswith("stalled: "), rec["reason"]
+    assert "vllm:generation_tokens_total" in rec["reason"]
+    gone, _ = run.wait_gone(60)
+    assert gone, run.describe_tree()
+    vllm_timings[request.node.name] = {
+        "stop_to_stalled": round(rec["health"]["since"] - stopped_at, 2)}
