@@ -130,7 +130,10 @@ def test_serve_launch_contract(rig):
         (["--shutdown-timeout", "0"], False, 2, 2, 5, "replaced --shutdown-timeout 0 (abort) with 5s"),
         (["--shutdown-timeout=0"], True, 2, 2, 0, "--shutdown-timeout 0 kept (--allow-abort)"),
         (["--shutdown-timeout", "3"], False, 2, 2, 5, "raised --shutdown-timeout 3 to the 5s minimum"),
-        (["--shutdown_timeout", "9"], False, 2, 2, 9, None),
+        # an explicit timeout replacing serve's drain + teardown is said, not silent
+        (["--shutdown_timeout", "9"], False, 2, 2, 9,
+         ("--shutdown-timeout 9 given to vLLM replaces serve's 5s (--drain-timeout 2 + "
+          "--teardown-timeout 2): vLLM drains and tears down within 9s")),
     ],
     ids=["floor", "zero-replaced", "zero-allowed", "raised", "explicit"],
 )
