@@ -444,8 +444,11 @@ def test_ready_timeout_hang_startup(rig):
     # the deadline must leave the hung workers time to reach oneCCL init (about a second
     # here) on a slow, loaded machine, or the diagnosis names an earlier stage
     ready, teardown, kill_after = 15, 4, 2
+    # vLLM's own grace for its workers (serve would pass 1 s for this budget) kept long, so
+    # that xpuctl's ladder, not EngineCore's, is what stops the hung workers here
     res = rig.serve(name="hung", ready=ready, teardown=teardown, kill_after=kill_after,
-                    drain=30, env={"FAKE_VLLM_FAULTS": "hang-startup"})
+                    drain=30, env={"FAKE_VLLM_FAULTS": "hang-startup",
+                                   "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "60"})
     assert res.rc == 4, str(res)
     # the bound: ready + teardown + kill-after, plus a generous slack for start-up, the
     # diagnosis and a loaded machine (the drain budget, 30 s here, is never waited)

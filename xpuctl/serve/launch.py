@@ -136,9 +136,9 @@ def _shutdown_timeout(opts: ServeOptions, vllm_args: list[str], version: str | N
             shutdown_timeout = n
             if n != wanted:
                 notes.append(
-                    f"--shutdown-timeout {n} given to vLLM replaces serve's {wanted}s (--drain-timeout "
-                    f"{opts.drain_timeout:g} + --teardown-timeout {opts.teardown_timeout:g}): vLLM "
-                    f"drains and tears down within {n}s"
+                    f"--shutdown-timeout {n} given to vLLM replaces serve's {wanted}s "
+                    f"(--drain-timeout {opts.drain_timeout:g} + --teardown-timeout "
+                    f"{opts.teardown_timeout:g}): vLLM drains and tears down within {n}s"
                 )
     if not supports_flag:
         notes.append(
@@ -164,8 +164,8 @@ def _worker_timeout(env: dict[str, str], teardown: float, notes: list[str]) -> N
     elif int(value) > wanted:
         notes.append(f"{WORKER_TIMEOUT_VAR}={int(value)} kept (yours): with vLLM's "
                      f"{VLLM_SIGTERM_GRACE} s SIGTERM wait it exceeds the --teardown-timeout "
-                     f"budget of {teardown:g}s (serve would pass {wanted}); vLLM's own deadline may "
-                     "SIGKILL the workers before they finish")
+                     f"budget of {teardown:g}s (serve would pass {wanted}); vLLM's own deadline "
+                     "may SIGKILL the workers before they finish")
 
 
 def _environment(opts: ServeOptions, host: Host, environ: dict[str, str],
