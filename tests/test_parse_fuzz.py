@@ -25,6 +25,7 @@ from xpuctl.parse import (
     procfs,
     roles,
     sockdiag,
+    survivability,
     vllmargs,
     vllmlog,
     xpusmi,
@@ -335,3 +336,12 @@ def test_collective_events_never_raise(text):
         assert r.slot == slot and 0 <= slot < collective.MAX_SLOTS
         assert r.phase is None or r.phase in collective.PHASES
         assert r.error is None or (isinstance(r.error, str) and len(r.error) <= collective.MAX_TEXT)
+
+
+@FUZZ
+@given(st.lists(st.sampled_from(["Survivability mode type: Boot", "Survivability mode type: Runtime",
+                                 "Survivability mode type:", "Capability Info: 0x1 - 0x2"])
+                | texts, max_size=6).map("\n".join))
+def test_survivability_type_never_raises(text):
+    assert survivability.survivability_type(text) in (survivability.BOOT, survivability.RUNTIME,
+                                                      survivability.UNKNOWN)

@@ -129,7 +129,7 @@ def process_of(d: dict[str, Any]) -> Process:
 def device_of(d: dict[str, Any]) -> Device:
     return Device(str(d["bdf"]), d.get("vendor_id"), d.get("device_id"), d.get("driver"),
                   d.get("render_node"), d.get("card_node"), (), d.get("memory_total_bytes"),
-                  d.get("index"))
+                  d.get("index"), d.get("survivability"))
 
 
 def scan_of(doc: dict[str, Any]) -> Scan:

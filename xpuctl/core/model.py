@@ -45,6 +45,9 @@ class Device(NamedTuple):
     minors: tuple[int, ...]
     memory_total_bytes: int | None
     index: int | None = None  # type: ignore[assignment]  # a field named index shadows tuple.index, never called on a record; Level Zero order (Intel devices sorted by BDF); None otherwise
+    # xe's survivability_mode (Boot | Runtime | unknown) while the card is in it, else None:
+    # only a firmware flash brings it back (parse/survivability.py)
+    survivability: str | None = None
 
     @property
     def is_intel(self) -> bool:

@@ -73,6 +73,7 @@ def device_dict(d: Device, scan: Scan) -> dict[str, Any]:
         "vendor_id": d.vendor_id,
         "device_id": d.device_id,
         "intel": d.is_intel,
+        "survivability": d.survivability,  # xe's survivability_mode: Boot | Runtime | unknown
         "memory_used_bytes": scan.memory_used(d.bdf),  # fdinfo: shared buffers counted once
         "memory_shared_bytes": scan.memory_shared(d.bdf),  # fdinfo drm-shared, per client, summed
         "memory_resident_bytes": scan.memory_resident(d.bdf),  # fdinfo drm-resident

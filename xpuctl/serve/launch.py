@@ -19,7 +19,8 @@ import shutil
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from xpuctl.errors import UsageError
+from xpuctl.core.model import Device
+from xpuctl.errors import UsageError, XpuctlError
 from xpuctl.host.devices import scan_devices, select_devices
 from xpuctl.host.programs import interpreter_of
 from xpuctl.host.seam import Host
@@ -168,6 +169,19 @@ def _worker_timeout(env: dict[str, str], teardown: float, notes: list[str]) -> N
                      "may SIGKILL the workers before they finish")
 
 
+def _refuse_survivability(devices: list[Device], chosen: bool) -> None:
+    """A card in survivability mode runs nothing (only a firmware flash brings it back):
+    refused before vLLM starts, --force or not."""
+    bad = [d for d in devices if d.survivability is not None]
+    if not bad:
+        return
+    names = ", ".join(f"{d.index if d.index is not None else '-'} ({d.bdf}, {d.survivability})"
+                      for d in bad)
+    pick = "" if chosen else "; choose the other cards with --devices"
+    raise XpuctlError(f"device {names} is in survivability mode: nothing runs on it until its "
+                      f"firmware is flashed (see `xpuctl doctor`){pick}")
+
+
 def _environment(opts: ServeOptions, host: Host, environ: dict[str, str],
                  run_id: str, notes: list[str]) -> tuple[dict[str, str], list[str]]:
     """vLLM's environment and the BDFs of the run's devices."""
@@ -178,6 +192,7 @@ def _environment(opts: ServeOptions, host: Host, environ: dict[str, str],
     if opts.devices:
         specs = [s for item in opts.devices for s in item.split(",") if s.strip()]
         chosen = select_devices(devices, specs)
+        _refuse_survivability(chosen, chosen=True)
         for d in chosen:
             if not d.is_intel or d.index is None:
                 raise UsageError(f"device {d.bdf} is not an Intel GPU (vendor {d.vendor_id})")
@@ -185,7 +200,9 @@ def _environment(opts: ServeOptions, host: Host, environ: dict[str, str],
         mask = ",".join(str(d.index) for d in chosen)
         env["ZE_AFFINITY_MASK"] = mask
     else:
-        bdfs = [d.bdf for d in devices if d.is_intel]
+        seen = [d for d in devices if d.is_intel and d.nodes]  # what Level Zero enumerates
+        _refuse_survivability(seen, chosen=False)
+        bdfs = [d.bdf for d in seen]
     env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     env.update(_parse_env(opts.env))
     _worker_timeout(env, opts.teardown_timeout, notes)
