@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from xpuctl.core.checks import Options, evaluate
-from xpuctl.core.model import CollectiveResult, Issue, Report, Scan
+from xpuctl.core.model import CollectiveResult, Issue, Report, Scan, ShmRoom
 from xpuctl.host.devices import resolve_device_specs
 from xpuctl.host.scan import DEFAULT_PORT, take_scan
 from xpuctl.host.seam import Host
@@ -97,6 +97,18 @@ def pid_namespace_issue(host: Host) -> Issue | None:
     )
 
 
+SHM = "/dev/shm"
+
+
+def shm_room(host: Host) -> ShmRoom | None:
+    """/dev/shm's size and free room (statvfs), None when it cannot be asked."""
+    try:
+        size, free = host.statvfs(SHM)
+    except OSError:
+        return None
+    return ShmRoom(SHM, size, free)
+
+
 def deep_scan(host: Host, environ: dict[str, str], deep: DeepOptions, **options: Any) -> Scan:
     """The probes run while /proc is scanned; the probe children are left out of the scan."""
     from xpuctl.probes import baseline, reconcile, runner
@@ -158,7 +170,8 @@ def diagnose(
     from xpuctl.host.kernel import read_kernel
 
     log, dumps, kernel_issues = read_kernel(host, scan.devices)
-    scan = scan._replace(kernel=log, coredumps=dumps, issues=scan.issues + tuple(kernel_issues))
+    scan = scan._replace(kernel=log, coredumps=dumps, issues=scan.issues + tuple(kernel_issues),
+                         shm=shm_room(host))
     ns = pid_namespace_issue(host)
     if ns is not None:
         scan = scan._replace(issues=scan.issues + (ns,))

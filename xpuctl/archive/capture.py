@@ -292,6 +292,7 @@ def _manifest(host: Host, rec: RecordingHost, at: float, environ: dict[str, str]
         "tcp_listeners": "netlink" if rec.proc_is_live else "/proc/net/tcp",
         "caller_env": redact.env_dict(environ),
         "deep": deep,
+        "statvfs": rec.statvfs_seen,  # /dev/shm's [size, free] as doctor saw it
         "unreadable": unreadable,
         "contents": {
             "files": len(contents),

@@ -105,6 +105,17 @@ class ArchiveHost(Host):
     def read_records(self, hostpath: str, limit: int | None = None) -> bytes:
         return self.read_bytes(hostpath, limit)  # a plain file of the records kept
 
+    def statvfs(self, hostpath: str) -> tuple[int, int]:
+        """The capture's answer (manifest `statvfs`), never the unpacked tree's filesystem."""
+        seen = self.manifest.data.get("statvfs")
+        value = seen.get(hostpath) if isinstance(seen, dict) else None
+        if isinstance(value, dict) and "error" in value:
+            raise OSError(f"{hostpath}: {str(value['error'])[:200]}")
+        if (isinstance(value, list) and len(value) == 2
+                and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value)):
+            return value[0], value[1]
+        raise OSError(errno.ENODATA, "not in the snapshot", hostpath)
+
     def listdir(self, hostpath: str) -> list[str]:
         self._inside(hostpath)
         if hostpath in self.index.lists:

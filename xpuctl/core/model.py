@@ -281,6 +281,15 @@ class KernelLog(NamedTuple):
         return self.boot_time + event.record.seconds if self.boot_time is not None else None
 
 
+class ShmRoom(NamedTuple):
+    """The filesystem under /dev/shm (statvfs): vLLM's MessageQueue rings and libfabric's
+    regions live there (core/shmroom.py)."""
+
+    path: str  # host path
+    size_bytes: int
+    free_bytes: int  # what an unprivileged writer may still use (f_bavail)
+
+
 class Coredump(NamedTuple):
     """A GPU crash dump the kernel holds for a device (devcoredump) until it is read or freed."""
 
@@ -350,6 +359,7 @@ class Scan(NamedTuple):
     kernel: KernelLog | None = None  # the kernel log's GPU records (doctor); None: not read
     coredumps: tuple[Coredump, ...] = ()  # pending devcoredumps of the devices (doctor)
     collective: CollectiveResult | None = None  # doctor --collective
+    shm: ShmRoom | None = None  # /dev/shm's size and room (doctor); None: not read
 
     def process(self, pid: int) -> Process | None:
         for p in self.processes:

@@ -214,6 +214,7 @@ def doctor_dict(report: Report) -> dict[str, Any]:
         "blocked_reads": blocked_dicts(scan),
         "probes": [probe_dict(r) for r in scan.deep.probes] if scan.deep else [],
         "collective": collective_dict(scan.collective) if scan.collective else None,
+        "shm": scan.shm._asdict() if scan.shm else None,  # /dev/shm: path, size_bytes, free_bytes
     }
 
 

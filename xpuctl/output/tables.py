@@ -247,6 +247,9 @@ def print_doctor(console: Console, report: Report) -> None:
     line = probes_line(scan)
     if line:
         console.print(line, highlight=False)
+    if scan.shm is not None:
+        console.print(Text(f"{scan.shm.path}: {human_bytes(scan.shm.size_bytes)}, "
+                           f"{human_bytes(scan.shm.free_bytes)} free"), highlight=False)
     if scan.processes:
         console.print(processes_table(scan, width=console.width), no_wrap=True, crop=True)
     stale = [a for a in scan.artifacts if a.stale]
