@@ -198,6 +198,7 @@ class Port(NamedTuple):
     state: str  # listen | free
     role: str | None = None
     orphan: bool = False
+    kind: str | None = None  # oneccl-kvs: oneCCL's KVS listener, by proof (core/oneccl.py)
 
 
 class Finding(NamedTuple):

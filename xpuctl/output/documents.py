@@ -163,6 +163,7 @@ def port_dict(p: Port) -> dict[str, Any]:
         "state": p.state,
         "role": p.role,
         "orphan": p.orphan,
+        "kind": p.kind,  # oneccl-kvs: oneCCL's KVS listener (its process maps libccl)
     }
 
 

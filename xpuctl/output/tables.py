@@ -169,6 +169,30 @@ def processes_table(scan: Scan, title: str = "Processes", width: int = 120) -> A
     return out
 
 
+def ports_table(scan: Scan) -> Any:
+    """The listeners doctor tied to something: the serving port, vLLM's, oneCCL's KVS."""
+    from rich.text import Text
+
+    heads = ["PORT", "ADDRESS", "PID", "WHAT"]
+    rows = []
+    for p in scan.ports:
+        if p.pid is None:
+            continue
+        what = "oneCCL KVS" if p.kind == "oneccl-kvs" else ""
+        if p.role:
+            what = f"{what} of {p.role}" if what else p.role
+        what = (what or "-") + (" ORPHAN" if p.orphan else "")
+        rows.append([str(p.port), safe(p.address or "-", 64), str(p.pid), safe(what, 64)])
+    widths = [max([len(heads[i])] + [len(r[i]) for r in rows]) for i in range(len(heads))]
+    out = Text()
+    for i, row in enumerate([heads, *rows]):
+        if i:
+            out.append("\n")
+        line = "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+        out.append(line, style="bold" if i == 0 else None)
+    return out
+
+
 def runs_table(rows: list[Any]) -> Any:
     """xpuctl's runs (from their records): name, state, age, pid, port, devices."""
     from rich.text import Text
@@ -252,6 +276,9 @@ def print_doctor(console: Console, report: Report) -> None:
                            f"{human_bytes(scan.shm.free_bytes)} free"), highlight=False)
     if scan.processes:
         console.print(processes_table(scan, width=console.width), no_wrap=True, crop=True)
+    if any(p.pid is not None for p in scan.ports):
+        _heading(console, "Ports")
+        console.print(ports_table(scan), no_wrap=True, crop=True)
     stale = [a for a in scan.artifacts if a.stale]
     if stale:
         from rich.table import Table

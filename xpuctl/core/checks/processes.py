@@ -185,10 +185,33 @@ def device_memory(c: Ctx) -> list[Finding]:
     return out
 
 
+def _lone_ranks(c: Ctx) -> list[Finding]:
+    """oneCCL ranks whose peers are gone (core/oneccl.py): they wait in a collective for ever."""
+    from xpuctl.core.oneccl import lone_ranks
+
+    out = []
+    for p in lone_ranks(c.scan.processes):
+        if not c.on_wanted(p.devices):
+            continue
+        top = p.top if p.top is not None and p.top != p.pid else None
+        fix = (f"xpuctl shutdown --pid {top}" if top is not None and not p.orphan
+               else f"xpuctl shutdown --pid {p.pid}")
+        out.append(Finding(
+            "stuck-processes",
+            "fail" if p.orphan else "warn",
+            f"vLLM worker {p.pid} ({shorten(p.command, 40)}){_in(p)} is a oneCCL rank ({p.rank}) "
+            "whose peer ranks are gone: it waits in its next collective for ever (spinning "
+            "at 50 to 200 % CPU), and its run will answer nothing more",
+            fix, p.devices[0] if len(p.devices) == 1 else None, (p.pid,),
+        ))
+    return out
+
+
 @check("stuck-processes")
 def stuck_processes(c: Ctx) -> list[Finding]:
-    """Holders in uninterruptible sleep, stopped vLLM processes, unreaped vLLM zombies."""
-    out = []
+    """Holders in uninterruptible sleep, stopped vLLM processes, unreaped vLLM zombies, oneCCL
+    ranks whose peers are gone."""
+    out = _lone_ranks(c)
     for p in c.scan.processes:
         if not c.on_wanted(p.devices):
             continue
