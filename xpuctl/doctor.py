@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from xpuctl.core.checks import Options, evaluate
-from xpuctl.core.model import CollectiveResult, Issue, Report, Scan, ShmRoom
+from xpuctl.core.model import CollectiveResult, Issue, Report, Scan, ShmRoom, Version
 from xpuctl.host.devices import resolve_device_specs
 from xpuctl.host.scan import DEFAULT_PORT, take_scan
 from xpuctl.host.seam import Host
@@ -25,6 +25,7 @@ class RecordedProbes(NamedTuple):
     probe_pids: tuple[int, ...]
     baseline: dict[str, int]
     baseline_problem: Issue | None = None
+    versions: tuple[Version, ...] = ()  # the stack's versions the capture read (its manifest)
 
 
 class DeepOptions(NamedTuple):
@@ -110,23 +111,34 @@ def shm_room(host: Host) -> ShmRoom | None:
 
 
 def deep_scan(host: Host, environ: dict[str, str], deep: DeepOptions, **options: Any) -> Scan:
-    """The probes run while /proc is scanned; the probe children are left out of the scan."""
-    from xpuctl.probes import baseline, reconcile, runner
+    """The probes run while /proc is scanned; the probe children are left out of the scan.
+    The software stack's versions are read meanwhile (probes/versions.py)."""
+    from xpuctl.probes import baseline, reconcile, runner, versions
 
+    stack: tuple[Version, ...] = ()
     if deep.recorded is not None:
         scan = take_scan(host, **options)
-        results, pids, idle, problem = deep.recorded
+        results, pids, idle, problem, stack = deep.recorded
     else:
         running = runner.start(environ, deep.timeout, since=deep.since)
+        reading = versions.start(environ, deep.timeout, xpusmi=False)  # the probe asks xpu-smi
         try:
             scan = take_scan(host, exclude_pids=running.pids, **options)
+        except BaseException:
+            reading.abandon()
+            raise
         finally:
             results = running.finish()
+        smi = next((r for r in results if r.name == "xpu-smi"), None)
+        stack = reading.finish(host, scan.devices, smi)
         pids = tuple(sorted(running.pids))
         idle, problem = baseline.load_baseline(deep.state_dir)
     if problem:
         scan = scan._replace(issues=scan.issues + (problem,))
-    return reconcile.attach(host, scan, results, idle, pids)
+    scan = reconcile.attach(host, scan, results, idle, pids)
+    if stack and scan.deep is not None:
+        scan = scan._replace(deep=scan.deep._replace(versions=stack))
+    return scan
 
 
 def diagnose(

@@ -27,12 +27,13 @@ from typing import Any, NamedTuple
 
 from xpuctl.archive.recording import raise_rec
 from xpuctl.archive.unpack import unpack
-from xpuctl.core.model import FileInfo, Issue
+from xpuctl.core.model import FileInfo, Issue, Version
 from xpuctl.doctor import RecordedProbes
 from xpuctl.errors import UsageError
 from xpuctl.host.reads.protocol import BlockedRead
 from xpuctl.host.seam import Host
 from xpuctl.parse.archive import Index, Manifest, parse_index, parse_manifest
+from xpuctl.parse.versions import version_records
 
 
 class ArchiveHost(Host):
@@ -218,6 +219,9 @@ def open_snapshot(path: str) -> Iterator[Opened]:
         if not os.path.isdir(root):
             os.mkdir(root, 0o700)  # nothing was readable: every answer is in the index
         probes = _probes(top, path)
+        if probes is not None:  # the stack's versions doctor --deep read at capture
+            probes = probes._replace(versions=tuple(
+                Version(*v) for v in version_records(manifest.data.get("versions"))))
         yield Opened(ArchiveHost(root, manifest, index, os.path.abspath(path)), manifest, top,
                      probes)
     finally:

@@ -228,6 +228,15 @@ class RuntimeView(NamedTuple):
     invisible_pids: tuple[int, ...]  # reported by a probe, absent from /proc
 
 
+class Version(NamedTuple):
+    """One piece of the software stack and its version (probes/versions.py)."""
+
+    name: str  # kernel | xe | i915 | level-zero-loader | level-zero-gpu | oneccl | torch | ...
+    version: str | None
+    source: str | None  # where it was read (a path, a package, a command)
+    why: str | None = None  # why it is unknown
+
+
 class Deep(NamedTuple):
     """What `--deep` added to a scan: every probe's result and the per-device reconciliation."""
 
@@ -235,6 +244,7 @@ class Deep(NamedTuple):
     devices: tuple[RuntimeView, ...]
     probe_pids: tuple[int, ...] = ()  # the probe children, left out of every result
     lost_unplaced: tuple[str, ...] = ()  # "probe: why" for lost devices without a PCI address
+    versions: tuple[Version, ...] = ()  # the software stack (kernel, driver, runtimes, packages)
 
     def device(self, bdf: str) -> RuntimeView | None:
         return next((d for d in self.devices if d.bdf == bdf), None)

@@ -216,6 +216,8 @@ def doctor_dict(report: Report) -> dict[str, Any]:
         "probes": [probe_dict(r) for r in scan.deep.probes] if scan.deep else [],
         "collective": collective_dict(scan.collective) if scan.collective else None,
         "shm": scan.shm._asdict() if scan.shm else None,  # /dev/shm: path, size_bytes, free_bytes
+        # --deep: the software stack, each {name, version, source, why} (why: it is unknown)
+        "versions": [v._asdict() for v in scan.deep.versions] if scan.deep else None,
     }
 
 

@@ -124,6 +124,13 @@ def probes_line(scan: Scan) -> Any:
     return line
 
 
+def versions_line(versions: Any) -> str:
+    """`versions: kernel 6.8.0-45-generic, xe 6.8.0-45-generic, ..., ray ? (not installed …)`."""
+    parts = [f"{v.name} {safe(v.version, 64)}" if v.version else f"{v.name} ? ({safe(v.why, 120)})"
+             for v in versions]
+    return "versions: " + ", ".join(parts)
+
+
 def processes_table(scan: Scan, title: str = "Processes", width: int = 120) -> Any:
     """A ps-style listing (rich's Table squeezes short columns when a command is long)."""
     from rich.text import Text
@@ -271,6 +278,8 @@ def print_doctor(console: Console, report: Report) -> None:
     line = probes_line(scan)
     if line:
         console.print(line, highlight=False)
+    if scan.deep is not None and scan.deep.versions:
+        console.print(Text(versions_line(scan.deep.versions)), highlight=False)
     if scan.shm is not None:
         console.print(Text(f"{scan.shm.path}: {human_bytes(scan.shm.size_bytes)}, "
                            f"{human_bytes(scan.shm.free_bytes)} free"), highlight=False)
