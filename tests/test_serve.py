@@ -658,8 +658,11 @@ def test_serve_on_a_terminal_redraws_one_status_line(rig):
 def test_shutdown_of_a_run_still_starting_skips_the_drain(rig):
     """A record that says `starting`: SIGTERM, the teardown budget, SIGTERM survivors,
     SIGKILL after --kill-after; never the drain budget (drain 30 s here)."""
+    # vLLM's own grace for its workers kept long (serve would pass 1 s for a 3 s budget), so
+    # that xpuctl's ladder, not EngineCore's, is what stops the hung workers here
     fg = rig.serve_bg(detach=True, ready=120, drain=30, teardown=3,
-                      env={"FAKE_VLLM_FAULTS": "hang-startup"})
+                      env={"FAKE_VLLM_FAULTS": "hang-startup",
+                           "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "60"})
     assert wait_for(lambda: rig.run_log(fg.name).count("backend=xccl") == 2, 20), rig.run_log(fg.name)
     ps = rig.xpuctl("ps", "--json", "--state-dir", rig.state)
     assert [r["state"] for r in ps.json["runs"] if r["name"] == fg.name] == ["starting"], ps.out
