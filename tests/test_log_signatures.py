@@ -51,9 +51,31 @@ REAL_LINES = {
          "hanging or doing some time-consuming work (e.g. compilation, weight/kv cache "
          "quantization)."), "vLLM #51986"),
     ],
+    "atl-init": [
+        # oneCCL atl_ofi_helper.cpp (LOG_ERROR "fi_getinfo error: ret ", ret, ", providers ",
+        # ...); this capture from a public runbook (2026-06), the same line real oneCCL printed
+        # here over leaked libfabric regions (xpuctl issue 31)
+        (("2026:06:13-20:51:02 |CCL_ERROR| atl_ofi_helper.cpp:1118 atl_ofi_get_prov_list: "
+          "fi_getinfo error: ret -61, providers 0"), "oneCCL atl_ofi_helper.cpp; a public runbook"),
+        # xpuctl issue 31: what real oneCCL printed next (its words, without the file prefix)
+        ("failed to initialize ATL", "xpuctl issue 31 (real oneCCL on CPU)"),
+    ],
+    "kvs-timeout": [
+        # oneCCL internal_kvs.cpp kvs_init: LOG_ERROR("connection time (", connection_time,
+        # ") >= limit (", CONNECTION_TIMEOUT, ")"), CONNECTION_TIMEOUT = 120 (internal_kvs.h);
+        # xpuctl issue 31 quotes what real oneCCL printed after 120 s against a TIME_WAIT port
+        ("kvs_init: connection time (120) >= limit (120)",
+         "xpuctl issue 31; oneCCL internal_kvs.cpp"),
+    ],
+    "oneccl-exception": [
+        # ipex-llm's LLM-Finetune README (Troubleshooting): any other oneCCL exception
+        (("RuntimeError: oneCCL: comm_selector.cpp:57 create_comm_impl: EXCEPTION: ze_data was "
+          "not initialized"), "ipex-llm LLM-Finetune README"),
+    ],
 }
 CASES = [(key, line) for key, lines in REAL_LINES.items() for line, _src in lines]
-CRASHES = {"oneccl-device-fds", "oneccl-workers", "segfault"}
+CRASHES = {"oneccl-device-fds", "oneccl-workers", "segfault", "atl-init", "kvs-timeout",
+           "oneccl-exception"}
 
 
 @pytest.mark.parametrize(("key", "line"), CASES)
@@ -123,3 +145,24 @@ def test_shm_broadcast_after_ready_is_a_hang_finding(tmp_path):
     (f,) = last_run_findings(lastrun.last_run(str(sd)))
     assert "a worker that stopped answering its engine" in f.message and "crashed" not in f.message
     assert "find the worker that stopped answering" in f.remedy
+
+
+@pytest.mark.parametrize(("key", "cause", "advice"), [
+    ("atl-init", "leaked libfabric shared-memory regions", "xpuctl reset, then room in /dev/shm"),
+    ("kvs-timeout", "a KVS port in TIME_WAIT after a killed run", "unset CCL_KVS_PORT"),
+])
+def test_atl_and_kvs_lines_name_their_cause_and_what_to_do(tmp_path, key, cause, advice):
+    """The last-run finding says crashed, names the cause and what to try (issue 31 §3)."""
+    sd = _state_dir(tmp_path)
+    line = REAL_LINES[key][0][0]
+    write_run(sd, f"r-{key}", REAL_0_32[:2] + [XCCL, line], state="failed")
+    (f,) = last_run_findings(lastrun.last_run(str(sd)))
+    assert f"r-{key} crashed (in: oneCCL init (xccl))" in f.message, f.message
+    assert cause in f.message and "stuck" not in f.message, f.message
+    assert advice in f.remedy, f.remedy
+
+
+def test_a_kvs_timeout_line_is_the_timeout_not_the_general_kvs_error():
+    """One line is one signature: the specific one first (kvs_init also matches `kvs`)."""
+    line = REAL_LINES["kvs-timeout"][0][0]
+    assert [s.key for s in vllmlog.hang_signatures([line], ever_ready=False)] == ["kvs-timeout"]

@@ -25,6 +25,7 @@ from xpuctl.parse import (
     procfs,
     roles,
     sockdiag,
+    survivability,
     vllmargs,
     vllmlog,
     xpusmi,
@@ -369,3 +370,12 @@ def test_metrics_never_raise(text):
         assert s.name and isinstance(s.value, float)
     c = metrics.counters(text)
     assert all(v is None or math.isfinite(v) for v in c)
+
+
+@FUZZ
+@given(st.lists(st.sampled_from(["Survivability mode type: Boot", "Survivability mode type: Runtime",
+                                 "Survivability mode type:", "Capability Info: 0x1 - 0x2"])
+                | texts, max_size=6).map("\n".join))
+def test_survivability_type_never_raises(text):
+    assert survivability.survivability_type(text) in (survivability.BOOT, survivability.RUNTIME,
+                                                      survivability.UNKNOWN)

@@ -130,7 +130,10 @@ def test_serve_launch_contract(rig):
         (["--shutdown-timeout", "0"], False, 2, 2, 5, "replaced --shutdown-timeout 0 (abort) with 5s"),
         (["--shutdown-timeout=0"], True, 2, 2, 0, "--shutdown-timeout 0 kept (--allow-abort)"),
         (["--shutdown-timeout", "3"], False, 2, 2, 5, "raised --shutdown-timeout 3 to the 5s minimum"),
-        (["--shutdown_timeout", "9"], False, 2, 2, 9, None),
+        # an explicit timeout replacing serve's drain + teardown is said, not silent
+        (["--shutdown_timeout", "9"], False, 2, 2, 9,
+         ("--shutdown-timeout 9 given to vLLM replaces serve's 5s (--drain-timeout 2 + "
+          "--teardown-timeout 2): vLLM drains and tears down within 9s")),
     ],
     ids=["floor", "zero-replaced", "zero-allowed", "raised", "explicit"],
 )
@@ -441,8 +444,11 @@ def test_ready_timeout_hang_startup(rig):
     # the deadline must leave the hung workers time to reach oneCCL init (about a second
     # here) on a slow, loaded machine, or the diagnosis names an earlier stage
     ready, teardown, kill_after = 15, 4, 2
+    # vLLM's own grace for its workers (serve would pass 1 s for this budget) kept long, so
+    # that xpuctl's ladder, not EngineCore's, is what stops the hung workers here
     res = rig.serve(name="hung", ready=ready, teardown=teardown, kill_after=kill_after,
-                    drain=30, env={"FAKE_VLLM_FAULTS": "hang-startup"})
+                    drain=30, env={"FAKE_VLLM_FAULTS": "hang-startup",
+                                   "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "60"})
     assert res.rc == 4, str(res)
     # the bound: ready + teardown + kill-after, plus a generous slack for start-up, the
     # diagnosis and a loaded machine (the drain budget, 30 s here, is never waited)
@@ -654,8 +660,11 @@ def test_serve_on_a_terminal_redraws_one_status_line(rig):
 def test_shutdown_of_a_run_still_starting_skips_the_drain(rig):
     """A record that says `starting`: SIGTERM, the teardown budget, SIGTERM survivors,
     SIGKILL after --kill-after; never the drain budget (drain 30 s here)."""
+    # vLLM's own grace for its workers kept long (serve would pass 1 s for a 3 s budget), so
+    # that xpuctl's ladder, not EngineCore's, is what stops the hung workers here
     fg = rig.serve_bg(detach=True, ready=120, drain=30, teardown=3,
-                      env={"FAKE_VLLM_FAULTS": "hang-startup"})
+                      env={"FAKE_VLLM_FAULTS": "hang-startup",
+                           "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "60"})
     assert wait_for(lambda: rig.run_log(fg.name).count("backend=xccl") == 2, 20), rig.run_log(fg.name)
     ps = rig.xpuctl("ps", "--json", "--state-dir", rig.state)
     assert [r["state"] for r in ps.json["runs"] if r["name"] == fg.name] == ["starting"], ps.out

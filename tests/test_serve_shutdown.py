@@ -150,7 +150,9 @@ def test_escalation_when_the_api_server_ignores_sigterm(rig):
 
 def test_worker_ignoring_sigterm_still_stops_cleanly(rig):
     """xpuctl never signals workers in a clean stop: vLLM's own teardown stops them."""
-    res = rig.serve(env={"FAKE_VLLM_FAULTS": "worker-ignores-sigterm"})
+    # a 10 s teardown budget: vLLM waits 5 s for its workers (serve's VLLM_WORKER_SHUTDOWN_
+    # TIMEOUT_SECONDS), room for a loaded machine before its own SIGTERM
+    res = rig.serve(teardown=10, env={"FAKE_VLLM_FAULTS": "worker-ignores-sigterm"})
     assert res.rc == 0, str(res)
     name, api = res.name, rig.record(res.name)["pid"]
     _core, workers = rig.tree(api)

@@ -98,6 +98,27 @@ def test_null_device_list_is_no_device_not_garbage(tmp_path):
     assert "xpu-smi sees no device" in smi["notes"]
 
 
+@pytest.mark.parametrize(("ps_out", "ps_rc"), [
+    ("", 0),  # v2's ps loops over no device: it prints nothing (xpumanager ial/cmn/cmd_ps.cpp)
+    ("Error: Device handle not found for device ID ''.", 1),  # ial/cmn/cmd_ps.cpp's findDevice error
+], ids=["ps-prints-nothing", "ps-fails"])
+def test_null_device_list_with_v2s_ps_is_no_device_not_a_failed_call(tmp_path, ps_out, ps_rc):
+    """xpu-smi 2.x with no device: `discovery -j` prints {"device_list": null} (exit 0), and
+    `ps -j` has no device to answer for. The probe answers "no device", not a failed call."""
+    scen = base_scenario()
+    scen["xpusmi"]["version"] = VERSION_2_0
+    scen["xpusmi"]["discovery"] = '{\n    "device_list": null\n}'
+    scen["xpusmi"]["ps"] = ps_out
+    scen["xpusmi"]["rc"] = {"ps": ps_rc}
+    _code, data = deep_json(tmp_path, standin_env(tmp_path, scen, pyzes=False, torch="absent"),
+                            "--probe-timeout", "60")
+    smi = probe(data, "xpu-smi")
+    assert smi["available"] and smi["reason"] is None, smi
+    assert "xpu-smi sees no device" in smi["notes"], smi
+    assert xpusmi.probe_result((0, '{"device_list": null}'), (ps_rc, ps_out), 0.1, True,
+                               (0, VERSION_2_0)).available
+
+
 def test_survivability_mode_is_a_state_and_a_finding(tmp_path):
     scen = base_scenario()
     scen["xpusmi"]["discovery"]["device_list"][0]["device_state"] = SURVIVABILITY

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from xpuctl.core.checks import Options, evaluate
-from xpuctl.core.model import CollectiveResult, Issue, Report, Scan
+from xpuctl.core.model import CollectiveResult, Issue, Report, Scan, ShmRoom, Version
 from xpuctl.host.devices import resolve_device_specs
 from xpuctl.host.scan import DEFAULT_PORT, take_scan
 from xpuctl.host.seam import Host
@@ -25,6 +25,7 @@ class RecordedProbes(NamedTuple):
     probe_pids: tuple[int, ...]
     baseline: dict[str, int]
     baseline_problem: Issue | None = None
+    versions: tuple[Version, ...] = ()  # the stack's versions the capture read (its manifest)
 
 
 class DeepOptions(NamedTuple):
@@ -103,24 +104,47 @@ def pid_namespace_issue(host: Host) -> Issue | None:
     )
 
 
-def deep_scan(host: Host, environ: dict[str, str], deep: DeepOptions, **options: Any) -> Scan:
-    """The probes run while /proc is scanned; the probe children are left out of the scan."""
-    from xpuctl.probes import baseline, reconcile, runner
+SHM = "/dev/shm"
 
+
+def shm_room(host: Host) -> ShmRoom | None:
+    """/dev/shm's size and free room (statvfs), None when it cannot be asked."""
+    try:
+        size, free = host.statvfs(SHM)
+    except OSError:
+        return None
+    return ShmRoom(SHM, size, free)
+
+
+def deep_scan(host: Host, environ: dict[str, str], deep: DeepOptions, **options: Any) -> Scan:
+    """The probes run while /proc is scanned; the probe children are left out of the scan.
+    The software stack's versions are read meanwhile (probes/versions.py)."""
+    from xpuctl.probes import baseline, reconcile, runner, versions
+
+    stack: tuple[Version, ...] = ()
     if deep.recorded is not None:
         scan = take_scan(host, **options)
-        results, pids, idle, problem = deep.recorded
+        results, pids, idle, problem, stack = deep.recorded
     else:
         running = runner.start(environ, deep.timeout, since=deep.since)
+        reading = versions.start(environ, deep.timeout, xpusmi=False)  # the probe asks xpu-smi
         try:
             scan = take_scan(host, exclude_pids=running.pids, **options)
+        except BaseException:
+            reading.abandon()
+            raise
         finally:
             results = running.finish()
+        smi = next((r for r in results if r.name == "xpu-smi"), None)
+        stack = reading.finish(host, scan.devices, smi)
         pids = tuple(sorted(running.pids))
         idle, problem = baseline.load_baseline(deep.state_dir)
     if problem:
         scan = scan._replace(issues=scan.issues + (problem,))
-    return reconcile.attach(host, scan, results, idle, pids)
+    scan = reconcile.attach(host, scan, results, idle, pids)
+    if stack and scan.deep is not None:
+        scan = scan._replace(deep=scan.deep._replace(versions=stack))
+    return scan
 
 
 def diagnose(
@@ -164,7 +188,8 @@ def diagnose(
     from xpuctl.host.kernel import read_kernel
 
     log, dumps, kernel_issues = read_kernel(host, scan.devices)
-    scan = scan._replace(kernel=log, coredumps=dumps, issues=scan.issues + tuple(kernel_issues))
+    scan = scan._replace(kernel=log, coredumps=dumps, issues=scan.issues + tuple(kernel_issues),
+                         shm=shm_room(host))
     ns = pid_namespace_issue(host)
     if ns is not None:
         scan = scan._replace(issues=scan.issues + (ns,))

@@ -48,6 +48,10 @@ class RebindPlan(NamedTuple):
 
     @property
     def refused(self) -> str | None:
+        if self.device.survivability is not None:
+            return (f"the device is in survivability mode ({self.device.survivability}): a "
+                    "rebind cannot bring it back, only a firmware flash can (see `xpuctl "
+                    "doctor`)")
         if not self.holders:
             return None
         if not self.kill_holders:
@@ -114,7 +118,9 @@ def plan_lines(plan: RebindPlan) -> list[str]:
     out.append(f"  write {d.bdf} > {driver_path(plan.driver, 'bind')}")
     out.append("  wait until its render node is back, then run doctor on it")
     out.append("  a pending crash dump (devcoredump) of the device is lost: save it first")
-    if plan.refused:
+    if plan.refused and plan.device.survivability is not None:
+        out.append(f"refused: {safe(plan.refused)}")
+    elif plan.refused:
         out.append(f"refused: {safe(plan.refused)}; stop them first, or --kill-holders")
     return out
 

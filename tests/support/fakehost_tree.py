@@ -13,7 +13,8 @@ Layout notes (kernel behaviour this mirrors):
   `sys/dev/char/226:<minor>` links to the same node directory. Connectors (`card0-DP-1`) live
   under the card directory and are also linked from `sys/class/drm`.
 - PCI function: `vendor`, `device`, `class`, `subsystem_*`, `uevent`, `driver` ->
-  `../../../../bus/pci/drivers/<driver>`, `drm/` listing its nodes;
+  `../../../../bus/pci/drivers/<driver>`, `drm/` listing its nodes; `survivability_mode`
+  (0400) while xe holds the card in survivability mode (`survivability_text`);
   xe `tile<T>/physical_vram_size_bytes`; i915 backport `lmem_total_bytes` on the card node
   directory.
 - `dev/dri/<node>` are plain empty files (no char devices in a fake tree), with
@@ -178,6 +179,19 @@ def maps_line(
     return head.ljust(73) + path
 
 
+def survivability_text(mode: str = "Runtime", boot_failure: bool = False) -> str:
+    """xe's `survivability_mode` as survivability_mode_show prints it (Linux
+    drivers/gpu/drm/xe/xe_survivability_mode.c): the type line, then, for a boot failure, one
+    `<name>: 0x<reg> - 0x<value>` line per scratch register (these register values are made
+    up; the names are the kernel's)."""
+    text = f"Survivability mode type: {mode}\n"
+    if boot_failure:
+        text += ("Capability Info: 0x138320 - 0x1e0f\n"
+                 "Postcode Info: 0x138324 - 0x51\n"
+                 "Auxiliary Info 0: 0x138330 - 0x0\n")
+    return text
+
+
 # --- the builder ----------------------------------------------------------------------------
 
 
@@ -308,8 +322,12 @@ class FakeHost:
         connectors: list[str] = (),
         subsystem_vendor: int | None = None,
         subsystem_device: int = 0x1100,
+        survivability: str | None = None,
+        drm: bool = True,
     ) -> Path:
-        """Make a DRM device: PCI function, drm nodes, class links, /dev/dri; return the PCI dir."""
+        """Make a DRM device: PCI function, drm nodes, class links, /dev/dri; return the PCI dir.
+        `survivability`: the text of xe's survivability_mode (`survivability_text`); `drm=False`:
+        no DRM node (xe in boot survivability mode makes none)."""
         if bridge is None:  # a root port per device; bridge="" puts it on the root bus (an iGPU)
             self._bridge_no += 1
             bridge = f"0000:00:{self._bridge_no:02x}.0"
@@ -340,7 +358,9 @@ class FakeHost:
         if driver == "xe" and vram_tiles:
             for t, size in enumerate(vram_tiles):
                 self._write(f"sys/{pci_rel}/tile{t}/physical_vram_size_bytes", f"{size}\n")
-        for name in (card, node):
+        if survivability is not None:  # DEVICE_ATTR_ADMIN_RO: root only
+            self._write(f"sys/{pci_rel}/survivability_mode", survivability, mode=0o400)
+        for name in (card, node) if drm else ():
             minor = (
                 int(name[len("renderD") :])
                 if name.startswith("renderD")

@@ -45,6 +45,7 @@ _SCRUB = {
     "XPUCTL_ROOT", "XPUCTL_STATE_DIR", "XPUCTL_VLLM", "XPUCTL_RUN_ID", "XPUCTL_DEBUG",
     "ZE_AFFINITY_MASK", "ONEAPI_DEVICE_SELECTOR", "ZE_FLAT_DEVICE_HIERARCHY",
     "VLLM_WORKER_MULTIPROC_METHOD", "VLLM_PROCESS_NAME_PREFIX", "SPT_NOENV", TOKEN_VAR,
+    "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "ZE_ENABLE_PCI_ID_DEVICE_ORDER",
 }
 
 
@@ -113,13 +114,15 @@ class Rig:
     def serve_cmd(self, vllm_args=(), *, port: int, opts=(), detach=True, drain=2, teardown=2,
                   ready=60, kill_after=1, tp=2, model="fake-model", root: str | None = None,
                   port_before: bool = False):
-        """`port_before`: `serve --port N ... MODEL` (xpuctl's option) instead of after MODEL."""
+        """`port_before`: `serve --port N ... MODEL` (xpuctl's option) instead of after MODEL;
+        `teardown=None`: no --teardown-timeout (serve's default budget)."""
         cmd = [*XPUCTL, "--root", root or self.root.root, "serve"]
         if port_before:
             cmd += ["--port", str(port)]
         cmd += ["--vllm", VLLM_CMD,
                 "--state-dir", self.state, "--drain-timeout", str(drain),
-                "--teardown-timeout", str(teardown), "--ready-timeout", str(ready),
+                *(["--teardown-timeout", str(teardown)] if teardown is not None else []),
+                "--ready-timeout", str(ready),
                 "--kill-after", str(kill_after), *opts]
         if detach:
             cmd.append("--detach")

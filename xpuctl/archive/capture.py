@@ -12,7 +12,8 @@ records and the last 200 lines of each run's log, and the manifest.
 Layout of the archive (one top directory, `xpuctl-snapshot-<host>-<time>/`):
 
     manifest.json   schema xpuctl.snapshot/1: host, time, kernel, version, uid, what could
-                    not be read and why, how the capture read the host
+                    not be read and why, how the capture read the host, the software
+                    stack's versions (probes/versions.py; not recorded files: never replayed)
     index.json      listings, link texts, lstat, resolved paths, fd links, errors
     probes.json     with --deep: the probes' results (xpuctl.probes/1) and the idle baseline
     root/...        file contents at their host paths (proc/<pid>/stat, sys/..., ...)
@@ -246,6 +247,13 @@ def _add(tf: tarfile.TarFile, name: str, data: bytes, mtime: float) -> None:
     tf.addfile(info, io.BytesIO(data))
 
 
+def _versions_start(environ: dict[str, str]) -> Any:
+    """The versions children (probes/versions.py), started before doctor runs."""
+    from xpuctl.probes import versions
+
+    return versions.start(environ)
+
+
 def _probes_doc(deep: DeepOptions, report: Report) -> dict[str, Any] | None:
     """The probes' JSON of a `--deep` capture, with the idle baseline it was judged against."""
     from xpuctl.parse.probes import results_to_json
@@ -274,7 +282,15 @@ def take(
     reader never sees half of one."""
     t0 = time.monotonic()
     rec = RecordingHost(host)
-    report = diagnose(rec, caller_env=environ, deep=deep)  # doctor itself: every read is kept
+    reading = None if deep is not None else _versions_start(environ)
+    try:
+        report = diagnose(rec, caller_env=environ, deep=deep)  # doctor itself: every read is kept
+    except BaseException:
+        if reading is not None:
+            reading.abandon()
+        raise
+    stack = report.scan.deep.versions if report.scan.deep is not None else \
+        reading.finish(host, report.scan.devices) if reading is not None else ()
     probes = _probes_doc(deep, report) if deep is not None else None
     _listings(rec)
     listeners = rec.listeners
@@ -284,6 +300,7 @@ def take(
     state_files, state_problems = _state(state_dir, _secrets(rec, environ))
     unreadable = _unreadable(index) + state_problems
     manifest = _manifest(host, rec, at, environ, probes is not None, unreadable, index, contents, state_files)
+    manifest["versions"] = [v._asdict() for v in stack]  # kernel, driver, runtimes, packages
     top = default_name(host, at)
     members = 2 + (probes is not None) + len(contents) + len(state_files)
 
@@ -324,6 +341,7 @@ def _manifest(host: Host, rec: RecordingHost, at: float, environ: dict[str, str]
         "tcp_listeners": "netlink" if rec.proc_is_live else "/proc/net/tcp",
         "caller_env": redact.env_dict(environ),
         "deep": deep,
+        "statvfs": rec.statvfs_seen,  # /dev/shm's [size, free] as doctor saw it
         "unreadable": unreadable,
         "contents": {
             "files": len(contents),

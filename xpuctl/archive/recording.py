@@ -59,6 +59,7 @@ class RecordingHost(Host):
         self.sizes: dict[str, int | dict] = {}
         self.taken_at: float | None = None
         self.listeners: list | None = None  # the first scan's TCP LISTEN sockets
+        self.statvfs_seen: dict[str, list | dict] = {}  # /dev/shm's room: the manifest keeps it
 
     # -- what the scan sees of its own situation: the wrapped host's ---------------------
     @property
@@ -151,6 +152,11 @@ class RecordingHost(Host):
 
     def exists(self, hostpath: str) -> bool:
         return self.existence.setdefault(hostpath, self.inner.exists(hostpath))
+
+    def statvfs(self, hostpath: str) -> tuple[int, int]:
+        size, free = self._answer(self.statvfs_seen, hostpath,
+                                  lambda: list(self.inner.statvfs(hostpath)))
+        return size, free
 
     def stat_rdev(self, hostpath: str) -> tuple[int, int] | None:
         rdev = self.inner.stat_rdev(hostpath)

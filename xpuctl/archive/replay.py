@@ -27,12 +27,13 @@ from typing import Any, NamedTuple
 
 from xpuctl.archive.recording import raise_rec
 from xpuctl.archive.unpack import unpack
-from xpuctl.core.model import FileInfo, Issue
+from xpuctl.core.model import FileInfo, Issue, Version
 from xpuctl.doctor import RecordedProbes
 from xpuctl.errors import UsageError
 from xpuctl.host.reads.protocol import BlockedRead
 from xpuctl.host.seam import Host
 from xpuctl.parse.archive import Index, Manifest, parse_index, parse_manifest
+from xpuctl.parse.versions import version_records
 
 
 class ArchiveHost(Host):
@@ -110,6 +111,16 @@ class ArchiveHost(Host):
         if hostpath in self.index.sizes:
             return min(limit, int(self._replay(self.index.sizes, hostpath)))
         return super().size_by_reading(hostpath, limit)
+    def statvfs(self, hostpath: str) -> tuple[int, int]:
+        """The capture's answer (manifest `statvfs`), never the unpacked tree's filesystem."""
+        seen = self.manifest.data.get("statvfs")
+        value = seen.get(hostpath) if isinstance(seen, dict) else None
+        if isinstance(value, dict) and "error" in value:
+            raise OSError(f"{hostpath}: {str(value['error'])[:200]}")
+        if (isinstance(value, list) and len(value) == 2
+                and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value)):
+            return value[0], value[1]
+        raise OSError(errno.ENODATA, "not in the snapshot", hostpath)
 
     def listdir(self, hostpath: str) -> list[str]:
         self._inside(hostpath)
@@ -213,6 +224,9 @@ def open_snapshot(path: str) -> Iterator[Opened]:
         if not os.path.isdir(root):
             os.mkdir(root, 0o700)  # nothing was readable: every answer is in the index
         probes = _probes(top, path)
+        if probes is not None:  # the stack's versions doctor --deep read at capture
+            probes = probes._replace(versions=tuple(
+                Version(*v) for v in version_records(manifest.data.get("versions"))))
         yield Opened(ArchiveHost(root, manifest, index, os.path.abspath(path)), manifest, top,
                      probes)
     finally:

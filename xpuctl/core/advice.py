@@ -4,7 +4,8 @@ Advice only: xpuctl never sets these itself (docs/oneccl.md has the table). Sour
 #50545 / oneCCL #215 (ring all-reduce), vLLM #41663 (IPC handle cache), #48953 and
 llm-scaler #486 (IPC exchange), oneCCL #209 (KVS interface), torch-ccl #71 (sockets exchange
 crash), vLLM #14612 and ipex-llm #12990 (render nodes not visible), vLLM #10109 (oneCCL
-workers), vLLM #27313 (shared memory broadcast).
+workers), vLLM #27313 (shared memory broadcast), oneCCL's own sources and real oneCCL runs
+(atl_ofi_helper.cpp: fi_getinfo -61; internal_kvs.cpp: the KVS connection limit).
 """
 
 from __future__ import annotations
@@ -77,6 +78,28 @@ SHM_BROADCAST = Mitigation(
     "a collective or a compilation, or is gone",
     "none to look; restarting drops the requests in flight",
 )
+SHM_ROOM = Mitigation(
+    "xpuctl reset, then room in /dev/shm (`df -h /dev/shm`; a container's --shm-size)",
+    "oneCCL's transport needs libfabric shared-memory regions (64 MiB each, "
+    "/dev/shm/<pid>:<uid>:<n>); a SIGKILLed rank leaks them, and with /dev/shm full "
+    "fi_getinfo finds no provider (ret -61) and the ATL does not start; reset removes the "
+    "leaked regions once their ranks are gone",
+    "none for a stopped server; a larger /dev/shm takes host memory",
+)
+FI_PROVIDER = Mitigation(
+    "check FI_PROVIDER (unset it, or name a provider this libfabric has: shm, tcp)",
+    "a provider libfabric lacks (e.g. a host's cxi inside a container) also makes fi_getinfo "
+    "find none (ret -61)",
+    "none; tcp between ranks of one host is slower than shm",
+)
+KVS_WAIT = Mitigation(
+    "wait a minute after a killed run, or unset CCL_KVS_PORT (oneCCL then picks a free port "
+    "from 4096 up)",
+    "a KVS port reused within 60 s of a SIGKILL is in TIME_WAIT: oneCCL's KVS waits 120 s "
+    "for it, then kvs_init gives up; an unreachable master (another host, a firewall) "
+    "looks the same",
+    "the wait; a port oneCCL picks must be free between the ranks (one host: any)",
+)
 READY_TIMEOUT = Mitigation(
     "serve --ready-timeout SECONDS",
     "a start that was still making progress may only have been slow (a large model)",
@@ -95,6 +118,9 @@ BY_SIGNATURE: dict[str, tuple[Mitigation, ...]] = {
     "oneccl-workers": (WORKERS,),
     "segfault": (CRASH_LOG, RESET),
     "shm-broadcast": (SHM_BROADCAST, RESET, RING, IPC_CACHE),
+    "atl-init": (SHM_ROOM, FI_PROVIDER),
+    "kvs-timeout": (KVS_WAIT, KVS_IFACE),
+    "oneccl-exception": (CRASH_LOG, RESET),
 }
 
 

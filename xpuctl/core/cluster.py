@@ -138,7 +138,7 @@ def _argv_bytes(d: dict[str, Any]) -> int:
 def device_of(d: dict[str, Any]) -> Device:
     return Device(str(d["bdf"]), d.get("vendor_id"), d.get("device_id"), d.get("driver"),
                   d.get("render_node"), d.get("card_node"), (), d.get("memory_total_bytes"),
-                  d.get("index"))
+                  d.get("index"), d.get("survivability"))
 
 
 def scan_of(doc: dict[str, Any]) -> Scan:

@@ -46,6 +46,9 @@ class Device(NamedTuple):
     minors: tuple[int, ...]
     memory_total_bytes: int | None
     index: int | None = None  # type: ignore[assignment]  # a field named index shadows tuple.index, never called on a record; Level Zero order (Intel devices sorted by BDF); None otherwise
+    # xe's survivability_mode (Boot | Runtime | unknown) while the card is in it, else None:
+    # only a firmware flash brings it back (parse/survivability.py)
+    survivability: str | None = None
 
     @property
     def is_intel(self) -> bool:
@@ -209,6 +212,7 @@ class Port(NamedTuple):
     state: str  # listen | free
     role: str | None = None
     orphan: bool = False
+    kind: str | None = None  # oneccl-kvs: oneCCL's KVS listener, by proof (core/oneccl.py)
 
 
 class Finding(NamedTuple):
@@ -238,6 +242,15 @@ class RuntimeView(NamedTuple):
     invisible_pids: tuple[int, ...]  # reported by a probe, absent from /proc
 
 
+class Version(NamedTuple):
+    """One piece of the software stack and its version (probes/versions.py)."""
+
+    name: str  # kernel | xe | i915 | level-zero-loader | level-zero-gpu | oneccl | torch | ...
+    version: str | None
+    source: str | None  # where it was read (a path, a package, a command)
+    why: str | None = None  # why it is unknown
+
+
 class Deep(NamedTuple):
     """What `--deep` added to a scan: every probe's result and the per-device reconciliation."""
 
@@ -245,6 +258,7 @@ class Deep(NamedTuple):
     devices: tuple[RuntimeView, ...]
     probe_pids: tuple[int, ...] = ()  # the probe children, left out of every result
     lost_unplaced: tuple[str, ...] = ()  # "probe: why" for lost devices without a PCI address
+    versions: tuple[Version, ...] = ()  # the software stack (kernel, driver, runtimes, packages)
 
     def device(self, bdf: str) -> RuntimeView | None:
         return next((d for d in self.devices if d.bdf == bdf), None)
@@ -341,6 +355,15 @@ class KernelLog(NamedTuple):
         return self.boot_time + event.record.seconds if self.boot_time is not None else None
 
 
+class ShmRoom(NamedTuple):
+    """The filesystem under /dev/shm (statvfs): vLLM's MessageQueue rings and libfabric's
+    regions live there (core/shmroom.py)."""
+
+    path: str  # host path
+    size_bytes: int
+    free_bytes: int  # what an unprivileged writer may still use (f_bavail)
+
+
 class Coredump(NamedTuple):
     """A GPU crash dump the kernel holds for a device (devcoredump) until it is read or freed."""
 
@@ -412,6 +435,7 @@ class Scan(NamedTuple):
     collective: CollectiveResult | None = None  # doctor --collective
     records: tuple[RecordIssue, ...] = ()  # the state directory's stale and damaged records
     runs: tuple[RunHealth, ...] = ()  # the live runs of the state directory (doctor)
+    shm: ShmRoom | None = None  # /dev/shm's size and room (doctor); None: not read
 
     def process(self, pid: int) -> Process | None:
         for p in self.processes:

@@ -3,6 +3,11 @@
 Source: `/sys/class/drm/renderD128/device` links to the PCI function (`0000:03:00.0`), which
 holds `vendor`, `device` and `driver` (a link to `…/drivers/xe`); `dev` holds `226:128`.
 Equivalent: `intel_gpu_top -L`, `xpu-smi discovery`.
+
+A card xe holds in survivability mode has `survivability_mode` in its PCI directory
+(parse/survivability.py); in boot survivability xe makes no DRM node for it, so the cards xe
+is bound to (`/sys/bus/pci/drivers/xe/<bdf>`) are looked at too: such a card is listed without
+nodes and without a Level Zero index (Level Zero does not see it).
 """
 
 from __future__ import annotations
@@ -15,7 +20,10 @@ from xpuctl.host.seam import Host
 
 DRM_MAJOR = 226
 _NODE_RE = re.compile(r"^(card|renderD)(\d+)$")
+_BDF_RE = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
 SYS_DRM = "/sys/class/drm"
+XE_BOUND = "/sys/bus/pci/drivers/xe"
+SURVIVABILITY = "survivability_mode"
 
 
 def _read_strip(host: Host, path: str) -> str | None:
@@ -33,6 +41,42 @@ def _minor_of(host: Host, name: str, number: int) -> int | None:
             return int(minor) if int(major) == DRM_MAJOR else None
     # no `dev` file: the node name carries the minor (renderD128 -> 128, card0 -> 0)
     return number
+
+
+def _survivability(host: Host, pci: str) -> str | None:
+    """The card's survivability mode type, None when it is not in survivability mode. The
+    file is root-only: one that exists but cannot be read is `unknown`."""
+    path = f"{pci}/{SURVIVABILITY}"
+    if not host.exists(path):
+        return None
+    from xpuctl.parse.survivability import UNKNOWN, survivability_type
+
+    try:
+        return survivability_type(host.read_text(path, 4096))
+    except OSError:
+        return UNKNOWN
+
+
+def _nodeless(host: Host, known: set[str]) -> list[Device]:
+    """Cards xe is bound to that have no DRM node and are in (boot) survivability mode."""
+    try:
+        names = host.listdir(XE_BOUND)
+    except OSError:
+        return []
+    out = []
+    for bdf in sorted(n for n in names if _BDF_RE.match(n) and n not in known):
+        try:
+            pci = host.resolve(f"{XE_BOUND}/{bdf}")
+        except OSError:
+            continue
+        mode = _survivability(host, pci)
+        if mode is None:
+            continue
+        out.append(Device(bdf=bdf, vendor_id=_norm_id(_read_strip(host, f"{pci}/vendor")),
+                          device_id=_norm_id(_read_strip(host, f"{pci}/device")), driver="xe",
+                          render_node=None, card_node=None, minors=(), memory_total_bytes=None,
+                          survivability=mode))
+    return out
 
 
 def _memory_total(host: Host, pci: str, card: str | None, driver: str | None) -> int | None:
@@ -116,8 +160,10 @@ def _scan_devices(host: Host) -> tuple[list[Device], list[Issue]]:
                 card_node=f"/dev/dri/{rec['card']}" if rec["card"] else None,
                 minors=tuple(sorted(rec["minors"])),
                 memory_total_bytes=_memory_total(host, pci, rec["card"], driver),
+                survivability=_survivability(host, pci) if driver == "xe" else None,
             )
         )
+    devices.extend(_nodeless(host, set(by_bdf)))
     return number_devices(devices), issues
 
 
@@ -131,9 +177,10 @@ def _norm_id(value: str | None) -> str | None:
 
 
 def number_devices(devices: list[Device]) -> list[Device]:
-    """Intel devices first, in BDF order with their Level Zero index; then the others."""
-    intel = sorted((d for d in devices if d.is_intel), key=lambda d: d.bdf)
-    other = sorted((d for d in devices if not d.is_intel), key=lambda d: d.bdf)
+    """Intel devices first, in BDF order with their Level Zero index; then the others. A
+    card without a DRM node (boot survivability) is invisible to Level Zero: no index."""
+    intel = sorted((d for d in devices if d.is_intel and d.nodes), key=lambda d: d.bdf)
+    other = sorted((d for d in devices if not (d.is_intel and d.nodes)), key=lambda d: d.bdf)
     return [d._replace(index=i) for i, d in enumerate(intel)] + [
         d._replace(index=None) for d in other
     ]

@@ -18,6 +18,7 @@ from xpuctl.core.model import (
     Scan,
     Unreadable,
 )
+from xpuctl.core.oneccl import KVS, kvs_port
 from xpuctl.core.rules import Facts, judge, match
 from xpuctl.core.trees import Member, resolve
 from xpuctl.host.ahead import key
@@ -37,6 +38,7 @@ from xpuctl.host.seam import CLK_TCK, Host  # noqa: F401 (CLK_TCK: cli's own-age
 from xpuctl.host.split import in_two
 from xpuctl.parse.net import TcpSocket, parse_tcp, parse_unix_paths
 from xpuctl.parse.procfs import (
+    maps_library,
     parse_boot_time,
     parse_environ,
     parse_maps_paths,
@@ -209,12 +211,31 @@ def listening_sockets(host: Host) -> list[TcpSocket]:
     return out
 
 
+def _kvs_owners(host: Host, port: int, pids: list[int], procs: dict[int, Process],
+                cache: dict[int, bool]) -> set[int]:
+    """The pids among a listener's owners that prove it is oneCCL's KVS (core/oneccl.py): the
+    port is the KVS's and the process maps libccl (its maps read once, bounded)."""
+    out = set()
+    for pid in pids:
+        p = procs.get(pid)
+        if not kvs_port(port, p.env if p is not None else None):
+            continue
+        if pid not in cache:
+            data = read_optional(host, f"/proc/{pid}/maps", 64 << 20)
+            text = data.decode("utf-8", "surrogateescape") if data else ""
+            cache[pid] = maps_library(text, "libccl")
+        if cache[pid]:
+            out.add(pid)
+    return out
+
+
 def _ports(host: Host, fds: FdTable, procs: dict[int, Process], port: int | None) -> list[Port]:
     listeners = listening_sockets(host)
     host.found_listeners(listeners)
     out: list[Port] = []
     seen: set[tuple[int, int | None]] = set()
     serving_found = False
+    maps_ccl: dict[int, bool] = {}
     for sock in listeners:
         pids = fds.sockets.get(sock.inode, [])
         owners = [procs.get(pid) for pid in pids]
@@ -222,11 +243,12 @@ def _ports(host: Host, fds: FdTable, procs: dict[int, Process], port: int | None
         # run started that Ray
         vllm_owners = [p for p in owners if p is not None and p.role not in (None, RAY)]
         is_serving = port is not None and sock.port == port
-        if not is_serving and not vllm_owners:
+        kvs = _kvs_owners(host, sock.port, pids, procs, maps_ccl)
+        if not is_serving and not vllm_owners and not kvs:
             continue
         for pid in pids or (None,):
             p = procs.get(pid) if pid is not None else None
-            if not is_serving and (p is None or p.role in (None, RAY)):
+            if not is_serving and pid not in kvs and (p is None or p.role in (None, RAY)):
                 continue
             key = (sock.port, pid)
             if key in seen:
@@ -241,6 +263,7 @@ def _ports(host: Host, fds: FdTable, procs: dict[int, Process], port: int | None
                     "listen",
                     p.role if p else None,
                     bool(p and p.orphan),
+                    KVS if pid in kvs else None,
                 )
             )
     if port is not None and not serving_found:

@@ -225,6 +225,17 @@ class Host:
             return None
         return os.major(st.st_rdev), os.minor(st.st_rdev)
 
+    def statvfs(self, hostpath: str) -> tuple[int, int]:
+        """(size, free) in bytes of the filesystem mounted at the path (free: f_bavail, what a
+        user who is not root may still write). Under a root the path must be a mount point of
+        its own (a tmpfs mounted there): a plain directory of a tree on some disk says nothing
+        about a host's /dev/shm. Raises OSError."""
+        path = self.root + hostpath
+        if self.root and os.stat(path).st_dev == os.stat(os.path.dirname(path)).st_dev:
+            raise OSError(f"{hostpath}: not a filesystem of its own under {self.root}")
+        st = os.statvfs(path)
+        return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+
     def exists(self, hostpath: str) -> bool:
         return os.path.lexists(self.root + hostpath)
 

@@ -78,6 +78,7 @@ def device_dict(d: Device, scan: Scan) -> dict[str, Any]:
         "vendor_id": d.vendor_id,
         "device_id": d.device_id,
         "intel": d.is_intel,
+        "survivability": d.survivability,  # xe's survivability_mode: Boot | Runtime | unknown
         "memory_used_bytes": scan.memory_used(d.bdf),  # fdinfo: shared buffers counted once
         "memory_shared_bytes": scan.memory_shared(d.bdf),  # fdinfo drm-shared, per client, summed
         "memory_resident_bytes": scan.memory_resident(d.bdf),  # fdinfo drm-resident
@@ -169,6 +170,7 @@ def port_dict(p: Port) -> dict[str, Any]:
         "state": p.state,
         "role": p.role,
         "orphan": p.orphan,
+        "kind": p.kind,  # oneccl-kvs: oneCCL's KVS listener (its process maps libccl)
     }
 
 
@@ -220,6 +222,9 @@ def doctor_dict(report: Report) -> dict[str, Any]:
         "blocked_reads": blocked_dicts(scan),
         "probes": [probe_dict(r) for r in scan.deep.probes] if scan.deep else [],
         "collective": collective_dict(scan.collective) if scan.collective else None,
+        "shm": scan.shm._asdict() if scan.shm else None,  # /dev/shm: path, size_bytes, free_bytes
+        # --deep: the software stack, each {name, version, source, why} (why: it is unknown)
+        "versions": [v._asdict() for v in scan.deep.versions] if scan.deep else None,
     }
 
 

@@ -127,6 +127,13 @@ def probes_line(scan: Scan) -> Any:
     return line
 
 
+def versions_line(versions: Any) -> str:
+    """`versions: kernel 6.8.0-45-generic, xe 6.8.0-45-generic, ..., ray ? (not installed …)`."""
+    parts = [f"{v.name} {safe(v.version, 64)}" if v.version else f"{v.name} ? ({safe(v.why, 120)})"
+             for v in versions]
+    return "versions: " + ", ".join(parts)
+
+
 def processes_table(scan: Scan, title: str = "Processes", width: int = 120) -> Any:
     """A ps-style listing (rich's Table squeezes short columns when a command is long)."""
     from rich.text import Text
@@ -180,6 +187,28 @@ def _health_cell(r: Any, now: float) -> str:
     from xpuctl.core.watch import judge
 
     return judge(r.state, health, now).status
+def ports_table(scan: Scan) -> Any:
+    """The listeners doctor tied to something: the serving port, vLLM's, oneCCL's KVS."""
+    from rich.text import Text
+
+    heads = ["PORT", "ADDRESS", "PID", "WHAT"]
+    rows = []
+    for p in scan.ports:
+        if p.pid is None:
+            continue
+        what = "oneCCL KVS" if p.kind == "oneccl-kvs" else ""
+        if p.role:
+            what = f"{what} of {p.role}" if what else p.role
+        what = (what or "-") + (" ORPHAN" if p.orphan else "")
+        rows.append([str(p.port), safe(p.address or "-", 64), str(p.pid), safe(what, 64)])
+    widths = [max([len(heads[i])] + [len(r[i]) for r in rows]) for i in range(len(heads))]
+    out = Text()
+    for i, row in enumerate([heads, *rows]):
+        if i:
+            out.append("\n")
+        line = "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+        out.append(line, style="bold" if i == 0 else None)
+    return out
 
 
 def runs_table(rows: list[Any]) -> Any:
@@ -263,8 +292,16 @@ def print_doctor(console: Console, report: Report) -> None:
     line = probes_line(scan)
     if line:
         console.print(line, highlight=False)
+    if scan.deep is not None and scan.deep.versions:
+        console.print(Text(versions_line(scan.deep.versions)), highlight=False)
+    if scan.shm is not None:
+        console.print(Text(f"{scan.shm.path}: {human_bytes(scan.shm.size_bytes)}, "
+                           f"{human_bytes(scan.shm.free_bytes)} free"), highlight=False)
     if scan.processes:
         console.print(processes_table(scan, width=console.width), no_wrap=True, crop=True)
+    if any(p.pid is not None for p in scan.ports):
+        _heading(console, "Ports")
+        console.print(ports_table(scan), no_wrap=True, crop=True)
     stale = [a for a in scan.artifacts if a.stale]
     if stale:
         from rich.table import Table

@@ -15,8 +15,9 @@ The driver records (see docs/kernel.md for each message's source):
   GPU, declaring it wedged!", "Failed to idle engines, declaring wedged!", "Failed to reset chip";
 - hang or reset (a warning): i915's "GPU HANG: ecode …" (i915_gpu_error.c) and "Resetting chip
   for …" / "Resetting ENGINE for …" (intel_reset.c, intel_engine_heartbeat.c); xe's "Timedout
-  job: …" (xe_guc_submit.c), "GT0: reset failed", "GuC engine reset request failed", "Xe
-  device coredump has been created" (xe_gt.c, xe_guc_submit.c, xe_devcoredump.c);
+  job: …", "Engine reset: engine_class=…" (xe_guc_submit.c), "GT0: reset started", "GT0: reset
+  failed", "GuC engine reset request failed", "Xe device coredump has been created" (xe_gt.c,
+  xe_guc_submit.c, xe_devcoredump.c);
 - initialised: drm_dev_register's "[drm] Initialized DRIVER X.Y.Z [DATE] for BDF on minor N"
   (Linux drivers/gpu/drm/drm_drv.c): the device came back (a rebind, a module reload).
 
@@ -85,6 +86,12 @@ _HANGS = (
     re.compile(r"Resetting chip for "),
     re.compile(r"Resetting \w+ for "),
     re.compile(r"Timedout job: "),
+    # xe_guc_submit.c xe_guc_exec_queue_reset_handler: xe_gt_info "Engine reset:
+    # engine_class=%s, logical_mask: 0x%x, guc_id=%d" (the GuC reset an engine)
+    re.compile(r"Engine reset: engine_class="),
+    # xe_gt.c gt_reset: xe_gt_info "reset started" (printed "GT0: reset started", "Tile0: GT0:
+    # reset started" on newer kernels); drm_info "GT reset started" before the GT prefix
+    re.compile(r"\bGT\d+: reset started|\bGT reset started"),
     re.compile(r"GT\d+: reset failed"),
     re.compile(r"GuC engine reset request failed"),
     re.compile(r"Xe device coredump has been created"),

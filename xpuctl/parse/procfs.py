@@ -161,6 +161,19 @@ def parse_maps_paths(text: str) -> set[str]:
     return paths
 
 
+def maps_library(text: str, stem: str) -> bool:
+    """Does /proc/<pid>/maps map a shared library named `stem.so*` (`libccl` matches
+    `/opt/.../libccl.so.1`, also one deleted since it was mapped)?"""
+    want = f"/{stem}.so"
+    for line in text.splitlines():
+        parts = line.split(None, 5)
+        if len(parts) == 6 and want in parts[5]:
+            name = parts[5].removesuffix(" (deleted)").rsplit("/", 1)[-1]
+            if name == want[1:] or name.startswith(want[1:] + "."):
+                return True
+    return False
+
+
 def parse_boot_time(text: str) -> float | None:
     """`btime` from /proc/stat: boot time in seconds since the epoch."""
     for line in text.splitlines():

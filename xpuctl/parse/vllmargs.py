@@ -86,3 +86,24 @@ def port_from_argv(argv: Sequence[str]) -> tuple[int | None, str | None]:
         elif arg.startswith("--host="):
             bind = arg[7:]
     return port, bind
+
+
+_SIZE_FLAGS = {"--tensor-parallel-size": 0, "--tensor_parallel_size": 0, "-tp": 0,
+               "--pipeline-parallel-size": 1, "--pipeline_parallel_size": 1, "-pp": 1}
+
+
+def parallel_sizes(argv: Sequence[str]) -> tuple[int, int]:
+    """(tensor-parallel, pipeline-parallel) sizes from vLLM's argv (`--tensor-parallel-size N`,
+    `-tp N`, `=N` forms; the pipeline ones alike); 1 where not given or not whole numbers. The
+    last of each wins, as with argparse."""
+    sizes = [1, 1]
+    for i, arg in enumerate(argv):
+        key, eq, value = arg.partition("=")
+        which = _SIZE_FLAGS.get(key)
+        if which is None:
+            continue
+        if not eq:
+            value = argv[i + 1] if i + 1 < len(argv) else ""
+        if _digits(value) and 0 < int(value) <= 4096:
+            sizes[which] = int(value)
+    return sizes[0], sizes[1]

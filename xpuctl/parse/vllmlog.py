@@ -131,6 +131,21 @@ _SIGNATURES: tuple[tuple[str, str, str, re.Pattern[str]], ...] = (
     # worker # 0`
     ("oneccl-workers", "a oneCCL crash starting its workers (start_workers)", "crash",
      re.compile(r"start_workers: EXCEPTION|failed to start worker")),
+    # oneCCL's atl_ofi_helper.cpp (LOG_ERROR "fi_getinfo error: ret ", ret, ", providers ", ...);
+    # seen with real oneCCL (field notes, 2026-12) and in a public runbook: `|CCL_ERROR|
+    # atl_ofi_helper.cpp:1118 atl_ofi_get_prov_list: fi_getinfo error: ret -61, providers 0`,
+    # then `failed to initialize ATL`. -61 is ENODATA: libfabric found no provider
+    ("atl-init", ("a oneCCL crash starting its transport (ATL: libfabric found no provider, "
+     "fi_getinfo -61): leaked libfabric shared-memory regions (/dev/shm/<pid>:<uid>:<n>) or a "
+     "full /dev/shm, or an FI_PROVIDER this libfabric lacks"), "crash",
+     re.compile(r"fi_getinfo error: ret -61\b|failed to initiali[sz]e ATL\b")),
+    # oneCCL's internal_kvs.cpp kvs_init: LOG_ERROR("connection time (", t, ") >= limit (",
+    # CONNECTION_TIMEOUT, ")"), CONNECTION_TIMEOUT = 120; seen with real oneCCL (field notes,
+    # 2026-12): a fixed KVS port reused within 60 s of a SIGKILL is in TIME_WAIT
+    ("kvs-timeout", ("a oneCCL crash: its KVS could not connect to its master in time "
+     "(kvs_init connection time limit): a KVS port in TIME_WAIT after a killed run, or an "
+     "unreachable master"), "crash",
+     re.compile(r"kvs_init: connection time \(\d+\) >= limit \(\d+\)")),
     # the issue's own lines (issue 22 §4): `Segfault encountered` (torch's signal handler)
     ("segfault", "a segmentation fault", "crash",
      re.compile(r"Segfault encountered|Segmentation fault|\bSIGSEGV\b")),
@@ -146,15 +161,24 @@ _SIGNATURES: tuple[tuple[str, str, str, re.Pattern[str]], ...] = (
     # vLLM #27313, #51986 (shm_broadcast.py): `No available shared memory broadcast block found
     # in 60 seconds. This typically happens when some processes are hanging ...`: a worker
     # stopped answering its engine
-    ("shm-broadcast", ("a worker that stopped answering its engine (no shared memory broadcast "
-     "block in 60 s)"), "hang",
+    ("shm-broadcast", ("vLLM's shm-broadcast hang: a worker that stopped answering its engine "
+     "(no shared memory broadcast block in 60 s)"), "hang",
      re.compile(r"No available shared memory broadcast block found in \d+ seconds")),
+    # any other oneCCL exception vLLM raises (`RuntimeError: oneCCL: FILE.cpp:N FUNC:
+    # EXCEPTION: ...`, the form of vLLM #14612 and #10109 above): the start crashed
+    ("oneccl-exception", "a oneCCL crash (an exception in oneCCL)", "crash",
+     re.compile(r"oneCCL: \S+\.(?:cpp|hpp|c):\d+ \w+: EXCEPTION")),
 )
 
 
 def crashed(signatures: list[LogSignature] | tuple[LogSignature, ...]) -> bool:
     """Did the start end in an error (a crash) rather than stop making progress?"""
     return any(s.kind == "crash" for s in signatures)
+
+
+def first_crash(signatures: list[LogSignature] | tuple[LogSignature, ...]) -> LogSignature | None:
+    """The crash that ended a start (the first in the log), or None."""
+    return next((s for s in signatures if s.kind == "crash"), None)
 
 
 def hang_signatures(lines: list[str], ever_ready: bool) -> list[LogSignature]:
@@ -167,9 +191,11 @@ def hang_signatures(lines: list[str], ever_ready: bool) -> list[LogSignature]:
     seen: set[str] = set()
     for line in lines:
         for key, what, kind, rx in _SIGNATURES:
-            if key not in seen and rx.search(line):
-                seen.add(key)
-                out.append(LogSignature(key, what, line.strip(), kind))
+            if rx.search(line):  # a line is its first signature (the specific before the general)
+                if key not in seen:
+                    seen.add(key)
+                    out.append(LogSignature(key, what, line.strip(), kind))
+                break
     out.sort(key=lambda s: s.kind != "crash")  # stable: log order within each kind
     if not ever_ready and not crashed(out) and furthest_phase(lines).key == "oneccl":
         out.insert(0, LogSignature("xccl-stuck", "start-up stuck after backend=xccl", ""))

@@ -6,7 +6,8 @@ lines; with `-j` v1 prints {"cli_version": ..., "xpum_version": ...}.
 `discovery -j`: {"device_list": [{"device_id": 0, "pci_bdf_address": "0000:03:00.0",
 "device_name": ..., ...}]}; v2 adds "device_state" ("normal", or "survivability mode (firmware
 update and cold reset are recommended for device recovery)": xpumanager ial/cmn/cmd_discovery.h) and
-prints {"device_list": null} when it finds no device (xpumanager ial/cmn/cmd_discovery.cpp).
+prints {"device_list": null} when it finds no device (xpumanager ial/cmn/cmd_discovery.cpp),
+and then `ps -j` prints nothing (or fails: no device handle; ial/cmn/cmd_ps.cpp): no device.
 `ps -j`: {"device_util_by_proc_list": [{"process_id", "process_name", "device_id",
 "mem_size", "shared_mem_size", ["engines"]}]}; sizes are kB, and which kB depends on the
 version: xpumanager before 1.3.1 divides bytes by 1000 (xpumanager cli/src/core_stub/lib_core_stub.cpp
@@ -192,13 +193,18 @@ def probe_result(discovery: tuple[int | None, str], ps: tuple[int | None, str],
     if ver is None:
         notes.append("xpu-smi --version gave no version: the unit of `ps -j` sizes (kB of 1000 "
                      "bytes before xpumanager 1.3.1, 1024 since) is unknown, its sizes are not used")
-    try:
-        if ps[0] != 0:
-            return fail("ps", ps[0], ps[1], None)
-        procs = parse_ps(ps[1], ver.kb if ver else None)
-    except XpuSmiError as exc:
-        return fail("ps", ps[0], ps[1], exc)
-    if not devs:
+    procs: tuple[SmiProcess, ...] = ()
+    if devs:
+        try:
+            if ps[0] != 0:
+                return fail("ps", ps[0], ps[1], None)
+            procs = parse_ps(ps[1], ver.kb if ver else None)
+        except XpuSmiError as exc:
+            return fail("ps", ps[0], ps[1], exc)
+    else:
+        # v2 with no device: discovery prints {"device_list": null}, and `ps -j` has no device
+        # to print a process of (an empty reply, or "Device handle not found" and a non-zero
+        # exit: xpumanager ial/cmn/cmd_ps.cpp); the answer is "no device", not a failed call
         notes.append("xpu-smi sees no device")
     for d in devs:
         if d.state is not None and _device_state(d)[0] == "ok" and d.state.strip().lower() != NORMAL_STATE:

@@ -1,9 +1,12 @@
 """Launch planning: the vLLM command line, environment and devices of a run (no process
 is started here).
 
-vLLM gets a forced `--shutdown-timeout` (drain plus teardown), unless it predates the flag;
+vLLM gets a forced `--shutdown-timeout` (drain plus teardown), unless it predates the flag,
+and VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS from the teardown budget (serve/budget.py);
 `--port`/`--host` given before MODEL are passed on once; `--devices` become
-ZE_AFFINITY_MASK; the run id goes into the environment for finding the run's processes.
+ZE_AFFINITY_MASK, in PCI order (ZE_ENABLE_PCI_ID_DEVICE_ORDER=1); the run id goes into the
+environment for finding the run's processes. A value the user set is kept (said when it
+works against serve's budget or order).
 """
 
 from __future__ import annotations
@@ -16,18 +19,27 @@ import shutil
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from xpuctl.errors import UsageError
+from xpuctl.core.model import Device
+from xpuctl.errors import UsageError, XpuctlError
 from xpuctl.host import notify
 from xpuctl.host.devices import device_specs, scan_devices, select_devices
 from xpuctl.host.programs import interpreter_of
 from xpuctl.host.seam import Host
+from xpuctl.output.safetext import safe
 from xpuctl.parse.vllmargs import merge_shared, port_from_argv, strip_flag
-from xpuctl.serve.budget import MIN_SHUTDOWN_TIMEOUT, vllm_shutdown_timeout
+from xpuctl.serve.budget import (
+    MIN_SHUTDOWN_TIMEOUT,
+    VLLM_SIGTERM_GRACE,
+    WORKER_TIMEOUT_VAR,
+    vllm_shutdown_timeout,
+    worker_shutdown_timeout,
+)
 
 if TYPE_CHECKING:  # types only: imported where used
     from xpuctl.doctor import DeepOptions
 
 FLAG_VERSION = (0, 18)  # first vLLM with --shutdown-timeout
+PCI_ORDER_VAR = "ZE_ENABLE_PCI_ID_DEVICE_ORDER"  # Level Zero enumerates in PCI order when 1
 DEFAULT_VLLM = "vllm serve"
 _VERSION_RE = re.compile(r"^(vllm(?:[_-][a-z]+)?)-(\d+(?:\.\d+)*)[^/]*\.dist-info$", re.IGNORECASE)
 
@@ -130,6 +142,12 @@ def _shutdown_timeout(opts: ServeOptions, vllm_args: list[str], version: str | N
             shutdown_timeout = MIN_SHUTDOWN_TIMEOUT
         else:
             shutdown_timeout = n
+            if n != wanted:
+                notes.append(
+                    f"--shutdown-timeout {n} given to vLLM replaces serve's {wanted}s "
+                    f"(--drain-timeout {opts.drain_timeout:g} + --teardown-timeout "
+                    f"{opts.teardown_timeout:g}): vLLM drains and tears down within {n}s"
+                )
     if not supports_flag:
         notes.append(
             f"vLLM {version} predates --shutdown-timeout (0.18): not passing it; shutdown waits "
@@ -139,25 +157,70 @@ def _shutdown_timeout(opts: ServeOptions, vllm_args: list[str], version: str | N
     return args, shutdown_timeout
 
 
+def _worker_timeout(env: dict[str, str], teardown: float, notes: list[str]) -> None:
+    """VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS from the teardown budget, unless the user set it
+    (kept; said when it does not fit the budget)."""
+    wanted = worker_shutdown_timeout(teardown)
+    given = env.get(WORKER_TIMEOUT_VAR)
+    if given is None:
+        env[WORKER_TIMEOUT_VAR] = str(wanted)
+        return
+    value = given.strip()
+    if not (value.isascii() and value.isdigit()):
+        notes.append(f"{WORKER_TIMEOUT_VAR}={safe(given, 40)} kept (yours), but vLLM reads whole "
+                     f"seconds; serve would pass {wanted}")
+    elif int(value) > wanted:
+        notes.append(f"{WORKER_TIMEOUT_VAR}={int(value)} kept (yours): with vLLM's "
+                     f"{VLLM_SIGTERM_GRACE} s SIGTERM wait it exceeds the --teardown-timeout "
+                     f"budget of {teardown:g}s (serve would pass {wanted}); vLLM's own deadline "
+                     "may SIGKILL the workers before they finish")
+
+
+def _refuse_survivability(devices: list[Device], chosen: bool) -> None:
+    """A card in survivability mode runs nothing (only a firmware flash brings it back):
+    refused before vLLM starts, --force or not."""
+    bad = [d for d in devices if d.survivability is not None]
+    if not bad:
+        return
+    names = ", ".join(f"{d.index if d.index is not None else '-'} ({d.bdf}, {d.survivability})"
+                      for d in bad)
+    pick = "" if chosen else "; choose the other cards with --devices"
+    raise XpuctlError(f"device {names} is in survivability mode: nothing runs on it until its "
+                      f"firmware is flashed (see `xpuctl doctor`){pick}")
+
+
 def _environment(opts: ServeOptions, host: Host, environ: dict[str, str],
-                 run_id: str) -> tuple[dict[str, str], list[str]]:
+                 run_id: str, notes: list[str]) -> tuple[dict[str, str], list[str]]:
     """vLLM's environment and the BDFs of the run's devices."""
     devices, _ = scan_devices(host)
     env = dict(environ)
     for key in notify.VARIABLES:  # the service manager talks to serve, never to vLLM
         env.pop(key, None)
     bdfs: list[str] = []
+    mask: str | None = None
     if opts.devices:
         chosen = select_devices(devices, device_specs(opts.devices))
+        _refuse_survivability(chosen, chosen=True)
         for d in chosen:
             if not d.is_intel or d.index is None:
                 raise UsageError(f"device {d.bdf} is not an Intel GPU (vendor {d.vendor_id})")
         bdfs = [d.bdf for d in chosen]
-        env["ZE_AFFINITY_MASK"] = ",".join(str(d.index) for d in chosen)
+        mask = ",".join(str(d.index) for d in chosen)
+        env["ZE_AFFINITY_MASK"] = mask
     else:
-        bdfs = [d.bdf for d in devices if d.is_intel]
+        seen = [d for d in devices if d.is_intel and d.nodes]  # what Level Zero enumerates
+        _refuse_survivability(seen, chosen=False)
+        bdfs = [d.bdf for d in seen]
     env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     env.update(_parse_env(opts.env))
+    _worker_timeout(env, opts.teardown_timeout, notes)
+    if mask is not None and env.get("ZE_AFFINITY_MASK") == mask:
+        # serve's indices are in PCI order (host/devices.number_devices); Level Zero's are in
+        # driver order unless told otherwise
+        order = env.setdefault(PCI_ORDER_VAR, "1")
+        if order.strip() != "1":
+            notes.append(f"{PCI_ORDER_VAR}={safe(order, 40)} kept (yours), but --devices gives "
+                         f"ZE_AFFINITY_MASK={mask} in PCI order: Level Zero may pick other cards")
     env["XPUCTL_RUN_ID"] = run_id
     env["SPT_NOENV"] = "1"  # keep environ readable after setproctitle (the run tag!)
     if host.root:
@@ -180,7 +243,7 @@ def plan_launch(opts: ServeOptions, host: Host, environ: dict[str, str], run_id:
     if shutdown_timeout is not None:
         argv += ["--shutdown-timeout", str(shutdown_timeout)]
     port, bind = port_from_argv(args)
-    env, bdfs = _environment(opts, host, environ, run_id)
+    env, bdfs = _environment(opts, host, environ, run_id, notes)
     return LaunchPlan(argv, env, notes, port or 8000, bind, bdfs, shutdown_timeout, version)
 
 

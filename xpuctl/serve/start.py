@@ -89,6 +89,27 @@ def _last_run_advice(state_dir: str, out: Callable[[str], None]) -> None:
             out(f"xpuctl:   - {line}")
 
 
+def _shm_warning(host: Host, plan: LaunchPlan, out: Callable[[str], None]) -> None:
+    """One line when /dev/shm has less room than vLLM's rings take for the run's parallel
+    size (core/shmroom.py): vLLM >= #48879 then fails at start, older ones die of SIGBUS
+    under load."""
+    from xpuctl.core.shmroom import needed_bytes
+    from xpuctl.doctor import shm_room
+    from xpuctl.output.units import human_bytes
+    from xpuctl.parse.vllmargs import parallel_sizes
+
+    tp, pp = parallel_sizes(plan.argv)
+    need = needed_bytes(tp, pp, plan.env)
+    room = shm_room(host) if need else None
+    if room is None or room.free_bytes >= need:
+        return
+    size = f"TP={tp}" + (f" x PP={pp}" if pp > 1 else "")
+    out(f"xpuctl: warning: {room.path} has {human_bytes(room.free_bytes)} free of "
+        f"{human_bytes(room.size_bytes)}; vLLM's shared-memory rings take about "
+        f"{human_bytes(need)} at {size} (vLLM #50606): it may fail to start or die under load "
+        "(a container needs --shm-size, or a larger emptyDir medium: Memory)")
+
+
 def _ray_preflight(plan: LaunchPlan, opts: ServeOptions, out: Callable[[str], None]) -> str | None:
     """A Ray launch: its cluster (None when vLLM does not use Ray); onto an existing cluster,
     doctor on every alive node first (a failing node blocks unless --force)."""
@@ -120,6 +141,7 @@ def _prepare(host: Host, opts: ServeOptions, environ: dict[str, str], out: Calla
     if not NAME_RE.fullmatch(name):
         raise UsageError(f"--name {name!r}: use letters, digits, '.', '_' or '-'")
     _last_run_advice(state_dir, out)  # also with --force: advice only, it refuses nothing
+    _shm_warning(host, plan, out)
     cluster = _ray_preflight(plan, opts, out)
     if not opts.force:
         _preflight(host, opts, plan, show_findings, out)

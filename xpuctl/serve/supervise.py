@@ -25,6 +25,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from xpuctl.actions.signals import (
     EXITED,
@@ -57,6 +58,9 @@ from xpuctl.state.runs import (
     stop_abandoned,
     update_record,
 )
+
+if TYPE_CHECKING:  # types only: the log's parser is imported where a diagnosis needs it
+    from xpuctl.parse.vllmlog import LogSignature
 
 READY_POLL = 0.1  # seconds between readiness probes
 READY_PROBE_TIMEOUT = 0.3  # one probe of /health (and /v1/models)
@@ -408,7 +412,26 @@ class RunSupervisor:
         if outcome == "timeout":
             return self.not_ready()
         assert isinstance(outcome, int)
+        self.exited_before_ready(outcome)
         return self._after_exit(outcome, requested=False, ready=False)
+
+    def exited_before_ready(self, code: int) -> None:
+        """vLLM exited during its start: when its log says why (a oneCCL crash, a known
+        signature), the phase, the cause and what to try, before the exit is handled."""
+        from xpuctl.core import advice
+
+        lines = list(self.pump.tail) if self.pump is not None else []
+        with self.track_lock:
+            phase = self.tracker.phase
+        where = phase.label if phase.rank else "an unknown phase (no start-up line recognised)"
+        sigs, keys, said = _start_diagnosis(lines, where, "")
+        if not sigs:
+            return
+        self.say(f"xpuctl: {self.rec.name}: vLLM exited with code {code} before it was ready; "
+                 f"{said}")
+        self.say("xpuctl: before the next launch, try (advice only; each has a cost):")
+        for line in advice.lines(keys):
+            self.say(f"xpuctl:   - {line}")
 
     def end(self, status: str) -> None:
         """Tell a waiting `serve --detach` how the start ended (nothing in the foreground)."""
@@ -466,15 +489,14 @@ class RunSupervisor:
         """Readiness timeout: diagnose (on the terminal and in the log), stop with the
         teardown budget, and say what to try before the next launch."""
         from xpuctl.core import advice
-        from xpuctl.parse.vllmlog import hang_signatures
 
         assert self.pump is not None
         lines = list(self.pump.tail)
         with self.track_lock:
             phase = self.tracker.phase
         where = phase.label if phase.rank else "an unknown phase (no start-up line recognised)"
-        self.say(f"xpuctl: {self.rec.name}: not ready after {self.opts.ready_timeout:g}s; "
-                 f"stuck in: {where}" + (f": {phase.hint}" if phase.hint else ""))
+        sigs, keys, said = _start_diagnosis(lines, where, phase.hint)
+        self.say(f"xpuctl: {self.rec.name}: not ready after {self.opts.ready_timeout:g}s; {said}")
         for line in lines[-10:]:
             self.say(f"xpuctl:   | {safe(line, 300)}")
         try:
@@ -491,7 +513,8 @@ class RunSupervisor:
         self.stop_tree(f"stopping: not ready after {self.opts.ready_timeout:g}s (stuck in: "
                        f"{where})")
         self._set(state="failed", exit_code=int(ExitCode.NOT_READY), stopped_at=time.time())
-        keys = ["not-ready"] + [s.key for s in hang_signatures(lines, ever_ready=False)]
+        crashed = any(s.kind == "crash" for s in sigs)  # the crash's own advice first
+        keys = [*keys, "not-ready"] if crashed else ["not-ready", *keys]
         self.say("xpuctl: before the next launch, try (advice only; each has a cost):")
         for line in advice.lines(keys):
             self.say(f"xpuctl:   - {line}")
@@ -619,3 +642,25 @@ class RunSupervisor:
                      "a failure)")
         return {"reason": reason, "last_lines": lines[-LAST_LINES:]}
 
+
+def _start_diagnosis(lines: list[str], where: str,
+                     hint: str) -> tuple[list[LogSignature], list[str], str]:
+    """A start's log read for the diagnosis: (its signatures, their advice keys, what to
+    say). A oneCCL crash in the log: the start crashed in its phase, with the cause and the
+    line; else it is stuck there, and a known hang (vLLM's shm-broadcast hang) is named."""
+    from xpuctl.parse.vllmlog import first_crash, furthest_phase, hang_signatures
+
+    sigs = hang_signatures(lines, ever_ready=False)
+    keys = [s.key for s in sigs]
+    crash = first_crash(sigs)
+    if crash is not None:
+        # the phase the log had reached at the crash (other ranks may have gone on)
+        at = next((i for i, line in enumerate(lines) if line.strip() == crash.line), len(lines))
+        phase = furthest_phase(lines[:at + 1])
+        where = phase.label if phase.rank else where
+        return sigs, keys, (f"crashed in: {where}: {crash.what}: {safe(crash.line, 300)}")
+    said = f"stuck in: {where}" + (f": {hint}" if hint else "")
+    named = [s for s in sigs if s.line]
+    if named:
+        said += f"; its log shows {named[0].what}: {safe(named[0].line, 300)}"
+    return sigs, keys, said

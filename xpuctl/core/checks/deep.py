@@ -1,5 +1,5 @@
-"""What the devices themselves report (--deep): unattributed memory, lost devices, firmware in
-survivability mode, probe timeouts."""
+"""What the devices themselves report (--deep): unattributed memory, lost devices, probe
+timeouts (firmware in survivability mode, which xpu-smi reports too: kernel.py)."""
 
 from __future__ import annotations
 
@@ -76,25 +76,6 @@ def device_lost(c: Ctx) -> list[Finding]:
             "`echo BDF > /sys/bus/pci/drivers/xe/unbind; echo BDF > /sys/bus/pci/drivers/xe/bind`",
         ))
     return out
-
-
-@check("device-survivability")
-def device_survivability(c: Ctx) -> list[Finding]:
-    """--deep: xpu-smi v2 reports the device in survivability mode (its firmware needs recovery)."""
-    return [
-        Finding(
-            "device-survivability",
-            "fail",
-            f"{v.bdf} is in survivability mode ({'; '.join(v.lost_reasons)}): its firmware did not "
-            "come up, nothing can run on it until it is recovered",
-            "as xpu-smi recommends: update the device's firmware (`xpu-smi updatefw`) and "
-            "cold-reset it (power the host off and on)",
-            v.bdf,
-            tuple(p.pid for p in v.processes),
-        )
-        for v in _wanted_views(c)
-        if v.state == "survivability"
-    ]
 
 
 @check("probe-timeout")

