@@ -23,10 +23,11 @@ def list_processes(host: Host, specs: list[str], show_all: bool, state_dir: str 
     holding devices are tied to their run through Ray's state (`environ`: where Ray is)."""
     from xpuctl.host.devices import resolve_device_specs
     from xpuctl.ray.actors import scan_with_ray
-    from xpuctl.state.live import live_runs
+    from xpuctl.state.live import live_runs, recorded_runs
 
     bdfs = set(resolve_device_specs(host, specs))
-    scan = scan_with_ray(host, environ, port=None, artifacts=False)
+    scan = scan_with_ray(host, environ, port=None, artifacts=False,
+                         runs=recorded_runs(state_dir))
     procs = [
         p
         for p in scan.processes

@@ -122,6 +122,26 @@ class Container(NamedTuple):
         return who
 
 
+class Launcher(NamedTuple):
+    """The live process that runs vLLM as a library and launched a tree (core/trees): an
+    `LLM(...)` script, an app with an AsyncLLM, a Ray Serve replica. It owns the tree."""
+
+    pid: int
+    command: str
+
+
+class RecordedRun(NamedTuple):
+    """A live run as its record names it (state/runs): the proof an `XPUCTL_RUN_ID` tag needs.
+    A tag counts only on the recorded process (pid and start ticks), on its supervisor's
+    descendants while that supervisor lives, or on the recorded process's descendants."""
+
+    run_id: str
+    pid: int | None  # the process serve launched (the top)
+    start_ticks: int | None  # and its start, in clock ticks since boot
+    supervisor_pid: int | None
+    devices: tuple[str, ...] = ()  # the BDFs the run claimed
+
+
 class Process(NamedTuple):
     pid: int
     ppid: int
@@ -146,6 +166,12 @@ class Process(NamedTuple):
     ray: RayActor | None = None  # the Ray actor it runs, when Ray's state was asked
     blocked: str | None = None  # a file of it that did not answer: its role is unknown
     container: Container | None = None  # its container or pod (listed processes only)
+    # vLLM run as a library: the live process its tree is embedded in (never an orphan)
+    embedded_in: Launcher | None = None
+    run_proven: bool = False  # a live run's record vouches for its run_id (RecordedRun)
+    # devices it is tied to without holding them (yet): named by its ZE_AFFINITY_MASK, or
+    # claimed by its proven run's record
+    claims: tuple[str, ...] = ()
 
     @property
     def is_vllm(self) -> bool:
@@ -158,6 +184,17 @@ class Process(NamedTuple):
     @property
     def command(self) -> str:
         return " ".join(self.cmdline) if self.cmdline else f"[{self.comm}]"
+
+    @property
+    def proven_run(self) -> str | None:
+        """Its run id, when a live run's record vouches for it; None otherwise (a tag alone
+        proves nothing: any process may carry one)."""
+        return self.run_id if self.run_proven else None
+
+    @property
+    def tied(self) -> frozenset[str]:
+        """The devices it holds or claims: what `--device` scopes by."""
+        return frozenset(self.devices) | frozenset(self.claims)
 
 
 class Unreadable(NamedTuple):

@@ -16,6 +16,8 @@ from xpuctl.errors import NotFoundError
 from xpuctl.host.processes import live_stats, read_cmdline, same_process
 from xpuctl.host.scan import RUN_ID_VAR
 from xpuctl.host.seam import Host
+from xpuctl.output.safetext import safe
+from xpuctl.output.units import shorten
 from xpuctl.parse.procfs import parse_environ
 from xpuctl.parse.roles import API_SERVER, RAY
 from xpuctl.parse.vllmargs import port_from_argv, shutdown_timeout_from_argv
@@ -201,10 +203,29 @@ def _not_ours(scan: Scan, p: Process) -> bool:
     return p.ray is not None and not p.orphan and (p.top or p.pid) == p.pid
 
 
+def _tied_tops(scan: Scan, bdfs: tuple[str, ...]) -> set[int]:
+    """The tops of the trees tied to the devices: one of its processes holds one, or its
+    ZE_AFFINITY_MASK or proven run's record names it."""
+    wanted = set(bdfs)
+    return {p.top or p.pid for p in scan.processes
+            if p.role and not p.is_zombie and p.tied & wanted}
+
+
+def _embedded_note(scan: Scan, tops: set[int]) -> str:
+    """`; vLLM embedded in pid 4242 (python batch.py) is not a server: stop it there`."""
+    for p in scan.processes:
+        if (p.top or p.pid) in tops and p.embedded_in is not None:
+            e = p.embedded_in
+            return (f"; vLLM embedded in pid {e.pid} ({safe(shorten(e.command, 80))}) holds "
+                    "it, which is no server: stop that process itself")
+    return ""
+
+
 def _named_tops(scan: Scan, pid: int | None, port: int | None, device_bdfs: tuple[str, ...],
                 all_: bool) -> list[int]:
     """The top pids of the servers --pid, --port, --device and --all name, in that order;
-    NotFoundError when one of them names nothing."""
+    NotFoundError when one of them names nothing. vLLM embedded in a live process (run as a
+    library) is never a server --device or --all names: it belongs to that process."""
     tops: list[int] = []
     if pid is not None:
         p = scan.process(pid)
@@ -219,15 +240,17 @@ def _named_tops(scan: Scan, pid: int | None, port: int | None, device_bdfs: tupl
         if not found:
             raise NotFoundError(f"no vLLM server listens on port {port}")
         tops += found
+    embedded = {p.top or p.pid for p in scan.processes if p.embedded_in is not None}
     if device_bdfs:
-        found = sorted({p.top or p.pid for p in scan.processes
-                        if p.role and not p.is_zombie and set(p.devices) & set(device_bdfs)})
+        tied = _tied_tops(scan, device_bdfs)
+        found = sorted(tied - embedded)
         if not found and not all_:
-            raise NotFoundError(f"no vLLM process holds {', '.join(device_bdfs)}")
+            raise NotFoundError(f"no vLLM server holds {', '.join(device_bdfs)}"
+                                f"{_embedded_note(scan, tied)}")
         tops += found
-    if all_:
+    elif all_:
         tops += sorted({p.top or p.pid for p in scan.processes if p.role and not p.is_zombie
-                        and not _not_ours(scan, p)})
+                        and not _not_ours(scan, p)} - embedded)
     return tops
 
 
@@ -263,5 +286,8 @@ def find_trees(
     if all_:
         for rec in records:
             if rec.state in ACTIVE_STATES:
-                add(tree_from_record(rec, scan, host))
+                tree = tree_from_record(rec, scan, host)
+                # with --device, --all is every run tied to those devices
+                if tree is not None and (not device_bdfs or set(tree.devices) & set(device_bdfs)):
+                    add(tree)
     return list(trees.values())
