@@ -282,6 +282,7 @@ class LastRun(NamedTuple):
     phase: str  # label of the furthest start-up phase its log reached
     signatures: tuple[LogSignature, ...]
     ended_at: float | None = None
+    devices: tuple[str, ...] = ()  # the BDFs it claimed (what doctor --device scopes by)
 
 
 class KernelLog(NamedTuple):
