@@ -724,3 +724,32 @@ def embedded_host(root: Path, reused_parent: bool = False) -> FakeHost:
     h.pids.update(script=SCRIPT, engine=ENGINE, worker=WORKER)
     return _attrs(h)
 
+
+# (i) orphans of several devices (issue 29 §3)
+def device_scope_host(root: Path) -> FakeHost:
+    """(i) Three orphaned trees of alice's (each API server SIGKILLed: the engines were
+    reparented to init), and a stale file:
+    - on1: engine 3510 holds nothing, its worker 3520 holds device 1 (renderD129) only;
+    - masked: engine 3610 holds nothing yet, ZE_AFFINITY_MASK=0 in its readable environ
+      (SPT_NOENV=1): tied to device 0 (Level Zero index 0);
+    - bare: engine 3710 holds nothing and names no device;
+    - stale: /dev/shm/psm_dead2, opened by nobody."""
+    h = _base_host(root)
+    spawn = ["/usr/bin/python3", "-c",
+             "from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=9, pipe_handle=11)",
+             "--multiprocessing-fork"]
+    for key, engine, env in (("on1", 3510, None), ("masked", 3610, "0"), ("bare", 3710, None)):
+        common = {"uid": 1000, "pgrp": engine - 10, "session": 2001, "cwd": "/home/alice"}
+        environ = dict(ALICE_ENV, ZE_AFFINITY_MASK=env, SPT_NOENV="1") if env else None
+        h.add_process(engine, 1, spawn, title="VLLM::EngineCore", start_ticks=h.ticks(4000),
+                      fds={0: "/dev/null"}, environ=environ,
+                      environ_zeroed=None if environ else 900, **common)
+        h.pids[key] = engine
+    h.add_process(3520, 3510, spawn, title="VLLM::Worker_TP0", environ_zeroed=900,
+                  start_ticks=h.ticks(4005), fds={0: "/dev/null", 9: "/dev/dri/renderD129"},
+                  fdinfo={9: xe_fdinfo(31, BDF1, [8 * GiB], ino=686)},
+                  uid=1000, pgrp=3500, session=2001)
+    h.pids["on1_worker"] = 3520
+    h.paths["stale"] = "/dev/shm/psm_dead2"
+    h.add_file(h.paths["stale"], uid=1000, size=MiB, mtime=h.at(3900), mode=0o600)
+    return _attrs(h)
