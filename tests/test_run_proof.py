@@ -55,6 +55,35 @@ def test_a_run_leader_needs_a_record(tmp_path):
         assert procs[h.worker]["run_proven"] is (name == "r"), name  # a descendant
 
 
+def _record_i915_run(h, state: Path) -> None:
+    from xpuctl.state.runs import RunRecord, write_record
+
+    state.mkdir(mode=0o700)
+    for sub in ("runs", "locks", "logs"):
+        (state / sub).mkdir(mode=0o700)
+    write_record(str(state), RunRecord(
+        name="r", run_id=fh.RUN_ID, pid=h.api, start_ticks=h.ticks(4000), session=h.api,
+        command=[], devices=[fh.A770_BDF], port=8001, bind="127.0.0.1", shutdown_timeout=30,
+        drain_timeout=30.0, teardown_timeout=10.0, log_path="", state="ready"))
+
+
+def test_a_copied_tag_never_ties_a_process_to_a_live_run(tmp_path):
+    """An orphaned `VLLM::EngineCore` that carries a live run's id, copied (its environ
+    readable), started before the run: stopping it by pid plans it alone, never the run (the
+    record's tree is another one) nor the run's processes (tagged, and younger than it)."""
+    h = fh.i915_host(tmp_path / "root")
+    forger = 3900
+    h.add_process(forger, 1, ["python3", "-c", "pass"], title="VLLM::EngineCore",
+                  start_ticks=h.ticks(3000), uid=1000, pgrp=3900, session=3900,
+                  environ=dict(fh.ALICE_ENV, XPUCTL_RUN_ID=fh.RUN_ID, SPT_NOENV="1"))
+    _record_i915_run(h, tmp_path / "state")
+    res = runner.invoke(app, ["--root", str(h.root), "shutdown", "--pid", str(forger),
+                              "--dry-run", "--json", "--state-dir", str(tmp_path / "state")])
+    assert res.exit_code == 0, res.output
+    targets = json.loads(res.stdout)["targets"]
+    assert [(t["top"], t["processes"], t["run_id"]) for t in targets] == [(forger, [forger], None)]
+
+
 # The run's vLLM command: a wrapper that leaves behind, outside the run's tree, a process of
 # the run holding device 1 (double fork and setsid: reparented to the supervisor, the
 # subreaper), then becomes the fake vLLM.
@@ -97,7 +126,8 @@ def holder(run_id, node):
     return p.pid
 try:
     out["serve"] = xp("serve", "--detach", "--quiet", "--name", "real", "--state-dir", state,
-                      "--vllm", f"{sys.executable} {os.path.join(workdir, 'wrapper.py')} {fake} serve",
+                      "--vllm",
+                      f"{sys.executable} {os.path.join(workdir, 'wrapper.py')} {fake} serve",
                       "--ready-timeout", "60", "--drain-timeout", "2", "--teardown-timeout", "2",
                       "--port", str(free_port()), "fake-model", "-tp", "1")
     rec = json.load(open(os.path.join(state, "runs", "real.json")))

@@ -61,7 +61,7 @@ def tree_from_scan(scan: Scan, top_pid: int, host: Host) -> ServerTree | None:
         top=target,
         role=top.role,
         orphan=top.orphan or top.role != API_SERVER,
-        run_id=top.run_id,
+        run_id=top.proven_run,  # a tag alone ties nothing to the tree (ladder.members)
         session=top.session if top.session == top.pid else None,
         devices=tuple(sorted({b for p in members for b in p.devices})),
         port=port,
@@ -84,7 +84,10 @@ def tree_from_record(rec: RunRecord, scan: Scan, host: Host) -> ServerTree | Non
             if t is not None:
                 tree = ServerTree(top=t, role=API_SERVER, orphan=False, known=[t])
     if tree is None:
-        tagged = [p for p in scan.processes if p.run_id == rec.run_id and not p.is_zombie]
+        # what is left of it carries its id, and is younger than its recorded top
+        tagged = [p for p in scan.processes if p.run_id == rec.run_id and not p.is_zombie
+                  and p.embedded_in is None
+                  and (rec.start_ticks is None or p.start_ticks >= rec.start_ticks)]
         if not tagged:
             return None
         tops = sorted({p.top or p.pid for p in tagged})
@@ -282,7 +285,10 @@ def find_trees(
     for top_pid in _named_tops(scan, pid, port, device_bdfs, all_):
         p = scan.process(top_pid)
         rec = record_for(top_pid, p.run_id if p else None)
-        add(tree_from_record(rec, scan, host) if rec else tree_from_scan(scan, top_pid, host))
+        tree = tree_from_record(rec, scan, host) if rec else None
+        if tree is not None and tree.top.pid != top_pid:
+            tree = None  # the record's run is another tree: a tag alone ties nothing to it
+        add(tree or tree_from_scan(scan, top_pid, host))
     if all_:
         for rec in records:
             if rec.state in ACTIVE_STATES:
