@@ -1,11 +1,11 @@
 """vLLM run as a library is no orphan (issue 29 §1).
 
 `LLM(...)` in a script, an AsyncLLM inside an app, a Ray Serve replica: the same
-`VLLM::EngineCore` / `VLLM::Worker` titles under a parent that is no API server (DESIGN.md,
-"vLLM as a library"). Such a tree belongs to its live launcher: doctor shows it as "vLLM
-embedded in pid N (command)", and nothing plans to stop it. Only once its launcher is gone
-(reparented to init or a subreaper, or its parent pid reused by a younger process) is it an
-orphan that reset stops.
+`VLLM::EngineCore` / `VLLM::Worker` titles under a parent that is no API server
+(docs/safety.md, "Orphans and vLLM as a library"). Such a tree belongs to its live launcher:
+doctor shows it as "vLLM embedded in pid N (command)", and nothing plans to stop it. Only
+once its launcher is gone (reparented to init or a subreaper, or its parent pid reused by a
+younger process) is it an orphan that reset stops.
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ def test_doctor_shows_a_library_tree_as_embedded_not_orphaned(tmp_path):
     for pid in (h.engine, h.worker):
         p = procs[pid]
         assert p["orphan"] is False, p
-        assert p["embedded_in"] == {"pid": h.script, "command": "python3 batch.py --prompts /data/p.jsonl"}
+        assert p["embedded_in"] == {"pid": h.script,
+                                    "command": "python3 batch.py --prompts /data/p.jsonl"}
     assert procs[h.engine]["role"] == ENGINE_CORE and procs[h.worker]["role"] == WORKER
     assert not [f for f in doc["findings"] if f["check"] == "orphans"]
     busy = [f for f in doc["findings"] if f["check"] == "device-holders"]
@@ -86,6 +87,14 @@ def test_nothing_plans_to_stop_an_embedded_tree(tmp_path):
     res = runner.invoke(app, ["--root", str(h.root), "shutdown", "--device", "0", "--dry-run"])
     assert res.exit_code == 3
     assert f"vLLM embedded in pid {h.script} (python3 batch.py" in res.stderr, res.stderr
+
+
+def test_rebind_is_blocked_by_an_embedded_tree(tmp_path):
+    h = fh.embedded_host(tmp_path / "root")
+    res = runner.invoke(app, ["--root", str(h.root), "reset", "--device", "0", "--rebind",
+                              "--dry-run", "--state-dir", str(tmp_path / "state")])
+    line = next(x for x in res.stdout.splitlines() if f"holder pid {h.worker} " in x)
+    assert line.endswith(f"vLLM embedded in live pid {h.script}: stop that process itself"), line
 
 
 def test_a_parent_pid_reused_by_a_younger_process_is_no_launcher(tmp_path):
@@ -254,7 +263,8 @@ def test_reset_leaves_a_live_library_job_and_stops_it_once_its_launcher_is_kille
     assert out["reparented"], out
     dead = json.loads(out["doctor_dead"]["out"])
     procs = _procs(dead)
-    assert all(procs[pid]["orphan"] and procs[pid]["embedded_in"] is None for pid in (engine, worker))
+    for pid in (engine, worker):
+        assert procs[pid]["orphan"] and procs[pid]["embedded_in"] is None, procs[pid]
     assert out["doctor_dead"]["code"] == 1
     reset = json.loads(out["reset_dead"]["out"])
     assert sorted(reset["plan"]["orphan_pids"]) == sorted([engine, worker]), reset["plan"]
