@@ -43,8 +43,10 @@ def test_reset_device_plans_only_the_trees_tied_to_it(host):
     assert code == 0
     assert plan["orphan_pids"] == [host.on1, host.on1_worker], plan
     notes = plan["notes"]
-    assert f"skipped: orphaned vLLM tree {host.masked} is tied to {fh.BDF0}, not to {fh.BDF1}" in notes
-    assert any(n.startswith(f"skipped: orphaned vLLM tree {host.bare} holds no device") for n in notes)
+    assert (f"skipped: orphaned vLLM tree {host.masked} is tied to {fh.BDF0}, not to {fh.BDF1}"
+            in notes)
+    assert any(n.startswith(f"skipped: orphaned vLLM tree {host.bare} holds no device")
+               for n in notes)
     # the stale file is tied to no device: kept, and said
     assert plan["files"] == [] and any(n.startswith("kept: 1 stale file(s)") for n in notes), notes
 

@@ -7,11 +7,16 @@ audit log.
 Live servers are never touched (use `xpuctl shutdown`). A device reset (PCI function reset
 through sysfs) is a last resort: root only, one named device, and only when nothing holds it.
 
+Orphans: only trees whose launcher is gone (core/trees); vLLM embedded in a live process
+(run as a library) is never planned. With `--device`, only the orphaned trees tied to those
+devices (held, or named by ZE_AFFINITY_MASK), and only the files of the orphans it stops: a
+stale file whose process is gone is tied to no device, and is kept (docs/safety.md).
+
 Holders: processes that are not vLLM but hold a target device (all Intel GPUs, or the
 `--device` ones) are always listed. With `--kill-holders` they are stopped through the same
 ladder as orphans (SIGTERM, wait, SIGTERM survivors, SIGKILL), their descendants with them;
-never a process of a live server (under it, above it, or carrying a live run's id), nor
-xpuctl itself or one of its ancestors.
+never a process of a live server (under it, above it, or whose run id a live run's record
+proves), nor the launcher of embedded vLLM, nor xpuctl itself or one of its ancestors.
 """
 
 from __future__ import annotations
