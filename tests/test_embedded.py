@@ -49,7 +49,7 @@ def test_doctor_shows_a_library_tree_as_embedded_not_orphaned(tmp_path):
     for pid in (h.engine, h.worker):
         p = procs[pid]
         assert p["orphan"] is False, p
-        assert p["embedded_in"] == {"pid": h.script,
+        assert p["embedded_in"] == {"pid": h.script, "blocked": False,
                                     "command": "python3 batch.py --prompts /data/p.jsonl"}
     assert procs[h.engine]["role"] == ENGINE_CORE and procs[h.worker]["role"] == WORKER
     assert not [f for f in doc["findings"] if f["check"] == "orphans"]
@@ -80,8 +80,8 @@ def test_nothing_plans_to_stop_an_embedded_tree(tmp_path):
     code, doc = _json(h.root, "reset", "--dry-run", "--json")
     plan = doc["plan"]
     assert code == 0 and plan["orphan_pids"] == [] and plan["orphans"] == []
-    assert any(n.startswith(f"kept: vLLM tree {h.engine} is embedded in live pid {h.script}")
-               for n in plan["notes"]), plan["notes"]
+    assert (f"kept: vLLM tree {h.engine}: vLLM embedded in pid {h.script} (python3 batch.py "
+            "--prompts /data/p.jsonl): not an orphan") in plan["notes"], plan["notes"]
     code, doc = _json(h.root, "shutdown", "--all", "--dry-run", "--json")
     assert code == 0 and doc["targets"] == []
     res = runner.invoke(app, ["--root", str(h.root), "shutdown", "--device", "0", "--dry-run"])
@@ -94,7 +94,8 @@ def test_rebind_is_blocked_by_an_embedded_tree(tmp_path):
     res = runner.invoke(app, ["--root", str(h.root), "reset", "--device", "0", "--rebind",
                               "--dry-run", "--state-dir", str(tmp_path / "state")])
     line = next(x for x in res.stdout.splitlines() if f"holder pid {h.worker} " in x)
-    assert line.endswith(f"vLLM embedded in live pid {h.script}: stop that process itself"), line
+    assert line.endswith(f"vLLM embedded in pid {h.script} (python3 batch.py --prompts "
+                         "/data/p.jsonl): stop that process itself"), line
 
 
 def test_a_parent_pid_reused_by_a_younger_process_is_no_launcher(tmp_path):

@@ -81,8 +81,8 @@ def make_plan(host: Host, bdfs: tuple[str, ...], kill_holders: bool) -> RebindPl
         command = p.command if p is not None else "?"
         if p is not None and p.role is not None:  # vLLM: only an orphaned tree may be stopped
             if p.embedded_in is not None:
-                blockers.append(Blocker(pid, command, f"vLLM embedded in live pid "
-                                        f"{p.embedded_in.pid}: stop that process itself"))
+                blockers.append(Blocker(pid, command, f"{p.embedded_in.describe()}: stop that "
+                                        "process itself"))
                 continue
             if not p.orphan:
                 blockers.append(Blocker(pid, command, "a live vLLM server: use xpuctl shutdown"))

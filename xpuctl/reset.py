@@ -38,7 +38,6 @@ from xpuctl.host.scan import DEFAULT_PORT, take_scan
 from xpuctl.host.seam import Host
 from xpuctl.output.lines import event_line
 from xpuctl.output.safetext import safe
-from xpuctl.output.units import shorten
 from xpuctl.shutdown.ladder import StopResult, skipped_lines, stop
 from xpuctl.shutdown.targets import ServerTree, tree_from_scan
 from xpuctl.state import audit
@@ -211,8 +210,8 @@ def _embedded_notes(scan: Scan, wanted: set[str]) -> list[str]:
         e = p.embedded_in
         if e is None or p.is_zombie or (wanted and not p.tied & wanted):
             continue
-        out.setdefault(p.top or p.pid, f"kept: vLLM tree {p.top or p.pid} is embedded in live "
-                                       f"pid {e.pid} ({shorten(e.command, 200)}): not an orphan")
+        out.setdefault(p.top or p.pid, f"kept: vLLM tree {p.top or p.pid}: {e.describe(200)}: "
+                                       + ("not judged" if e.blocked else "not an orphan"))
     return [out[k] for k in sorted(out)]
 
 

@@ -130,7 +130,7 @@ def process_of(d: dict[str, Any]) -> Process:
 def _launcher(d: dict[str, Any] | None) -> Launcher | None:
     if not isinstance(d, dict) or not isinstance(d.get("pid"), int):
         return None
-    return Launcher(d["pid"], str(d.get("command") or "?"))
+    return Launcher(d["pid"], str(d.get("command") or "?"), bool(d.get("blocked")))
 
 
 def device_of(d: dict[str, Any]) -> Device:

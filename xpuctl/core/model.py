@@ -128,6 +128,15 @@ class Launcher(NamedTuple):
 
     pid: int
     command: str
+    blocked: bool = False  # a read of it did not answer: what it is, is unknown
+
+    def describe(self, width: int = 60) -> str:
+        """`vLLM embedded in pid 4242 (python3 batch.py)`; for one that did not answer,
+        `vLLM under pid 4242 ([python3]), which did not answer a read`."""
+        cmd = self.command if len(self.command) <= width else self.command[: width - 1] + "…"
+        if self.blocked:
+            return f"vLLM under pid {self.pid} ({cmd}), which did not answer a read"
+        return f"vLLM embedded in pid {self.pid} ({cmd})"
 
 
 class RecordedRun(NamedTuple):

@@ -53,6 +53,7 @@ class Member(NamedTuple):
     zombie: bool = False  # holds nothing; never a live server, never an orphan
     pgrp: int = 0
     start_ticks: int = 0  # /proc/<pid>/stat field 22: with the pid, the process's identity
+    blocked: bool = False  # a read of it did not answer: alive, what it is unknown
 
 
 class Placement(NamedTuple):
@@ -155,9 +156,13 @@ def launcher(members: dict[int, Member], pid: int) -> int | None:
     younger one got the pid of a launcher that died), and shares its session and group, or
     `pid` leads a session or group of its own (started with setsid or setpgid). PID 1 is a
     launcher only by sharing both, each seen in this PID namespace (0: led outside it): in a
-    container whose PID 1 is the program that runs vLLM as a library."""
+    container whose PID 1 is the program that runs vLLM as a library. A parent that did not
+    answer a read may be anything: it is presumed alive and the launcher (never an orphan on
+    the strength of a read that did not answer)."""
     m = members[pid]
     parent = members.get(m.ppid)
+    if m.ppid > 0 and parent is not None and parent.blocked:
+        return m.ppid  # it did not answer a read: nothing is judged on it, it may launch it
     if m.ppid <= 0 or parent is None or parent.zombie or parent.start_ticks > m.start_ticks:
         return None
     same = m.session == parent.session and m.pgrp == parent.pgrp

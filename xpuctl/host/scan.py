@@ -414,31 +414,36 @@ def _holdings(host: Host, fds: FdTable, devices: list[Device]
     return clients, held, dmabufs
 
 
-def _member(pid: int, st: ProcStat, role: str | None, run_id: str | None) -> Member:
+def _member(pid: int, st: ProcStat, role: str | None, run_id: str | None,
+            blocked: bool) -> Member:
     return Member(pid, st.ppid, st.session, role, run_id, st.state == "Z", st.pgrp,
-                  st.start_ticks)
+                  st.start_ticks, blocked)
 
 
-def _parents(host: Host, fds: FdTable, relevant: dict[int, RawProcess]) -> dict[int, Member]:
+def _parents(host: Host, fds: FdTable, relevant: dict[int, RawProcess],
+             stuck: dict[int, BlockedRead]) -> dict[int, Member]:
     """The parents of the processes a scan describes (the launcher of vLLM run as a library
     is one), those left out of the pass (ours) read now: core/trees judges whether each is
-    still the process that launched its child."""
+    still the process that launched its child. One that did not answer is not read again."""
     out: dict[int, Member] = {}
     for p in relevant.values():
         ppid = p.stat.ppid
         if ppid <= 0 or ppid in relevant or ppid in out:
             continue
         raw = fds.procs.get(ppid)
+        if raw is None and ppid in stuck:
+            out[ppid] = Member(ppid, 0, 0, None, None, blocked=True)
+            continue
         st = raw.stat if raw is not None else stat_of(host, ppid)
         if st is not None:
-            out[ppid] = _member(ppid, st, None, None)
+            out[ppid] = _member(ppid, st, None, None, ppid in stuck)
     return out
 
 
 def _launcher_of(host: Host, fds: FdTable, pid: int, stuck: dict[int, BlockedRead]) -> Launcher:
     raw = fds.procs.get(pid)
     if raw is None or pid in stuck:
-        return Launcher(pid, f"[{raw.stat.comm}]" if raw is not None else "?")
+        return Launcher(pid, f"[{raw.stat.comm}]" if raw is not None else "?", pid in stuck)
     argv = fill_cmdline(host, raw)
     return Launcher(pid, " ".join(argv) if argv else f"[{raw.stat.comm}]")
 
@@ -455,8 +460,9 @@ def _processes(host: Host, fds: FdTable, lazy: _Lazy, clients: list[DrmClient],
     details = {pid: _details(host, pid, want_env) for pid in relevant}
     tags = {pid: tag for pid in relevant if (tag := (details[pid][1] or {}).get(RUN_ID_VAR))}
     proven = _proven(fds, tags, runs)
-    members = _parents(host, fds, relevant)
-    members.update({pid: _member(pid, p.stat, p.role, tags[pid] if pid in proven else None)
+    members = _parents(host, fds, relevant, stuck)
+    members.update({pid: _member(pid, p.stat, p.role, tags[pid] if pid in proven else None,
+                                 pid in stuck)
                     for pid, p in relevant.items()})
     placements = resolve(members)
     by_run = {r.run_id: r for r in runs}

@@ -17,7 +17,6 @@ from xpuctl.host.processes import live_stats, read_cmdline, same_process
 from xpuctl.host.scan import RUN_ID_VAR
 from xpuctl.host.seam import Host
 from xpuctl.output.safetext import safe
-from xpuctl.output.units import shorten
 from xpuctl.parse.procfs import parse_environ
 from xpuctl.parse.roles import API_SERVER, RAY
 from xpuctl.parse.vllmargs import port_from_argv, shutdown_timeout_from_argv
@@ -218,9 +217,8 @@ def _embedded_note(scan: Scan, tops: set[int]) -> str:
     """`; vLLM embedded in pid 4242 (python batch.py) is not a server: stop it there`."""
     for p in scan.processes:
         if (p.top or p.pid) in tops and p.embedded_in is not None:
-            e = p.embedded_in
-            return (f"; vLLM embedded in pid {e.pid} ({safe(shorten(e.command, 80))}) holds "
-                    "it, which is no server: stop that process itself")
+            return (f"; {safe(p.embedded_in.describe(80))} holds it, which is no server: stop "
+                    "that process itself")
     return ""
 
 

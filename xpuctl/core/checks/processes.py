@@ -120,13 +120,14 @@ def device_holders(c: Ctx) -> list[Finding]:
                 continue
             launcher = members[0].embedded_in
             assert launcher is not None
+            why = ("whether it is an orphan is not judged (see blocked-reads)" if launcher.blocked
+                   else "it runs vLLM as a library, it is no orphan")
             out.append(
                 Finding(
                     "device-holders",
-                    "fail" if c.opts.expect_idle else "info",
-                    f"{dev.bdf} is busy: held by vLLM embedded in pid {owner} "
-                    f"({shorten(launcher.command)}) ({len(mine)} process(es)){_pods(mine)}; "
-                    "it runs vLLM as a library, it is no orphan",
+                    "fail" if c.opts.expect_idle else ("warn" if launcher.blocked else "info"),
+                    f"{dev.bdf} is busy: held by {launcher.describe()} "
+                    f"({len(mine)} process(es)){_pods(mine)}; {why}",
                     f"stop pid {owner} itself when its work is done" if c.opts.expect_idle else None,
                     dev.bdf,
                     pids(mine),
