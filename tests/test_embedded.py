@@ -111,13 +111,48 @@ def test_a_parent_pid_reused_by_a_younger_process_is_no_launcher(tmp_path):
     assert orphans[0]["severity"] == "fail" and code == 1
 
 
+def _container(root: Path, pid1_runs_vllm: bool) -> fh.FakeHost:
+    """A container's PID namespace seen from inside (`kubectl exec` xpuctl): PID 1 leads
+    session and group 1 (runc's setsid) and is either the script that called `LLM(...)`
+    (vLLM's and torch's libraries mapped in it) or a harness that ran a script since killed
+    (nothing of vLLM's in it); the EngineCore and its worker share session and group 1."""
+    h = fh.FakeHost(root)
+    h.add_device("renderD128", "card0", fh.BDF0, device=fh.B60, driver="xe",
+                 vram_tiles=[fh.B60_VRAM])
+    libs = ["/usr/local/lib/python3.12/site-packages/torch/lib/libtorch_cpu.so",
+            "/usr/local/lib/python3.12/site-packages/vllm/_C.abi3.so"] if pid1_runs_vllm else [
+            "/usr/lib/x86_64-linux-gnu/libc.so.6"]
+    h.add_process(1, 0, ["python3", "batch.py" if pid1_runs_vllm else "harness.py"], uid=0,
+                  pgrp=1, session=1, start_ticks=h.ticks(1),
+                  maps=[fh.maps_line(p, 900 + i, 0x7F0000000000 + (i << 24), perms="r-xp",
+                                     dev="08:02") for i, p in enumerate(libs)])
+    spawn = ["python3", "-c", "from multiprocessing.spawn import spawn_main; spawn_main()"]
+    h.add_process(10, 1, spawn, title="VLLM::EngineCore", uid=0, pgrp=1, session=1,
+                  start_ticks=h.ticks(5), fds={0: "/dev/null"})
+    h.add_process(20, 10, spawn, title="VLLM::Worker_TP0", uid=0, pgrp=1, session=1,
+                  start_ticks=h.ticks(6), fds={9: "/dev/dri/renderD128"},
+                  fdinfo={9: fh.xe_fdinfo(3, fh.BDF0, [fh.GiB], ino=685)})
+    return h
+
+
+def test_a_containers_pid_1_owns_what_it_launched_only_when_it_runs_vllm(tmp_path):
+    for runs_vllm in (True, False):
+        h = _container(tmp_path / str(runs_vllm), runs_vllm)
+        code, doc = _json(h.root, "doctor", "--json")
+        procs = _procs(doc)
+        for pid in (10, 20):
+            assert procs[pid]["orphan"] is not runs_vllm, (runs_vllm, procs[pid])
+            assert (procs[pid]["embedded_in"] or {}).get("pid") == (1 if runs_vllm else None)
+        assert code == (0 if runs_vllm else 1)
+
+
 # -- the rule, on its own ---------------------------------------------------------------------
 # Member(pid, ppid, session, role, run_id, zombie, pgrp, start_ticks), as host/scan.py reads
 # them from /proc/<pid>/stat (fields 4 ppid, 5 pgrp, 6 session, 22 starttime: proc(5)).
 
 
-def _m(pid, ppid, session, pgrp, ticks, role=None, zombie=False, run_id=None):
-    return trees.Member(pid, ppid, session, role, run_id, zombie, pgrp, ticks)
+def _m(pid, ppid, session, pgrp, ticks, role=None, zombie=False, run_id=None, vllm=False):
+    return trees.Member(pid, ppid, session, role, run_id, zombie, pgrp, ticks, runs_vllm=vllm)
 
 
 def _family(parent: trees.Member, engine_ppid: int | None = None, session=500, pgrp=500, ticks=200):
@@ -147,7 +182,10 @@ def test_a_tree_whose_launcher_is_gone_is_orphaned():
         # reparented to init
         "init": _family(_m(1, 0, 1, 1, 1), engine_ppid=1),
         # init seen from a child PID namespace whose own session is led outside it (0)
-        "pidns": _family(_m(1, 0, 0, 0, 1), engine_ppid=1, session=0, pgrp=0),
+        "pidns": _family(_m(1, 0, 0, 0, 1, vllm=True), engine_ppid=1, session=0, pgrp=0),
+        # a container's PID 1 that does not reap (a harness, a shell): it started the dead
+        # launcher in its own session and group, but runs no vLLM itself
+        "container": _family(_m(1, 0, 1, 1, 1), engine_ppid=1, session=1, pgrp=1),
     }
     for name, members in cases.items():
         placed = trees.resolve(members)
@@ -155,10 +193,11 @@ def test_a_tree_whose_launcher_is_gone_is_orphaned():
         assert placed[600].owner is None, name
 
 
-def test_pid_1_launches_only_what_shares_its_session_and_group():
+def test_pid_1_running_vllm_launches_what_shares_its_session_and_group():
     """In a container whose PID 1 is the script itself (`docker run img python batch.py`:
-    runc makes it lead session and group 1), the engine it spawned shares both."""
-    members = _family(_m(1, 0, 1, 1, 1), engine_ppid=1, session=1, pgrp=1)
+    runc makes it lead session and group 1, and vLLM and torch are loaded in it), the engine
+    it spawned shares both."""
+    members = _family(_m(1, 0, 1, 1, 1, vllm=True), engine_ppid=1, session=1, pgrp=1)
     assert trees.launcher(members, 600) == 1 and not trees.resolve(members)[600].orphan
 
 

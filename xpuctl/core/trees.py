@@ -54,6 +54,9 @@ class Member(NamedTuple):
     pgrp: int = 0
     start_ticks: int = 0  # /proc/<pid>/stat field 22: with the pid, the process's identity
     blocked: bool = False  # a read of it did not answer: alive, what it is unknown
+    # vLLM's or torch's libraries are mapped in it (read for PID 1 only: init, a container's
+    # non-reaping PID 1, or the program there that runs vLLM as a library)
+    runs_vllm: bool = False
 
 
 class Placement(NamedTuple):
@@ -154,9 +157,11 @@ def launcher(members: dict[int, Member], pid: int) -> int | None:
     containerd-shim, tini or `xpuctl serve`) runs in a session or group of its own. So the
     parent is its launcher when it is alive (a zombie is gone), started no later than it (a
     younger one got the pid of a launcher that died), and shares its session and group, or
-    `pid` leads a session or group of its own (started with setsid or setpgid). PID 1 is a
-    launcher only by sharing both, each seen in this PID namespace (0: led outside it): in a
-    container whose PID 1 is the program that runs vLLM as a library. A parent that did not
+    `pid` leads a session or group of its own (started with setsid or setpgid). PID 1 adopts
+    what any dead launcher in its namespace left, and a container's PID 1 may have started
+    that launcher in its own session and group: it is a launcher only when it runs vLLM
+    itself (its libraries are mapped in it: the program a container runs, `LLM(...)` in it)
+    and shares both, each seen in this PID namespace (0: led outside it). A parent that did not
     answer a read may be anything: it is presumed alive and the launcher (never an orphan on
     the strength of a read that did not answer)."""
     m = members[pid]
@@ -167,7 +172,7 @@ def launcher(members: dict[int, Member], pid: int) -> int | None:
         return None
     same = m.session == parent.session and m.pgrp == parent.pgrp
     if m.ppid == 1:
-        return 1 if same and m.session > 0 and m.pgrp > 0 else None
+        return 1 if same and m.session > 0 and m.pgrp > 0 and parent.runs_vllm else None
     if same or m.session == pid or m.pgrp == pid:
         return m.ppid
     return None  # adopted: its session and group are those of a launcher that is gone

@@ -437,7 +437,21 @@ def _parents(host: Host, fds: FdTable, relevant: dict[int, RawProcess],
         st = raw.stat if raw is not None else stat_of(host, ppid)
         if st is not None:
             out[ppid] = _member(ppid, st, None, None, ppid in stuck)
+            if (ppid == 1 and ppid not in stuck and st.session > 0
+                    and (p.stat.session, p.stat.pgrp) == (st.session, st.pgrp)):
+                # only then can PID 1 be its launcher (core/trees.launcher)
+                out[ppid] = out[ppid]._replace(runs_vllm=_runs_vllm(host, ppid))
     return out
+
+
+#: In the maps of a process that runs vLLM: vLLM's compiled ops, torch's libraries.
+_VLLM_LIBS = (b"/vllm/", b"/torch/lib/")
+
+
+def _runs_vllm(host: Host, pid: int) -> bool:
+    """Does `pid` run vLLM itself (vLLM or torch is loaded: `LLM(...)` imports both)?"""
+    data = read_optional(host, f"/proc/{pid}/maps", 64 << 20)
+    return data is not None and any(lib in data for lib in _VLLM_LIBS)
 
 
 def _launcher_of(host: Host, fds: FdTable, pid: int, stuck: dict[int, BlockedRead]) -> Launcher:
