@@ -213,13 +213,15 @@ def _tied_tops(scan: Scan, bdfs: tuple[str, ...]) -> set[int]:
             if p.role and not p.is_zombie and p.tied & wanted}
 
 
-def _embedded_note(scan: Scan, tops: set[int]) -> str:
-    """`; vLLM embedded in pid 4242 (python batch.py) is not a server: stop it there`."""
+def _nothing_holds(scan: Scan, devices: str, tops: set[int]) -> str:
+    """`no vLLM process holds D`, or, when only embedded vLLM does, `no vLLM server holds D:
+    vLLM embedded in pid 4242 (python batch.py) does, which is no server: stop that process
+    itself`."""
     for p in scan.processes:
         if (p.top or p.pid) in tops and p.embedded_in is not None:
-            return (f"; {safe(p.embedded_in.describe(80))} holds it, which is no server: stop "
-                    "that process itself")
-    return ""
+            return (f"no vLLM server holds {devices}: {safe(p.embedded_in.describe(80))} "
+                    "does, which is no server: stop that process itself")
+    return f"no vLLM process holds {devices}"
 
 
 def _named_tops(scan: Scan, pid: int | None, port: int | None, device_bdfs: tuple[str, ...],
@@ -246,8 +248,7 @@ def _named_tops(scan: Scan, pid: int | None, port: int | None, device_bdfs: tupl
         tied = _tied_tops(scan, device_bdfs)
         found = sorted(tied - embedded)
         if not found and not all_:
-            raise NotFoundError(f"no vLLM server holds {', '.join(device_bdfs)}"
-                                f"{_embedded_note(scan, tied)}")
+            raise NotFoundError(_nothing_holds(scan, ", ".join(device_bdfs), tied))
         tops += found
     elif all_:
         tops += sorted({p.top or p.pid for p in scan.processes if p.role and not p.is_zombie
