@@ -215,12 +215,17 @@ def test_holders_above_under_or_tagged_with_a_live_server_are_never_stopped():
     parents = {100: 1, 200: 100, 300: 200, 400: 1, 500: 400, 600: 1}
     serving = {200}  # a live API server, child of a wrapper 100
 
-    def proc(pid, run_id=None):
-        return Process(pid, parents[pid], "S", "x", ("x",), None, 1, 1, 1, 1, run_id=run_id)
+    def proc(pid, run_id=None, proven=False):
+        return Process(pid, parents[pid], "S", "x", ("x",), None, 1, 1, 1, 1, run_id=run_id,
+                       run_proven=proven)
 
     assert _why_not(proc(100), parents, serving, set(), set()) == "a live vLLM server runs under it"
     assert _why_not(proc(300), parents, serving, set(), set()) == "it runs under a live vLLM server"
-    assert _why_not(proc(600, "r1"), parents, serving, {"r1"}, set()) == "it belongs to a live xpuctl run"
+    assert _why_not(proc(600, "r1", True), parents, serving, set(), set()) == "it belongs to a live xpuctl run"
+    # a tag no live run's record vouches for proves nothing (issue 29 §11)
+    assert _why_not(proc(600, "r1"), parents, serving, set(), set()) is None
+    # the launcher of vLLM run as a library (issue 29 §1)
+    assert _why_not(proc(600), parents, serving, {600}, set()).startswith("it runs vLLM as a library")
     assert _why_not(proc(400), parents, serving, set(), {400, 1}) == "xpuctl itself or one of its parents"
     assert _why_not(proc(500), parents, serving, set(), {400, 1}) is None
 

@@ -336,7 +336,7 @@ fv.proc.kill()
 fv.proc.wait()
 time.sleep(0.2)
 out["orphans_alive"] = [not is_gone(p) for p in out["core"] + out["workers"]]
-out["all"] = run("--all", "--json", "--kill-after", "1", "--release-timeout", "5")
+out["all"] = run("--all", "--yes", "--json", "--kill-after", "1", "--release-timeout", "5")
 out["gone"] = [is_gone(p) for p in out["core"] + out["workers"]]
 out["held"] = holders(os.path.join(root, "dev/dri/renderD128")) + holders(os.path.join(root, "dev/dri/renderD129"))
 out["events"] = fv.events()

@@ -83,7 +83,7 @@ try:
     out["orphans"] = sorted(p for p in map(int, filter(str.isdigit, os.listdir("/proc")))
                             if title(p).startswith("VLLM::") and not is_gone(p))
     out["unclean_before"] = unclean_run_on(S, BDFS)
-    args = ["victim"] if how == "name" else ["--all"]
+    args = ["victim"] if how == "name" else ["--all", "--yes"]
     out["shutdown"] = run("shutdown", *args, "--json", "--state-dir", S, "--timeout", "2",
                           "--kill-after", "1", "--release-timeout", "10")
     out["left"] = [p for p in out["orphans"] if not is_gone(p)]

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from xpuctl.core.checks import Options, evaluate
-from xpuctl.core.model import CollectiveResult, Issue, Report, Scan, ShmRoom, Version
+from xpuctl.core.model import CollectiveResult, Issue, RecordedRun, Report, Scan, ShmRoom, Version
 from xpuctl.host.devices import resolve_device_specs
 from xpuctl.host.scan import DEFAULT_PORT, take_scan
 from xpuctl.host.seam import Host
@@ -178,13 +178,19 @@ def diagnose(
         checked = check_collective(host, bdfs, env, collective, state_dir)
     from xpuctl.ray.actors import scan_with_ray
 
+    runs: tuple[RecordedRun, ...] = ()
+    if state_dir and os.path.isdir(state_dir):  # the proof of a process's XPUCTL_RUN_ID
+        from xpuctl.state.live import recorded_runs
+
+        runs = recorded_runs(state_dir)
+
     def deep_scanned() -> Scan:
         assert deep is not None
-        return deep_scan(host, env, deep, port=opts.port, caller_env=caller_env)
+        return deep_scan(host, env, deep, port=opts.port, caller_env=caller_env, runs=runs)
 
     scan = scan_with_ray(host, env, address=ray_address, fetch=ray_fetch,
                          take=deep_scanned if deep is not None else None,
-                         port=opts.port, caller_env=caller_env)
+                         port=opts.port, caller_env=caller_env, runs=runs)
     from xpuctl.host.kernel import read_kernel
 
     log, dumps, kernel_issues = read_kernel(host, scan.devices)

@@ -24,17 +24,18 @@ def list_processes(host: Host, specs: list[str], show_all: bool, state_dir: str 
     holding devices are tied to their run through Ray's state (`environ`: where Ray is)."""
     from xpuctl.host.devices import resolve_device_specs
     from xpuctl.ray.actors import scan_with_ray
-    from xpuctl.state.live import RunsShown, runs_shown
+    from xpuctl.state.live import RunsShown, recorded_runs, runs_shown
 
     bdfs = set(resolve_device_specs(host, specs))
-    scan = scan_with_ray(host, environ, port=None, artifacts=False)
+    scan = scan_with_ray(host, environ, port=None, artifacts=False,
+                         runs=recorded_runs(state_dir))
     procs = [
         p
         for p in scan.processes
-        if (p.role is not None or show_all) and (not bdfs or bdfs & set(p.devices) or (p.role and not p.devices))
+        if (p.role is not None or show_all) and (not bdfs or bdfs & p.tied or (p.role and not p.devices))
     ]
-    if bdfs:
-        tops = {p.top for p in procs if bdfs & set(p.devices)}
+    if bdfs:  # a tree counts for the devices it is tied to (held, or claimed: --device scope)
+        tops = {p.top for p in procs if bdfs & p.tied}
         procs = [p for p in procs if p.devices or p.top in tops]
     shown = runs_shown(host, state_dir) if state_dir and host.proc_is_live else RunsShown([], [])
     return ProcessListing(shown.rows, procs, scan._replace(processes=tuple(procs)),

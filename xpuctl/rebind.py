@@ -84,6 +84,10 @@ def make_plan(host: Host, bdfs: tuple[str, ...], kill_holders: bool) -> RebindPl
         p = scan.process(pid)
         command = p.command if p is not None else "?"
         if p is not None and p.role is not None:  # vLLM: only an orphaned tree may be stopped
+            if p.embedded_in is not None:
+                blockers.append(Blocker(pid, command, f"{p.embedded_in.describe()}: stop that "
+                                        "process itself"))
+                continue
             if not p.orphan:
                 blockers.append(Blocker(pid, command, "a live vLLM server: use xpuctl shutdown"))
                 continue

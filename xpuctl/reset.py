@@ -7,11 +7,16 @@ audit log.
 Live servers are never touched (use `xpuctl shutdown`). A device reset (PCI function reset
 through sysfs) is a last resort: root only, one named device, and only when nothing holds it.
 
+Orphans: only trees whose launcher is gone (core/trees); vLLM embedded in a live process
+(run as a library) is never planned. With `--device`, only the orphaned trees tied to those
+devices (held, or named by ZE_AFFINITY_MASK), and only the files of the orphans it stops: a
+stale file whose process is gone is tied to no device, and is kept (docs/safety.md).
+
 Holders: processes that are not vLLM but hold a target device (all Intel GPUs, or the
 `--device` ones) are always listed. With `--kill-holders` they are stopped through the same
 ladder as orphans (SIGTERM, wait, SIGTERM survivors, SIGKILL), their descendants with them;
-never a process of a live server (under it, above it, or carrying a live run's id), nor
-xpuctl itself or one of its ancestors.
+never a process of a live server (under it, above it, or whose run id a live run's record
+proves), nor the launcher of embedded vLLM, nor xpuctl itself or one of its ancestors.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from xpuctl import pausepoint
 from xpuctl.actions.cleanup import Removal, may_delete, removable, remove
 from xpuctl.actions.signals import can_signal, target_of
 from xpuctl.core.checks import Options, evaluate
-from xpuctl.core.model import EMPTY_ENV, Artifact, Finding, Process, Report, Scan
+from xpuctl.core.model import EMPTY_ENV, Artifact, Finding, Process, RecordedRun, Report, Scan
 from xpuctl.core.rules import CCL_PID
 from xpuctl.errors import UsageError
 from xpuctl.host.processes import live_stats
@@ -33,7 +38,6 @@ from xpuctl.host.scan import DEFAULT_PORT, take_scan
 from xpuctl.host.seam import Host
 from xpuctl.output.lines import event_line
 from xpuctl.output.safetext import safe
-from xpuctl.parse.roles import API_SERVER
 from xpuctl.shutdown.ladder import StopResult, skipped_lines, stop
 from xpuctl.shutdown.targets import ServerTree, tree_from_scan
 from xpuctl.state import audit
@@ -60,6 +64,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     holders: list[Holder] = field(default_factory=list)  # always listed
     kill_holders: bool = False
+    runs: tuple[RecordedRun, ...] = ()  # the live runs' records it was planned with
 
     @property
     def holder_trees(self) -> list[ServerTree]:
@@ -98,14 +103,14 @@ def find_holders(host: Host, scan: Scan, wanted: set[str]) -> list[Holder]:
         return []
     foreign = not can_signal(host)
     serving = {p.pid for p in scan.processes if p.role is not None and not p.orphan and not p.is_zombie}
-    live_runs = {p.run_id for p in scan.processes
-                 if p.role == API_SERVER and not p.orphan and not p.is_zombie and p.run_id}
+    launchers = {p.embedded_in.pid for p in scan.processes
+                 if p.embedded_in is not None and not p.is_zombie}
     parents = _parents(host) if not foreign else {}
     mine = {os.getpid(), *_ancestry(parents, os.getpid())} if not foreign else set()
     out = []
     for p in held:
         why = ("this root's /proc is not the live one" if foreign
-               else _why_not(p, parents, serving, live_runs, mine))
+               else _why_not(p, parents, serving, launchers, mine))
         if why is None and p.cmdline and p.cmdline[0].startswith("ray::"):
             # another Ray job's actor (or one Ray could not name): its job owns it, never reset
             why = "a Ray actor: stop it through its Ray job"
@@ -123,12 +128,14 @@ def find_holders(host: Host, scan: Scan, wanted: set[str]) -> list[Holder]:
     return out
 
 
-def _why_not(p: Process, parents: dict[int, int], serving: set[int], live_runs: set[str],
+def _why_not(p: Process, parents: dict[int, int], serving: set[int], launchers: set[int],
              mine: set[int]) -> str | None:
     if p.pid in mine:
         return "xpuctl itself or one of its parents"
-    if p.run_id and p.run_id in live_runs:
+    if p.run_proven:  # its XPUCTL_RUN_ID is vouched for by a live run's record; a tag alone is not
         return "it belongs to a live xpuctl run"
+    if p.pid in launchers:
+        return "it runs vLLM as a library (the vLLM processes under it are its own)"
     if serving & set(_ancestry(parents, p.pid)):
         return "it runs under a live vLLM server"
     for pid in serving:
@@ -165,32 +172,79 @@ def _kept_only_by(a: Artifact, scan: Scan, orphans: set[int]) -> bool:
     return m is not None and int(m.group(1)) in orphans
 
 
+def _orphaned_trees(scan: Scan) -> dict[int, list[Process]]:
+    """The orphans (none a zombie) by the top of their tree."""
+    trees: dict[int, list[Process]] = {}
+    for p in scan.processes:
+        if p.orphan and not p.is_zombie:
+            trees.setdefault(p.top or p.pid, []).append(p)
+    return trees
+
+
+def _in_scope(scan: Scan, wanted: set[str], notes: list[str]) -> dict[int, list[Process]]:
+    """The orphaned trees `--device` names (all of them without it): a tree is tied to a
+    device one of its processes holds, or its ZE_AFFINITY_MASK or proven run claims. One
+    tied to no device at all is out of scope too: which device it was for is unknown."""
+    trees = _orphaned_trees(scan)
+    if not wanted:
+        return trees
+    shown = ", ".join(sorted(wanted))
+    out: dict[int, list[Process]] = {}
+    for top, procs in sorted(trees.items()):
+        tied = frozenset().union(*(p.tied for p in procs))
+        if tied & wanted:
+            out[top] = procs
+        elif tied:
+            notes.append(f"skipped: orphaned vLLM tree {top} is tied to {', '.join(sorted(tied))}, "
+                         f"not to {shown}")
+        else:
+            notes.append(f"skipped: orphaned vLLM tree {top} holds no device: which device it "
+                         f"was for is unknown (reset without --device stops it)")
+    return out
+
+
+def _embedded_notes(scan: Scan, wanted: set[str]) -> list[str]:
+    """vLLM run as a library, on the target devices: never stopped, and said so."""
+    out: dict[int, str] = {}
+    for p in scan.processes:
+        e = p.embedded_in
+        if e is None or p.is_zombie or (wanted and not p.tied & wanted):
+            continue
+        out.setdefault(p.top or p.pid, f"kept: vLLM tree {p.top or p.pid}: {e.describe(200)}: "
+                                       + ("not judged" if e.blocked else "not an orphan"))
+    return [out[k] for k in sorted(out)]
+
+
 def make_plan(host: Host, bdfs: tuple[str, ...], port: int | None, device_reset: bool,
-              environ: Mapping[str, str], kill_holders: bool = False) -> Plan:
-    """`environ`: the command's (where Ray is)."""
+              environ: Mapping[str, str], kill_holders: bool = False,
+              runs: tuple[RecordedRun, ...] = ()) -> Plan:
+    """`environ`: the command's (where Ray is); `runs`: the live runs' records (what proves
+    an XPUCTL_RUN_ID)."""
     from xpuctl.ray.actors import scan_with_ray
 
     # Ray actors of an orphaned driver are orphans of its tree (Ray's state ties them)
-    scan = scan_with_ray(host, environ, port=port or DEFAULT_PORT)
+    scan = scan_with_ray(host, environ, port=port or DEFAULT_PORT, runs=runs)
     wanted = set(bdfs)
-    notes: list[str] = []
-    orphans = [
-        p for p in scan.processes
-        if p.orphan and not p.is_zombie and (not wanted or not p.devices or wanted & set(p.devices))
-    ]
-    tops = sorted({p.top or p.pid for p in orphans})
+    notes: list[str] = _embedded_notes(scan, wanted)
+    scoped = _in_scope(scan, wanted, notes)
     trees: list[ServerTree] = []
-    if tops and not can_signal(host):
+    if scoped and not can_signal(host):
         notes.append("orphans found, but this root's /proc is not the live one: they cannot be stopped from here")
-    elif tops:
-        for top in tops:
+    elif scoped:
+        for top in sorted(scoped):
             tree = tree_from_scan(scan, top, host)
             if tree is not None:
                 tree.orphan = True
                 trees.append(tree)
-    orphan_pids = sorted(p.pid for p in orphans)
+    orphan_pids = sorted(p.pid for procs in scoped.values() for p in procs)
     files = removable(scan)
     skipped = [(a, f"owned by uid {a.owner_uid}") for a in scan.artifacts if a.stale and not may_delete(a.owner_uid)]
+    if wanted and (files or skipped):
+        # A stale file's process is gone, and with it what it held: it is tied to no device.
+        # With --device only the files of the orphans it stops go (`pending`, below).
+        notes.append(f"kept: {len(files) + len(skipped)} stale file(s): a file whose process "
+                     "is gone is tied to no device (reset without --device removes them)")
+        files, skipped = [], []
     pending = [a for a in scan.artifacts
                if not a.stale and may_delete(a.owner_uid) and _kept_only_by(a, scan, set(orphan_pids))]
     stuck = scan.blocked_pids()
@@ -209,7 +263,8 @@ def make_plan(host: Host, bdfs: tuple[str, ...], port: int | None, device_reset:
             raise UsageError("--device-reset needs exactly one --device")
         resets = list(bdfs)
     holders = find_holders(host, scan, wanted)
-    return Plan(trees, orphan_pids, files, pending, skipped, resets, notes, holders, kill_holders)
+    return Plan(trees, orphan_pids, files, pending, skipped, resets, notes, holders, kill_holders,
+                runs)
 
 
 def execute(
@@ -230,7 +285,7 @@ def execute(
             on_event=lambda ev: say(event_line(ev)),
         )
     pausepoint.reached("reset-removing")
-    fresh = take_scan(host, port=port or DEFAULT_PORT)
+    fresh = take_scan(host, port=port or DEFAULT_PORT, runs=plan.runs)
     removed = remove(host, plan.files + plan.pending_files, fresh)
     for r in removed:
         if r.removed:
@@ -256,7 +311,7 @@ def execute(
     for bdf, ok, why in resets:
         say(f"device reset {safe(bdf)}: {'done' if ok else 'not done'} ({safe(why)})")
     after = evaluate(
-        take_scan(host, port=port or DEFAULT_PORT),
+        take_scan(host, port=port or DEFAULT_PORT, runs=plan.runs),
         Options(devices=bdfs, port=port or DEFAULT_PORT, port_explicit=port is not None),
     )
     return Execution(plan, stopped, removed, resets, after)
@@ -309,10 +364,11 @@ def run(host: Host, request: Request, state_dir: str | None,
     from xpuctl.core.checks import last_run_findings
     from xpuctl.host.devices import resolve_device_specs
     from xpuctl.state.lastrun import last_run
+    from xpuctl.state.live import recorded_runs
 
     bdfs = resolve_device_specs(host, list(request.devices))
     plan = make_plan(host, bdfs, request.port, request.device_reset, request.environ,
-                     request.kill_holders)
+                     request.kill_holders, recorded_runs(state_dir))
     advice = last_run_findings(last_run(state_dir))
     on_event(Planned(plan, advice))
     out = Outcome(plan, advice)

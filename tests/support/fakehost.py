@@ -682,3 +682,74 @@ def amd_only_host(root: Path) -> FakeHost:
                  connectors=["DP-1"])
     _add_ordinary_processes(h)
     return _attrs(h)
+
+
+# (h) vLLM as a library (issue 29 §1)
+EMBEDDED_VRAM = 6 * GiB
+
+
+def embedded_host(root: Path, reused_parent: bool = False) -> FakeHost:
+    """(h) vLLM run as a library: alice's `python3 batch.py` 6000 (pgrp 6000, session 2001:
+    her shell's job) called `LLM(...)`, which spawned EngineCore 6010 and it a worker 6020
+    (titles as vLLM sets them, same session and group as the script). The worker holds device
+    0 with 6 GiB, the script itself an idle Level Zero context on it.
+
+    `reused_parent`: the script died, and its pid 6000 now names `sleep 600`, started after
+    the EngineCore (a recycled pid: the same session and group, only the start time tells):
+    the engine and worker are orphans."""
+    h = _base_host(root)
+    SCRIPT, ENGINE, WORKER = 6000, 6010, 6020
+    common = {"uid": 1000, "pgrp": SCRIPT, "session": 2001, "tty_nr": 34816,
+              "cwd": "/home/alice", "environ": ALICE_ENV}
+    if reused_parent:
+        h.add_process(SCRIPT, 2001, ["sleep", "600"], comm="sleep", start_ticks=h.ticks(6000),
+                      **common)
+    else:
+        h.add_process(SCRIPT, 2001, ["python3", "batch.py", "--prompts", "/data/p.jsonl"],
+                      comm="python3", start_ticks=h.ticks(5000), threads=12,
+                      fds={0: "/dev/pts/0", 1: "/dev/pts/0", 2: "/dev/pts/0",
+                           7: "/dev/dri/renderD128"},
+                      fdinfo={7: xe_fdinfo(21, BDF0, [0], ino=685)}, **common)
+    spawn = ["/usr/bin/python3", "-c",
+             "from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=9, pipe_handle=11)",
+             "--multiprocessing-fork"]
+    h.add_process(ENGINE, SCRIPT, spawn, title="VLLM::EngineCore", environ_zeroed=900,
+                  start_ticks=h.ticks(5005), threads=30, fds={0: "/dev/null"},
+                  **{k: v for k, v in common.items() if k != "environ"})
+    h.add_process(WORKER, ENGINE, spawn, title="VLLM::Worker_TP0", environ_zeroed=900,
+                  start_ticks=h.ticks(5010), threads=60,
+                  fds={0: "/dev/null", 9: "/dev/dri/renderD128"},
+                  fdinfo={9: xe_fdinfo(22, BDF0, [EMBEDDED_VRAM], ino=685)},
+                  **{k: v for k, v in common.items() if k != "environ"})
+    h.pids.update(script=SCRIPT, engine=ENGINE, worker=WORKER)
+    return _attrs(h)
+
+
+# (i) orphans of several devices (issue 29 §3)
+def device_scope_host(root: Path) -> FakeHost:
+    """(i) Three orphaned trees of alice's (each API server SIGKILLed: the engines were
+    reparented to init), and a stale file:
+    - on1: engine 3510 holds nothing, its worker 3520 holds device 1 (renderD129) only;
+    - masked: engine 3610 holds nothing yet, ZE_AFFINITY_MASK=0 in its readable environ
+      (SPT_NOENV=1): tied to device 0 (Level Zero index 0);
+    - bare: engine 3710 holds nothing and names no device;
+    - stale: /dev/shm/psm_dead2, opened by nobody."""
+    h = _base_host(root)
+    spawn = ["/usr/bin/python3", "-c",
+             "from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=9, pipe_handle=11)",
+             "--multiprocessing-fork"]
+    for key, engine, env in (("on1", 3510, None), ("masked", 3610, "0"), ("bare", 3710, None)):
+        common = {"uid": 1000, "pgrp": engine - 10, "session": 2001, "cwd": "/home/alice"}
+        environ = dict(ALICE_ENV, ZE_AFFINITY_MASK=env, SPT_NOENV="1") if env else None
+        h.add_process(engine, 1, spawn, title="VLLM::EngineCore", start_ticks=h.ticks(4000),
+                      fds={0: "/dev/null"}, environ=environ,
+                      environ_zeroed=None if environ else 900, **common)
+        h.pids[key] = engine
+    h.add_process(3520, 3510, spawn, title="VLLM::Worker_TP0", environ_zeroed=900,
+                  start_ticks=h.ticks(4005), fds={0: "/dev/null", 9: "/dev/dri/renderD129"},
+                  fdinfo={9: xe_fdinfo(31, BDF1, [8 * GiB], ino=686)},
+                  uid=1000, pgrp=3500, session=2001)
+    h.pids["on1_worker"] = 3520
+    h.paths["stale"] = "/dev/shm/psm_dead2"
+    h.add_file(h.paths["stale"], uid=1000, size=MiB, mtime=h.at(3900), mode=0o600)
+    return _attrs(h)

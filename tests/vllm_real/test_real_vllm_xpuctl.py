@@ -308,7 +308,8 @@ def test_xpuctl_orphans_after_api_sigkill(xpuctl_serve, vllm_timings, request, v
     # every vLLM tree on the machine, and other people's test trees come and go within
     # seconds (a dry run proves nothing about the next second), so it is opt-in.
     only_ours = all(realvllm.has_token(pid, run.token) for t in targets for pid in t["processes"])
-    how = ["--all"] if os.environ.get(ALLOW_ALL_VAR) == "1" and only_ours else ["--pid", str(engine.pid)]
+    how = (["--all", "--yes"] if os.environ.get(ALLOW_ALL_VAR) == "1" and only_ours
+           else ["--pid", str(engine.pid)])
     t_stop = time.monotonic()
     stop = run.xpuctl("shutdown", *how, "--state-dir", run.state_dir, "--json", timeout=300)
     stop_s = time.monotonic() - t_stop

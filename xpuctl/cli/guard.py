@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import typer
 
-from xpuctl.errors import ExitCode, XpuctlError
+from xpuctl.errors import ExitCode, UsageError, XpuctlError
 from xpuctl.output.safetext import emit, neutral, safe
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -72,6 +72,16 @@ def guard(fn: F) -> F:
             ) from None
 
     return wrapper  # type: ignore[return-value]  # functools.wraps gives a _Wrapped; typer reads the signature through __wrapped__
+
+
+def confirm(refusal: str) -> bool:
+    """The one question of a destructive command (reset, shutdown --all), asked once its plan
+    is shown: "Proceed? [y/N]" on the terminal. No terminal to ask: UsageError(`refusal`),
+    exit 2 (scripts pass --yes). A "no" is False: the caller exits 1 with nothing changed;
+    Ctrl-C (130) and end of input (1) leave through `group_exit_code`."""
+    if not sys.stdin.isatty():
+        raise UsageError(refusal)
+    return bool(typer.confirm("Proceed?", default=False))
 
 
 def one_line(text: str) -> str:

@@ -9,7 +9,7 @@ import typer
 
 from xpuctl.cli.context import app_context
 from xpuctl.cli.group import command_app
-from xpuctl.cli.guard import guard
+from xpuctl.cli.guard import confirm, guard
 from xpuctl.cli.options import (
     HOUR,
     CollectiveOpt,
@@ -116,6 +116,4 @@ def reset(
 def _confirm(_plan: object = None) -> bool:
     """Ask on the terminal; no terminal is a usage error, a "no" exits 1 and changes nothing
     (Ctrl-C at the prompt: 130, in the guard)."""
-    if not sys.stdin.isatty():
-        raise UsageError("refusing to clean without confirmation: pass --yes (no terminal to ask)")
-    return bool(typer.confirm("Proceed?", default=False))
+    return confirm("refusing to clean without confirmation: pass --yes (no terminal to ask)")

@@ -10,7 +10,7 @@ import typer
 
 from xpuctl.cli.context import app_context, own_age_seconds
 from xpuctl.cli.group import command_app
-from xpuctl.cli.guard import guard
+from xpuctl.cli.guard import confirm, guard
 from xpuctl.cli.options import (
     DeviceOpt,
     JsonOpt,
@@ -46,13 +46,17 @@ def shutdown(
     kill_after: KillAfterOpt = 10.0,
     release_timeout: Annotated[float, typer.Option("--release-timeout", click_type=Seconds(0), help="Seconds to wait for the devices and port to be free.")] = 30.0,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Show what would be stopped; send nothing.")] = False,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="--all: do not ask (for scripts).")] = False,
     state_dir: StateDirOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Drain and stop a vLLM server, escalate step by step, verify the GPU is released.
 
+    --all shows its plan and asks first, unless --yes.
+
     Exit 0: stopped and released (escalation is reported, not an error). 1: leftovers
-    remain. 3: NAME, --pid or --port matches nothing. --all with nothing running exits 0.
+    remain (or --all's question answered no). 2: usage (or --all without --yes and no
+    terminal). 3: NAME, --pid or --port matches nothing. --all with nothing running exits 0.
     """
     from xpuctl.output import documents, lines
     from xpuctl.shutdown import flow
@@ -73,8 +77,20 @@ def shutdown(
         else:
             emit(sys.stdout, lines.event_line(ev))
 
+    def ask(planned: flow.Planned) -> bool:
+        stream = sys.stderr if as_json else sys.stdout
+        targets = documents.shutdown_target_dicts(planned.trees, planned.members)
+        for line in lines.shutdown_plan_lines(targets):
+            emit(stream, line)
+        for line in planned.skipped:
+            emit(stream, f"skipped: {safe(line)}")
+        return confirm("refusing to stop every server without confirmation: pass --yes "
+                       "(no terminal to ask)")
+
     out = flow.run(a.host, request, resolve_state_dir(a.host, state_dir, a.environ),
-                   None if as_json else show)
+                   None if as_json else show, approve=None if yes else ask)
+    if out.declined:
+        raise typer.Exit(ExitCode.PROBLEMS)  # a "no" at the prompt: nothing was sent
     targets = documents.shutdown_target_dicts(out.trees, out.members)
     if out.result is None:
         if as_json:

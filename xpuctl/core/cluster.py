@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from xpuctl.core.model import Device, DrmClient, Finding, Process, RayActor, Scan
+from xpuctl.core.model import Device, DrmClient, Finding, Launcher, Process, RayActor, Scan
 
 _RANK = {"clean": 0, "ok": 0, "busy": 1, "dirty": 2, "error": 3}
 
@@ -123,7 +123,8 @@ def process_of(d: dict[str, Any]) -> Process:
         run_id=d.get("run_id"), devices=tuple(d.get("devices") or ()),
         memory_bytes=d.get("memory_bytes"), wchan=d.get("wchan"), ray=_ray(d.get("ray")),
         blocked=d.get("blocked"),
-        cmdline_bytes=_argv_bytes(d),
+        cmdline_bytes=_argv_bytes(d), embedded_in=_launcher(d.get("embedded_in")),
+        run_proven=bool(d.get("run_proven")),
     )
 
 
@@ -133,6 +134,12 @@ def _argv_bytes(d: dict[str, Any]) -> int:
 
     cut = d.get("argv_truncated")
     return argv_bytes(tuple(d.get("argv") or ())) + (cut if isinstance(cut, int) else 0)
+
+
+def _launcher(d: dict[str, Any] | None) -> Launcher | None:
+    if not isinstance(d, dict) or not isinstance(d.get("pid"), int):
+        return None
+    return Launcher(d["pid"], str(d.get("command") or "?"), bool(d.get("blocked")))
 
 
 def device_of(d: dict[str, Any]) -> Device:

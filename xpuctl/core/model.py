@@ -126,6 +126,35 @@ class Container(NamedTuple):
         return who
 
 
+class Launcher(NamedTuple):
+    """The live process that runs vLLM as a library and launched a tree (core/trees): an
+    `LLM(...)` script, an app with an AsyncLLM, a Ray Serve replica. It owns the tree."""
+
+    pid: int
+    command: str
+    blocked: bool = False  # a read of it did not answer: what it is, is unknown
+
+    def describe(self, width: int = 60) -> str:
+        """`vLLM embedded in pid 4242 (python3 batch.py)`; for one that did not answer,
+        `vLLM under pid 4242 ([python3]), which did not answer a read`."""
+        cmd = self.command if len(self.command) <= width else self.command[: width - 1] + "…"
+        if self.blocked:
+            return f"vLLM under pid {self.pid} ({cmd}), which did not answer a read"
+        return f"vLLM embedded in pid {self.pid} ({cmd})"
+
+
+class RecordedRun(NamedTuple):
+    """A live run as its record names it (state/runs): the proof an `XPUCTL_RUN_ID` tag needs.
+    A tag counts only on the recorded process (pid and start ticks), on its supervisor's
+    descendants while that supervisor lives, or on the recorded process's descendants."""
+
+    run_id: str
+    pid: int | None  # the process serve launched (the top)
+    start_ticks: int | None  # and its start, in clock ticks since boot
+    supervisor_pid: int | None
+    devices: tuple[str, ...] = ()  # the BDFs the run claimed
+
+
 class Process(NamedTuple):
     pid: int
     ppid: int
@@ -151,6 +180,12 @@ class Process(NamedTuple):
     blocked: str | None = None  # a file of it that did not answer: its role is unknown
     container: Container | None = None  # its container or pod (listed processes only)
     cmdline_bytes: int = 0  # the whole command line's length (0: cmdline is all of it)
+    # vLLM run as a library: the live process its tree is embedded in (never an orphan)
+    embedded_in: Launcher | None = None
+    run_proven: bool = False  # a live run's record vouches for its run_id (RecordedRun)
+    # devices it is tied to without holding them (yet): named by its ZE_AFFINITY_MASK, or
+    # claimed by its proven run's record
+    claims: tuple[str, ...] = ()
 
     @property
     def is_vllm(self) -> bool:
@@ -175,6 +210,17 @@ class Process(NamedTuple):
         from xpuctl.parse.procfs import shown_argv
 
         return shown_argv(self.cmdline, self.cmdline_bytes)
+
+    @property
+    def proven_run(self) -> str | None:
+        """Its run id, when a live run's record vouches for it; None otherwise (a tag alone
+        proves nothing: any process may carry one)."""
+        return self.run_id if self.run_proven else None
+
+    @property
+    def tied(self) -> frozenset[str]:
+        """The devices it holds or claims: what `--device` scopes by."""
+        return frozenset(self.devices) | frozenset(self.claims)
 
 
 class Unreadable(NamedTuple):
@@ -273,6 +319,7 @@ class LastRun(NamedTuple):
     phase: str  # label of the furthest start-up phase its log reached
     signatures: tuple[LogSignature, ...]
     ended_at: float | None = None
+    devices: tuple[str, ...] = ()  # the BDFs it claimed (what doctor --device scopes by)
 
 
 class RecordIssue(NamedTuple):

@@ -2,10 +2,20 @@
 
 A tree's top is its top-most vLLM ancestor. A server is *live* while that top is an API
 server (`vllm serve`, `-m vllm.entrypoints.openai.api_server`, `VLLM::APIServer_*`).
-An engine-core, worker, coordinator or resource tracker whose launching API server is gone
-is an **orphan**: it keeps the GPU and its memory, and nothing will ever stop it.
+
+Any other tree belongs to the process that launched its top, while that process lives: vLLM
+run as a library (`LLM(...)` in a script, an AsyncLLM inside an app, a Ray Serve replica)
+has the same `VLLM::EngineCore` and `VLLM::Worker` titles under a parent that is no API
+server. Such a tree is **embedded** in its launcher (`Placement.owner`) and is never an
+orphan. An engine-core, worker, coordinator or resource tracker is an **orphan** only when
+its launcher is gone (`launcher`): reparented to init or to a subreaper, its parent a zombie,
+or its parent pid now naming a process younger than itself (the pid was reused). It keeps the
+GPU and its memory, and nothing will ever stop it.
+
 Processes tagged with the same XPUCTL_RUN_ID belong to the same run even when they left the
-process tree (double fork, setsid).
+process tree (double fork, setsid: `xpuctl serve` is a subreaper, they are reparented to it),
+while its API server lives, but only a tag a live run's record vouches for (`Member.run_id`,
+proved by host/scan): any process can put the variable in its environment.
 
 Ray (docs/ray.md): the path from a Ray actor up to its run goes through Ray's own
 processes (actor -> raylet -> EngineCore when the run started its own Ray). Ray's processes are
@@ -32,18 +42,28 @@ from xpuctl.parse.roles import (
 
 
 class Member(NamedTuple):
+    """A process as the trees need it: every vLLM process (or candidate), every device
+    holder, and the parent of each (the launcher of vLLM run as a library)."""
+
     pid: int
     ppid: int
     session: int
     role: str | None  # may be a candidate (tracker?/spawn?)
-    run_id: str | None
+    run_id: str | None  # its XPUCTL_RUN_ID, only when a live run's record vouches for it
     zombie: bool = False  # holds nothing; never a live server, never an orphan
+    pgrp: int = 0
+    start_ticks: int = 0  # /proc/<pid>/stat field 22: with the pid, the process's identity
+    blocked: bool = False  # a read of it did not answer: alive, what it is unknown
+    # vLLM's or torch's libraries are mapped in it (read for PID 1 only: init, a container's
+    # non-reaping PID 1, or the program there that runs vLLM as a library)
+    runs_vllm: bool = False
 
 
 class Placement(NamedTuple):
     role: str
     top: int
     orphan: bool
+    owner: int | None = None  # the live non-vLLM process the tree is embedded in
 
 
 def resolve(members: dict[int, Member]) -> dict[int, Placement]:
@@ -100,10 +120,11 @@ def _tops(members: dict[int, Member], roles: dict[int, str]) -> dict[int, int]:
         cur = pid
         while True:
             parent = members[cur].ppid
-            if parent in roles and parent not in seen and not members[parent].zombie:
+            if (parent in roles and parent not in seen and not members[parent].zombie
+                    and members[parent].start_ticks <= members[cur].start_ticks):
                 seen.add(parent)
                 cur = parent
-            else:
+            else:  # no vLLM parent, or its pid names a younger process now: the top
                 return cur
 
     tops = {pid: top_of(pid) for pid in roles}
@@ -126,12 +147,45 @@ def _tops(members: dict[int, Member], roles: dict[int, str]) -> dict[int, int]:
     return tops
 
 
+def launcher(members: dict[int, Member], pid: int) -> int | None:
+    """The live process that launched `pid`, when its parent still is that process; None when
+    the launcher is gone.
+
+    The parent is the launcher unless the kernel reparented `pid` to it, and /proc says that
+    only indirectly: a child keeps the session and process group it was started in, while a
+    reaper (init, a container's PID 1, a child subreaper such as `systemd --user`,
+    containerd-shim, tini or `xpuctl serve`) runs in a session or group of its own. So the
+    parent is its launcher when it is alive (a zombie is gone), started no later than it (a
+    younger one got the pid of a launcher that died), and shares its session and group, or
+    `pid` leads a session or group of its own (started with setsid or setpgid). PID 1 adopts
+    what any dead launcher in its namespace left, and a container's PID 1 may have started
+    that launcher in its own session and group: it is a launcher only when it runs vLLM
+    itself (its libraries are mapped in it: the program a container runs, `LLM(...)` in it)
+    and shares both, each seen in this PID namespace (0: led outside it). A parent that did not
+    answer a read may be anything: it is presumed alive and the launcher (never an orphan on
+    the strength of a read that did not answer)."""
+    m = members[pid]
+    parent = members.get(m.ppid)
+    if m.ppid > 0 and parent is not None and parent.blocked:
+        return m.ppid  # it did not answer a read: nothing is judged on it, it may launch it
+    if m.ppid <= 0 or parent is None or parent.zombie or parent.start_ticks > m.start_ticks:
+        return None
+    same = m.session == parent.session and m.pgrp == parent.pgrp
+    if m.ppid == 1:
+        return 1 if same and m.session > 0 and m.pgrp > 0 and parent.runs_vllm else None
+    if same or m.session == pid or m.pgrp == pid:
+        return m.ppid
+    return None  # adopted: its session and group are those of a launcher that is gone
+
+
 def _placements(members: dict[int, Member], roles: dict[int, str], tops: dict[int, int]) -> dict[int, Placement]:
     live_tops = {
         members[t].run_id: t
         for t in sorted(set(tops.values()))
         if roles[t] == API_SERVER and members[t].run_id and not members[t].zombie
     }
+    owners = {t: launcher(members, t) for t in set(tops.values())
+              if roles[t] not in (API_SERVER, RAY) and not members[t].zombie}
     out: dict[int, Placement] = {}
     for pid, role in roles.items():
         top = tops[pid]
@@ -145,9 +199,13 @@ def _placements(members: dict[int, Member], roles: dict[int, str], tops: dict[in
             out[pid] = Placement(role=RAY, top=top, orphan=False)  # a cluster's own
             continue
         live = roles[top] == API_SERVER and not members[top].zombie
+        owner = None
         if not live and members[pid].run_id in live_tops:
             top = live_tops[members[pid].run_id]  # left the tree, but its server is alive
             live = True
+        elif not live:
+            owner = owners.get(top)
+            live = owner is not None  # vLLM as a library: its launcher owns it
         orphan = not live and role != API_SERVER and not members[pid].zombie
-        out[pid] = Placement(role=role, top=top, orphan=orphan)
+        out[pid] = Placement(role=role, top=top, orphan=orphan, owner=owner)
     return out

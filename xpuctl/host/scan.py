@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import marshal
 from collections.abc import Iterable
-from typing import Any
 
 from xpuctl.core.model import (
     Artifact,
@@ -13,8 +12,10 @@ from xpuctl.core.model import (
     DrmClient,
     FileInfo,
     Issue,
+    Launcher,
     Port,
     Process,
+    RecordedRun,
     Scan,
     Unreadable,
 )
@@ -32,12 +33,15 @@ from xpuctl.host.processes import (
     own_pids,
     read_optional,
     scan_processes,
+    stat_of,
 )
 from xpuctl.host.reads.protocol import BlockedRead
 from xpuctl.host.seam import CLK_TCK, Host  # noqa: F401 (CLK_TCK: cli's own-age check)
 from xpuctl.host.split import in_two
+from xpuctl.parse.envvars import mask_indices
 from xpuctl.parse.net import TcpSocket, parse_tcp, parse_unix_paths
 from xpuctl.parse.procfs import (
+    ProcStat,
     maps_library,
     parse_boot_time,
     parse_environ,
@@ -271,15 +275,64 @@ def _ports(host: Host, fds: FdTable, procs: dict[int, Process], port: int | None
     return sorted(out, key=lambda x: (x.port, x.pid or 0))
 
 
-def _tag_run_leaders(host: Host, fds: FdTable) -> None:
-    """The process `xpuctl serve` launched is a session leader carrying XPUCTL_RUN_ID: it is
-    the top of that vLLM run even when its argv is not one we recognise (a wrapper script)."""
-    for pid, proc in fds.procs.items():
-        if proc.role is not None or proc.stat.session != pid or proc.stat.state == "Z":
-            continue
-        data = read_optional(host, f"/proc/{pid}/environ")
-        if data and RUN_ID_VAR.encode() + b"=" in data and parse_environ(data).get(RUN_ID_VAR):
+def _tag_run_leaders(fds: FdTable, runs: tuple[RecordedRun, ...]) -> None:
+    """The process `xpuctl serve` launched (its record names its pid and start ticks) is the
+    top of that vLLM run even when its argv is not one we recognise (a wrapper script). A
+    session leader that merely carries XPUCTL_RUN_ID is not: anyone can set a variable."""
+    for r in runs:
+        proc = fds.procs.get(r.pid) if r.pid else None
+        if (proc is not None and proc.role is None and proc.stat.state != "Z"
+                and proc.stat.start_ticks == r.start_ticks):
             proc.role = API_SERVER
+
+
+def _anchors(fds: FdTable, runs: tuple[RecordedRun, ...]) -> dict[int, str]:
+    """pid -> run id of the processes live runs' records name. A run is live while its
+    recorded top is the same process (pid and start ticks); then its supervisor is one too,
+    while it lives (a process alive since before the top started, at the recorded
+    supervisor's pid, is that supervisor: a pid names one process at a time). Once the top
+    is gone the run is ending, and what is left of it is judged like any other process."""
+    out: dict[int, str] = {}
+    for r in runs:
+        top = fds.procs.get(r.pid) if r.pid else None
+        if (top is None or r.start_ticks is None or top.stat.state == "Z"
+                or top.stat.start_ticks != r.start_ticks):
+            continue
+        out[top.pid] = r.run_id
+        sup = fds.procs.get(r.supervisor_pid) if r.supervisor_pid else None
+        if sup is not None and sup.stat.state != "Z" and sup.stat.start_ticks <= r.start_ticks:
+            out.setdefault(sup.pid, r.run_id)
+    return out
+
+
+def _proven(fds: FdTable, tags: dict[int, str], runs: tuple[RecordedRun, ...]) -> set[int]:
+    """The tagged processes whose XPUCTL_RUN_ID a live run's record vouches for: the
+    recorded process itself, or a descendant of it or of its supervisor (a process that left
+    the run's tree is reparented to the supervisor, a subreaper: still its descendant)."""
+    anchors = _anchors(fds, runs) if tags else {}
+    out: set[int] = set()
+    for pid, tag in tags.items():
+        cur, seen = pid, set()
+        while cur > 0 and cur not in seen:
+            if anchors.get(cur) == tag:
+                out.add(pid)
+                break
+            seen.add(cur)
+            raw = fds.procs.get(cur)
+            cur = raw.stat.ppid if raw is not None else 0
+    return out
+
+
+def _claims(env: dict[str, str] | None, run: RecordedRun | None,
+            devices: list[Device]) -> tuple[str, ...]:
+    """The devices a process is tied to without holding them: those its ZE_AFFINITY_MASK
+    names (Level Zero indices), and those its proven run's record claimed."""
+    out = set(run.devices) if run is not None else set()
+    mask = (env or {}).get("ZE_AFFINITY_MASK")
+    indices = mask_indices(mask) if mask is not None else None
+    if indices:
+        out.update(d.bdf for d in devices if d.index is not None and d.index in indices)
+    return tuple(sorted(out))
 
 
 def _stuck(host: Host, fds: FdTable) -> dict[int, BlockedRead]:
@@ -328,23 +381,26 @@ def take_scan(
     caller_env: dict[str, str] | None = None,
     artifacts: bool = True,
     exclude_pids: frozenset[int] = frozenset(),
+    runs: tuple[RecordedRun, ...] = (),
 ) -> Scan:
     """One scan. `artifacts=False` skips /dev/shm and /tmp (a release check needs only
     holders and ports). `exclude_pids` (live /proc only): our own helpers, e.g. deep probes.
+    `runs`: the live runs' records (state/live.recorded_runs), the only proof of a
+    process's XPUCTL_RUN_ID; without them no tag counts.
 
     Every read is bounded: the scan runs in the host's reader (host/reads/), and a
     process with a file that did not answer is listed in `unreadable_processes`, never
     judged: its role is unknown, a device it may hold is not free, no file is stale."""
     if host.reader is not None:
         scan: Scan = host.reader.call(take_scan, host, port, want_env, caller_env, artifacts,
-                                      own_pids(host, exclude_pids))
+                                      own_pids(host, exclude_pids), runs)
         return scan
     now, fds = _pass(host, own_pids(host, exclude_pids))
     devices, issues = scan_devices(host)
     stuck = _stuck(host, fds)
     lazy = _Lazy(host, fds)
     clients, held, dmabufs = _holdings(host, fds, devices)
-    procs = _processes(host, fds, lazy, clients, held, stuck, want_env)
+    procs = _processes(host, fds, lazy, clients, held, stuck, want_env, devices, runs)
     ordered = sorted(procs.values(), key=lambda p: (p.top or p.pid, p.pid))
     found, art_issues = _artifacts(host, fds, lazy, ordered, now, stuck) if artifacts else ([], [])
     issues.extend(art_issues)
@@ -384,21 +440,74 @@ def _holdings(host: Host, fds: FdTable, devices: list[Device]
     return clients, held, dmabufs
 
 
+def _member(pid: int, st: ProcStat, role: str | None, run_id: str | None,
+            blocked: bool) -> Member:
+    return Member(pid, st.ppid, st.session, role, run_id, st.state == "Z", st.pgrp,
+                  st.start_ticks, blocked)
+
+
+def _parents(host: Host, fds: FdTable, relevant: dict[int, RawProcess],
+             stuck: dict[int, BlockedRead]) -> dict[int, Member]:
+    """The parents of the processes a scan describes (the launcher of vLLM run as a library
+    is one), those left out of the pass (ours) read now: core/trees judges whether each is
+    still the process that launched its child. One that did not answer is not read again."""
+    out: dict[int, Member] = {}
+    for p in relevant.values():
+        ppid = p.stat.ppid
+        if ppid <= 0 or ppid in relevant or ppid in out:
+            continue
+        raw = fds.procs.get(ppid)
+        if raw is None and ppid in stuck:
+            out[ppid] = Member(ppid, 0, 0, None, None, blocked=True)
+            continue
+        st = raw.stat if raw is not None else stat_of(host, ppid)
+        if st is not None:
+            out[ppid] = _member(ppid, st, None, None, ppid in stuck)
+            if (ppid == 1 and ppid not in stuck and st.session > 0
+                    and (p.stat.session, p.stat.pgrp) == (st.session, st.pgrp)):
+                # only then can PID 1 be its launcher (core/trees.launcher)
+                out[ppid] = out[ppid]._replace(runs_vllm=_runs_vllm(host, ppid))
+    return out
+
+
+#: In the maps of a process that runs vLLM: vLLM's compiled ops, torch's libraries.
+_VLLM_LIBS = (b"/vllm/", b"/torch/lib/")
+
+
+def _runs_vllm(host: Host, pid: int) -> bool:
+    """Does `pid` run vLLM itself (vLLM or torch is loaded: `LLM(...)` imports both)?"""
+    data = read_optional(host, f"/proc/{pid}/maps", 64 << 20)
+    return data is not None and any(lib in data for lib in _VLLM_LIBS)
+
+
+def _launcher_of(host: Host, fds: FdTable, pid: int, stuck: dict[int, BlockedRead]) -> Launcher:
+    raw = fds.procs.get(pid)
+    if raw is None or pid in stuck:
+        return Launcher(pid, f"[{raw.stat.comm}]" if raw is not None else "?", pid in stuck)
+    argv = fill_cmdline(host, raw)
+    return Launcher(pid, " ".join(argv) if argv else f"[{raw.stat.comm}]")
+
+
 def _processes(host: Host, fds: FdTable, lazy: _Lazy, clients: list[DrmClient],
-               held: dict[int, set[str]], stuck: dict[int, Any], want_env: bool) -> dict[int, Process]:
+               held: dict[int, set[str]], stuck: dict[int, BlockedRead], want_env: bool,
+               devices: list[Device], runs: tuple[RecordedRun, ...]) -> dict[int, Process]:
     """The processes a scan describes: vLLM ones (and candidates) plus every holder, placed
     in their server trees."""
-    _tag_run_leaders(host, fds)
+    _tag_run_leaders(fds, runs)
     relevant: dict[int, RawProcess] = {
         pid: p for pid, p in fds.procs.items() if p.role is not None or pid in held
     }
     details = {pid: _details(host, pid, want_env) for pid in relevant}
-    members = {
-        pid: Member(pid, p.stat.ppid, p.stat.session, p.role,
-                    (details[pid][1] or {}).get(RUN_ID_VAR) or None, p.stat.state == "Z")
-        for pid, p in relevant.items()
-    }
+    tags = {pid: tag for pid in relevant if (tag := (details[pid][1] or {}).get(RUN_ID_VAR))}
+    proven = _proven(fds, tags, runs)
+    members = _parents(host, fds, relevant, stuck)
+    members.update({pid: _member(pid, p.stat, p.role, tags[pid] if pid in proven else None,
+                                 pid in stuck)
+                    for pid, p in relevant.items()})
     placements = resolve(members)
+    by_run = {r.run_id: r for r in runs}
+    launchers = {o: _launcher_of(host, fds, o, stuck)
+                 for o in {pl.owner for pl in placements.values() if pl.owner is not None}}
     boot = lazy.boot_time()
     mem_by_pid: dict[int, int] = {}
     for c in clients:
@@ -416,6 +525,7 @@ def _processes(host: Host, fds: FdTable, lazy: _Lazy, clients: list[DrmClient],
             continue  # a Ray cluster's own process, no run's: nothing to report
         st = raw.stat
         uid, env = details[pid]
+        run_id = tags.get(pid)
         procs[pid] = Process(
             pid=pid, ppid=st.ppid, state=st.state, comm=st.comm,
             cmdline=tuple(fill_cmdline(host, raw)),
@@ -426,7 +536,7 @@ def _processes(host: Host, fds: FdTable, lazy: _Lazy, clients: list[DrmClient],
             rank=raw.rank,
             orphan=place.orphan if place else False,
             top=place.top if place else None,
-            run_id=members[pid].run_id,
+            run_id=run_id,
             devices=tuple(sorted(held.get(pid, ()))),
             memory_bytes=mem_by_pid.get(pid),
             wchan=_wchan(host, pid) if st.state == "D" else None,
@@ -434,5 +544,9 @@ def _processes(host: Host, fds: FdTable, lazy: _Lazy, clients: list[DrmClient],
             blocked=stuck[pid].path if pid in stuck else None,
             container=containers.of(pid) if pid not in stuck else None,
             cmdline_bytes=raw.cmdline_bytes,
+            embedded_in=launchers.get(place.owner) if place and place.owner is not None else None,
+            run_proven=pid in proven,
+            claims=_claims(env, by_run.get(run_id) if pid in proven and run_id else None,
+                           devices),
         )
     return procs

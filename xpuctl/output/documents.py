@@ -122,6 +122,11 @@ def process_dict(p: Process) -> dict[str, Any]:
         "devices": list(p.devices),
         "memory_bytes": p.memory_bytes,
         "run_id": p.run_id,
+        "run_proven": p.run_proven,  # a live run's record vouches for run_id
+        # vLLM run as a library: the live process the tree belongs to (never an orphan)
+        "embedded_in": ({"pid": p.embedded_in.pid, "command": p.embedded_in.command,
+                         "blocked": p.embedded_in.blocked}
+                        if p.embedded_in is not None else None),
         "uid": p.uid,
         "threads": p.threads,
         "session": p.session,

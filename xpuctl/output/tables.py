@@ -149,7 +149,9 @@ def processes_table(scan: Scan, title: str = "Processes", width: int = 120) -> A
                 str(p.pid),
                 str(p.ppid),
                 safe(p.state + (f"({p.wchan})" if p.wchan else ""), 64),
-                safe((p.role or "-") + (f" {p.rank}" if p.rank else "") + (" ORPHAN" if p.orphan else ""), 64),
+                safe((p.role or "-") + (f" {p.rank}" if p.rank else "") + (" ORPHAN" if p.orphan else "")
+                     + ((f" under {p.embedded_in.pid} (no answer)" if p.embedded_in.blocked
+                         else f" embedded in {p.embedded_in.pid}") if p.embedded_in else ""), 64),
                 safe(",".join(_dev_label(scan, b) for b in p.devices) or "-", 64),
                 human_bytes(p.memory_bytes) if p.memory_bytes is not None else "-",
                 safe((p.run_id or "-")[:8]),

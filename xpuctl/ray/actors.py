@@ -76,7 +76,9 @@ def tie(scan: Scan, state: dict[str, Any], alive: Callable[[int], bool]) -> Scan
         rank = _rank(actor.name)
         if driver is not None and driver.role is not None and not driver.is_zombie:
             changed[p.pid] = p._replace(role=roles.WORKER, rank=rank, top=driver.top or driver.pid,
-                                        run_id=driver.run_id, orphan=driver.orphan, ray=actor)
+                                        run_id=driver.run_id, orphan=driver.orphan, ray=actor,
+                                        run_proven=driver.run_proven,
+                                        embedded_in=driver.embedded_in)
         elif actor.driver_gone:
             top = orphan_tops.setdefault(actor.job_id or "", p.pid)
             changed[p.pid] = p._replace(role=roles.WORKER, rank=rank, top=top, orphan=True, ray=actor)

@@ -53,6 +53,14 @@ class Found(NamedTuple):
     resolve_s: float | None  # from the command's start to here (None: start unknown)
 
 
+class Planned(NamedTuple):
+    """`--all` without `--yes`: what it will stop, told before it asks."""
+
+    trees: list[ServerTree]
+    members: dict[int, list[int]]  # each tree's processes by top pid, as they are now
+    skipped: list[str]  # reads that did not answer
+
+
 @dataclass
 class Outcome:
     trees: list[ServerTree]
@@ -62,6 +70,7 @@ class Outcome:
     resolve_s: float | None = None
     skipped: list[str] = field(default_factory=list)  # a dry run's reads that did not answer
     audit: audit.Sink | None = None  # the ladder's audit log (None when nothing was sent)
+    declined: bool = False  # --all's plan was not approved: nothing was sent
 
     @property
     def leftovers(self) -> bool:
@@ -78,9 +87,12 @@ def check(request: Request, host: Host) -> None:
 
 
 def run(host: Host, request: Request, state_dir: str | None,
-        on_event: Callable[[Found | ladder.Event], None] | None) -> Outcome:
+        on_event: Callable[[Found | ladder.Event], None] | None,
+        approve: Callable[[Planned], bool] | None = None) -> Outcome:
     """Stop what `request` names (NotFoundError, exit 3, when NAME, --pid or --port match
-    nothing). `on_event` hears `Found` once, then each step of the ladder."""
+    nothing). `on_event` hears `Found` once, then each step of the ladder. `--all` stops
+    every server of the host: unless `approve` is None (--yes), it is shown the plan first,
+    and nothing is sent (`declined`) when it says no."""
     check(request, host)
     early = None if request.dry_run else plan.recorded_top(host, state_dir, request)
     if early is not None:
@@ -89,6 +101,10 @@ def run(host: Host, request: Request, state_dir: str | None,
                               list(request.devices), request.all_, request.environ)
     if request.dry_run or not trees:
         return Outcome(trees, plan.planned_members(host, trees), skipped=ladder.skipped_lines(host))
+    if approve is not None and request.all_:
+        planned = Planned(trees, plan.planned_members(host, trees), ladder.skipped_lines(host))
+        if not approve(planned):
+            return Outcome(trees, planned.members, skipped=planned.skipped, declined=True)
     unclean = unclean_ends(trees)  # as the records were before this stop
     mark_records(state_dir, trees, state="stopping")
     # From our own start to the first signal: start-up plus finding the trees. On the

@@ -17,6 +17,7 @@ def find_targets(host: Host, state_dir: str | None, name: str | None, pid: int |
     from xpuctl.host.devices import resolve_device_specs
     from xpuctl.shutdown import targets
     from xpuctl.state import runs
+    from xpuctl.state.live import recorded
 
     records = []
     if state_dir and os.path.isdir(state_dir):
@@ -27,8 +28,9 @@ def find_targets(host: Host, state_dir: str | None, name: str | None, pid: int |
     bdfs = resolve_device_specs(host, specs)
     from xpuctl.ray.actors import scan_with_ray
 
-    # finding trees needs no files; Ray actors on an existing cluster join their run's tree
-    scan = scan_with_ray(host, environ, port=port, artifacts=False)
+    # finding trees needs no files; Ray actors on an existing cluster join their run's tree;
+    # the records are what proves a process's XPUCTL_RUN_ID
+    scan = scan_with_ray(host, environ, port=port, artifacts=False, runs=recorded(records))
     return targets.find_trees(host, scan, records, name, pid, port, bdfs, all_)
 
 

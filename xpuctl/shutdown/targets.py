@@ -16,6 +16,7 @@ from xpuctl.errors import NotFoundError
 from xpuctl.host.processes import live_stats, read_cmdline, same_process
 from xpuctl.host.scan import RUN_ID_VAR
 from xpuctl.host.seam import Host
+from xpuctl.output.safetext import safe
 from xpuctl.parse.procfs import parse_environ
 from xpuctl.parse.roles import API_SERVER, RAY
 from xpuctl.parse.vllmargs import port_from_argv, shutdown_timeout_from_argv
@@ -59,7 +60,7 @@ def tree_from_scan(scan: Scan, top_pid: int, host: Host) -> ServerTree | None:
         top=target,
         role=top.role,
         orphan=top.orphan or top.role != API_SERVER,
-        run_id=top.run_id,
+        run_id=top.proven_run,  # a tag alone ties nothing to the tree (ladder.members)
         session=top.session if top.session == top.pid else None,
         devices=tuple(sorted({b for p in members for b in p.devices})),
         port=port,
@@ -82,7 +83,10 @@ def tree_from_record(rec: RunRecord, scan: Scan, host: Host) -> ServerTree | Non
             if t is not None:
                 tree = ServerTree(top=t, role=API_SERVER, orphan=False, known=[t])
     if tree is None:
-        tagged = [p for p in scan.processes if p.run_id == rec.run_id and not p.is_zombie]
+        # what is left of it carries its id, and is younger than its recorded top
+        tagged = [p for p in scan.processes if p.run_id == rec.run_id and not p.is_zombie
+                  and p.embedded_in is None
+                  and (rec.start_ticks is None or p.start_ticks >= rec.start_ticks)]
         if not tagged:
             return None
         tops = sorted({p.top or p.pid for p in tagged})
@@ -206,10 +210,30 @@ def _not_ours(scan: Scan, p: Process) -> bool:
     return p.ray is not None and not p.orphan and (p.top or p.pid) == p.pid
 
 
+def _tied_tops(scan: Scan, bdfs: tuple[str, ...]) -> set[int]:
+    """The tops of the trees tied to the devices: one of its processes holds one, or its
+    ZE_AFFINITY_MASK or proven run's record names it."""
+    wanted = set(bdfs)
+    return {p.top or p.pid for p in scan.processes
+            if p.role and not p.is_zombie and p.tied & wanted}
+
+
+def _nothing_holds(scan: Scan, devices: str, tops: set[int]) -> str:
+    """`no vLLM process holds D`, or, when only embedded vLLM does, `no vLLM server holds D:
+    vLLM embedded in pid 4242 (python batch.py) does, which is no server: stop that process
+    itself`."""
+    for p in scan.processes:
+        if (p.top or p.pid) in tops and p.embedded_in is not None:
+            return (f"no vLLM server holds {devices}: {safe(p.embedded_in.describe(80))} "
+                    "does, which is no server: stop that process itself")
+    return f"no vLLM process holds {devices}"
+
+
 def _named_tops(scan: Scan, pid: int | None, port: int | None, device_bdfs: tuple[str, ...],
                 all_: bool) -> list[int]:
     """The top pids of the servers --pid, --port, --device and --all name, in that order;
-    NotFoundError when one of them names nothing."""
+    NotFoundError when one of them names nothing. vLLM embedded in a live process (run as a
+    library) is never a server --device or --all names: it belongs to that process."""
     tops: list[int] = []
     if pid is not None:
         p = scan.process(pid)
@@ -224,15 +248,16 @@ def _named_tops(scan: Scan, pid: int | None, port: int | None, device_bdfs: tupl
         if not found:
             raise NotFoundError(f"no vLLM server listens on port {port}")
         tops += found
+    embedded = {p.top or p.pid for p in scan.processes if p.embedded_in is not None}
     if device_bdfs:
-        found = sorted({p.top or p.pid for p in scan.processes
-                        if p.role and not p.is_zombie and set(p.devices) & set(device_bdfs)})
+        tied = _tied_tops(scan, device_bdfs)
+        found = sorted(tied - embedded)
         if not found and not all_:
-            raise NotFoundError(f"no vLLM process holds {', '.join(device_bdfs)}")
+            raise NotFoundError(_nothing_holds(scan, ", ".join(device_bdfs), tied))
         tops += found
-    if all_:
+    elif all_:
         tops += sorted({p.top or p.pid for p in scan.processes if p.role and not p.is_zombie
-                        and not _not_ours(scan, p)})
+                        and not _not_ours(scan, p)} - embedded)
     return tops
 
 
@@ -264,9 +289,15 @@ def find_trees(
     for top_pid in _named_tops(scan, pid, port, device_bdfs, all_):
         p = scan.process(top_pid)
         rec = record_for(top_pid, p.run_id if p else None)
-        add(tree_from_record(rec, scan, host) if rec else tree_from_scan(scan, top_pid, host))
+        tree = tree_from_record(rec, scan, host) if rec else None
+        if tree is not None and tree.top.pid != top_pid:
+            tree = None  # the record's run is another tree: a tag alone ties nothing to it
+        add(tree or tree_from_scan(scan, top_pid, host))
     if all_:
         for rec in records:
             if rec.state in ACTIVE_STATES:
-                add(tree_from_record(rec, scan, host))
+                tree = tree_from_record(rec, scan, host)
+                # with --device, --all is every run tied to those devices
+                if tree is not None and (not device_bdfs or set(tree.devices) & set(device_bdfs)):
+                    add(tree)
     return list(trees.values())

@@ -92,6 +92,7 @@ def last_run(state_dir: str | None) -> LastRun | None:
         phase=furthest_phase(lines).label,
         signatures=tuple(hang_signatures(lines, ever_ready)),
         ended_at=rec.stopped_at,
+        devices=tuple(str(d) for d in rec.devices or ()),
     )
 
 

@@ -14,7 +14,7 @@ import stat
 import time
 from typing import NamedTuple
 
-from xpuctl.core.model import Health, RecordIssue, RunHealth
+from xpuctl.core.model import Health, RecordedRun, RecordIssue, RunHealth
 from xpuctl.errors import UsageError
 from xpuctl.host.processes import same_process
 from xpuctl.host.seam import Host
@@ -35,6 +35,24 @@ STALE = "stale"  # the state shown for a record whose run is gone
 
 def active_records(state_dir: str) -> list[RunRecord]:
     return [r for r in list_records(state_dir) if r.state in ACTIVE_STATES]
+
+
+def recorded_runs(state_dir: str | None) -> tuple[RecordedRun, ...]:
+    """What the records of the runs that may still run (starting, ready, stopping) say of
+    their processes: the proof a scan needs before it counts an XPUCTL_RUN_ID tag
+    (host/scan). No state directory: no run, no tag counts."""
+    if not state_dir or not os.path.isdir(state_dir):
+        return ()
+    return recorded(list_records(state_dir))
+
+
+def recorded(records: list[RunRecord]) -> tuple[RecordedRun, ...]:
+    """`recorded_runs` of records already read (those not active are left out)."""
+    return tuple(
+        RecordedRun(r.run_id, r.pid, r.start_ticks, r.supervisor_pid,
+                    tuple(str(d) for d in r.devices or ()))
+        for r in records if r.state in ACTIVE_STATES and isinstance(r.run_id, str) and r.run_id
+    )
 
 
 class RunRow(NamedTuple):

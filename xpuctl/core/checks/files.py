@@ -7,6 +7,13 @@ from xpuctl.core.model import Finding
 from xpuctl.output.units import human_bytes
 
 
+def _remedy(c: Ctx) -> str:
+    """A stale file is tied to no device: reset --device leaves it (docs/safety.md)."""
+    if c.wanted:
+        return "xpuctl reset (without --device: a file whose process is gone is tied to no device)"
+    return "xpuctl reset"
+
+
 @check("stale-shm")
 def stale_shm(c: Ctx) -> list[Finding]:
     """Shared-memory segments in /dev/shm that no live process has open or mapped."""
@@ -20,7 +27,7 @@ def stale_shm(c: Ctx) -> list[Finding]:
             "warn",
             f"{len(stale)} stale shared-memory segment(s) in /dev/shm "
             f"({human_bytes(size)}) left by killed processes",
-            "xpuctl reset",
+            _remedy(c),
             None,
             (),
             tuple(a.path for a in stale),
@@ -40,7 +47,7 @@ def stale_ipc(c: Ctx) -> list[Finding]:
             "stale-ipc",
             "warn",
             f"{len(stale)} stale IPC file(s) ({', '.join(kinds)}) in /tmp",
-            "xpuctl reset",
+            _remedy(c),
             None,
             (),
             tuple(a.path for a in stale),

@@ -49,8 +49,12 @@ def last_run_findings(run: LastRun | None) -> list[Finding]:
 
 @check("last-run")
 def last_run(c: Ctx) -> list[Finding]:
-    """The newest run ended in a readiness timeout or its log shows a oneCCL hang or crash."""
-    return last_run_findings(c.scan.last_run)
+    """The newest run ended in a readiness timeout or its log shows a oneCCL hang or crash
+    (with --device, only a run that claimed one of those devices)."""
+    run = c.scan.last_run
+    if run is not None and c.wanted and run.devices and not c.wanted & set(run.devices):
+        return []
+    return last_run_findings(run)
 
 
 

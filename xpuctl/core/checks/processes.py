@@ -31,6 +31,12 @@ def _pods(procs: list[Process]) -> str:
     return f"; in {'; '.join(labels)}" if labels else ""
 
 
+def _tree_tied(c: Ctx, top: int) -> frozenset[str]:
+    """The devices a tree is tied to: held by one of its processes, or named by its
+    ZE_AFFINITY_MASK or its proven run's record (what --device scopes by)."""
+    return frozenset().union(*(p.tied for p in c.scan.processes if (p.top or p.pid) == top))
+
+
 @check("no-device")
 def no_device(c: Ctx) -> list[Finding]:
     """No Intel GPU on this host (or none visible here): every other check sees nothing.
@@ -58,10 +64,11 @@ def orphans(c: Ctx) -> list[Finding]:
     out = []
     for top, members in sorted(c.trees.items()):
         devs = sorted({b for m in members for b in m.devices})
-        if not c.on_wanted(devs):
+        if not c.on_wanted(sorted(_tree_tied(c, top))):
             continue
-        # with --device, an orphaned tree that holds none of the devices is a warning
-        severity = "warn" if c.wanted and not devs else "fail"
+        # with --device, an orphaned tree tied to no device is a warning (reset --device
+        # leaves it: which device it was for is unknown)
+        severity = "warn" if c.wanted and not _tree_tied(c, top) else "fail"
         head = c.by_pid.get(top) or members[0]
         mem = sum(m.memory_bytes or 0 for m in members)
         what = ", ".join(f"{m.cmdline[0] if m.cmdline else m.comm} ({m.pid})" for m in members)
@@ -73,7 +80,7 @@ def orphans(c: Ctx) -> list[Finding]:
             Finding(
                 "orphans",
                 severity,
-                f"orphaned vLLM processes whose API server is gone: {what}{held}",
+                f"orphaned vLLM processes whose API server or launcher is gone: {what}{held}",
                 f"xpuctl shutdown --pid {head.pid}",
                 devs[0] if len(devs) == 1 else None,
                 pids(members),
@@ -84,13 +91,25 @@ def orphans(c: Ctx) -> list[Finding]:
 
 
 
+def _embedded(c: Ctx) -> dict[int, list[Process]]:
+    """vLLM run as a library, by the pid of the live process it is embedded in."""
+    out: dict[int, list[Process]] = {}
+    for p in c.scan.processes:
+        if p.embedded_in is not None and not p.is_zombie:
+            out.setdefault(p.embedded_in.pid, []).append(p)
+    return out
+
+
 @check("device-holders")
 def device_holders(c: Ctx) -> list[Finding]:
-    """Who holds each device: a live server (busy), or a process that is not vLLM."""
+    """Who holds each device: a live server (busy), vLLM embedded in a live process (run as a
+    library: busy, never an orphan), or a process that is not vLLM."""
     out = []
+    embedded = _embedded(c)
     for dev in c.devices():
         holders = device_holders_of(c, dev.bdf)
-        serving = [p for p in holders if p.role not in (None, roles.RAY) and not p.orphan]
+        serving = [p for p in holders if p.role not in (None, roles.RAY) and not p.orphan
+                   and p.embedded_in is None]
         if serving:
             tops = sorted({p.top or p.pid for p in serving})
             out.append(
@@ -104,8 +123,29 @@ def device_holders(c: Ctx) -> list[Finding]:
                     pids(serving),
                 )
             )
+        for owner, members in sorted(embedded.items()):
+            # its processes on this device, the launcher too when it holds it itself
+            pids_of = {owner, *(m.pid for m in members)}
+            mine = [p for p in holders if p.pid in pids_of]
+            if not mine:
+                continue
+            launcher = members[0].embedded_in
+            assert launcher is not None
+            why = ("whether it is an orphan is not judged (see blocked-reads)" if launcher.blocked
+                   else "it runs vLLM as a library, it is no orphan")
+            out.append(
+                Finding(
+                    "device-holders",
+                    "fail" if c.opts.expect_idle else ("warn" if launcher.blocked else "info"),
+                    f"{dev.bdf} is busy: held by {launcher.describe()} "
+                    f"({len(mine)} process(es)){_pods(mine)}; {why}",
+                    f"stop pid {owner} itself when its work is done" if c.opts.expect_idle else None,
+                    dev.bdf,
+                    pids(mine),
+                )
+            )
         for p in holders:
-            if p.role is not None:
+            if p.role is not None or p.pid in embedded:
                 continue
             if p.blocked:
                 continue  # whether it is vLLM is unknown: see blocked-reads
@@ -213,7 +253,7 @@ def stuck_processes(c: Ctx) -> list[Finding]:
     ranks whose peers are gone."""
     out = _lone_ranks(c)
     for p in c.scan.processes:
-        if not c.on_wanted(p.devices):
+        if not c.on_wanted(sorted(_tree_tied(c, p.top or p.pid) if p.role else p.tied)):
             continue
         if p.state == "D" and (p.devices or p.role):
             out.append(

@@ -45,7 +45,7 @@ def ports(c: Ctx) -> list[Finding]:
                     )
                 )
     for top, numbers in sorted(orphan_ports.items()):
-        tree_devs = sorted({b for m in c.trees.get(top, []) for b in m.devices})
+        tree_devs = sorted({b for m in c.trees.get(top, []) for b in m.tied})
         if not c.on_wanted(tree_devs):
             continue
         numbers = sorted(set(numbers))
