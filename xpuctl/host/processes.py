@@ -2,7 +2,12 @@
 
 The cmdline is read only when `comm` could be vLLM. Only fds that matter are kept: DRM
 nodes (fdinfo later), dma-bufs (fdinfo later), sockets (inode, for ports) and files under
-/dev/shm and /tmp (for stale-artifact checks). A process that vanishes mid-scan is skipped;
+/dev/shm and /tmp (for stale-artifact checks). When files are matched by identity
+(`Host.identity_checked`: the kernel's /proc) every fd that may lead to a file is also kept
+by number (`FdTable.paths`): whether it holds a candidate file is
+decided by its device and inode (a stat, made only when there are candidates), not by its
+link text, which names the path its process sees (another mount namespace, a bind mount).
+A process that vanishes mid-scan is skipped;
 one whose fds cannot be read is counted. On a busy host the pass is split over two
 processes (probes/split.py). Equivalent: `fuser -v /dev/dri/*`, `lsof /dev/dri/*`.
 """
@@ -43,7 +48,8 @@ class FdTable:
     """The open files of every process, as the pass over /proc found them (not a Scan: the
     scan is built from it)."""
 
-    __slots__ = ("dmabuf_fds", "drm_fds", "files", "malformed", "procs", "sockets", "unreadable")
+    __slots__ = ("dmabuf_fds", "drm_fds", "files", "malformed", "paths", "procs", "sockets",
+                 "unreadable")
 
     def __init__(self) -> None:
         self.procs: dict[int, RawProcess] = {}
@@ -51,6 +57,8 @@ class FdTable:
         self.dmabuf_fds: list[tuple[int, str]] = []  # (pid, fd)
         self.sockets: dict[int, list[int]] = {}  # inode -> pids
         self.files: dict[str, list[int]] = {}  # /dev/shm|/tmp path -> pids
+        # (pid, fd) of every fd that may lead to a file, on the kernel's /proc (see module)
+        self.paths: list[tuple[int, str]] = []
         self.unreadable: list[int] = []  # pids whose fds we could not read
         self.malformed: list[int] = []  # pids whose stat we could not parse
 
@@ -62,6 +70,7 @@ class FdTable:
             self.sockets.setdefault(inode, []).extend(owners)
         for path, owners in other.files.items():
             self.files.setdefault(path, []).extend(owners)
+        self.paths.extend(other.paths)
         self.unreadable.extend(other.unreadable)
         self.malformed.extend(other.malformed)
 
@@ -70,16 +79,16 @@ class FdTable:
         procs = [(p.pid, tuple(p.stat), p.cmdline, p.role, p.rank, p.fds_readable)
                  for p in self.procs.values()]
         return marshal.dumps((procs, self.drm_fds, self.dmabuf_fds, self.sockets, self.files,
-                              self.unreadable, self.malformed))
+                              self.paths, self.unreadable, self.malformed))
 
     @classmethod
     def loads(cls, data: bytes) -> FdTable:
-        procs, drm, dmabuf, sockets, files, unreadable, malformed = marshal.loads(data)
+        procs, drm, dmabuf, sockets, files, paths, unreadable, malformed = marshal.loads(data)
         out = cls()
         for pid, st, argv, role, rank, readable in procs:
             out.procs[pid] = RawProcess(pid, ProcStat(*st), argv, role, rank, readable)
         out.drm_fds, out.dmabuf_fds = drm, dmabuf  # marshal keeps tuples tuples
-        out.sockets, out.files = sockets, files
+        out.sockets, out.files, out.paths = sockets, files, paths
         out.unreadable, out.malformed = unreadable, malformed
         return out
 
@@ -186,6 +195,12 @@ def fill_cmdline(host: Host, proc: RawProcess) -> list[str]:
 #: Link texts worth a second look; every other fd (pipes, eventfds, /dev/null, libraries,
 #: logs) is dropped inside `Host.fd_links` with one startswith per fd.
 _KEEP = ("/dev/dri/", "/dev/shm/", "/tmp/", "/dmabuf:", "socket:[", "anon_inode:dmabuf")
+#: On the kernel's /proc also every path ("/"): a file seen through another mount namespace
+#: or a bind mount shows that path. Not kept by number (FdTable.paths): pseudo files and the
+#: char devices every process holds, which are never a file in /dev/shm or /tmp.
+_NOT_FILES = ("/dev/null", "/dev/pts/", "/dev/tty", "/dev/urandom", "/dev/random", "/dev/zero",
+              "/dev/ptmx", "/dev/console", "/dev/kmsg", "/dev/full", "/dev/dri/", "/proc/",
+              "/sys/", "/dmabuf:")
 
 
 def _scan_some(host: Host, pids: Iterable[int], skip: frozenset[int], out: FdTable) -> None:
@@ -196,7 +211,9 @@ def _scan_some(host: Host, pids: Iterable[int], skip: frozenset[int], out: FdTab
     files = out.files
     root = host.root
     cut = len(root)
-    keep = _KEEP + ((root + "/dev/", root + "/tmp/") if root else ())
+    by_number = host.identity_checked  # fds matched with files by identity (FdTable.paths)
+    keep = _KEEP + ((root + "/dev/", root + "/tmp/") if root else ()) + (("/",) if by_number else ())
+    paths = out.paths
     fd_links = host.fd_links
     full_argv = not host.comm_trusted  # a fake tree's comm may not match its argv
     for pid in pids:
@@ -225,6 +242,8 @@ def _scan_some(host: Host, pids: Iterable[int], skip: frozenset[int], out: FdTab
             if c == "/":
                 if root and link.startswith(root) and link[cut : cut + 1] == "/":
                     link = link[cut:]
+                if by_number and not link.startswith(_NOT_FILES):
+                    paths.append((pid, fd))
                 if link.startswith("/dev/"):
                     if link.startswith("/dev/dri/"):
                         drm.append((pid, fd, link))
