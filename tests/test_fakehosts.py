@@ -25,6 +25,7 @@ CHECKS = {
     "device-memory",
     "stuck-processes",
     "stale-shm",
+    "stale-libfabric",
     "stale-ipc",
     "ports",
     "env",
@@ -42,7 +43,8 @@ CHECKS = {
 }
 SEVERITIES = {"info", "warn", "fail"}
 ROLES = {"api-server", "engine-core", "worker", "dp-coordinator", "resource-tracker", None}
-KINDS = {"shm", "filestore", "ccl-socket", "zmq-socket", "cache"}
+KINDS = {"shm", "libfabric", "ccl-shm", "filestore", "ccl-socket", "ccl-probe", "zmq-socket",
+         "cache"}
 DEVICE_KEYS = {
     "index",
     "bdf",

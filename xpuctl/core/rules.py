@@ -47,11 +47,25 @@ PATTERNS: tuple[tuple[str, re.Pattern[str], str, bool], ...] = (
     # libfabric shm provider regions and its Level Zero IPC sockets
     ("/dev/shm", re.compile(r"^fi_.+\Z"), "shm", False),
     ("/dev/shm", re.compile(r"^ze_.+\Z"), "shm", False),
+    # libfabric's shm provider under oneCCL (FI_PROVIDER=shm, CCL_ATL_SHM=1): a 64 MiB region
+    # per endpoint named <pid>:<uid>:<n>, in newer libfabric <pid>:<uid>:<dom>:<ep>
+    ("/dev/shm", re.compile(r"^[1-9][0-9]{0,9}:[0-9]{1,10}:[0-9]{1,10}(?::[0-9]{1,10})?\Z"),
+     "libfabric", False),
+    # oneCCL's GPU build (atl_ofi_helper.cpp, ze_fd_manager.cpp): the endpoint table of a
+    # node, EPS-shm-file-<PALS_APID or "default">-<uid>; the fd manager's shared memory,
+    # ccl-shm-file-<uid>; the rank-to-process table of its binary
+    ("/dev/shm", re.compile(r"^EPS-shm-file-[0-9A-Za-z_.-]+-[0-9]{1,10}\Z"), "ccl-shm", False),
+    ("/dev/shm", re.compile(r"^ccl-shm-file-[0-9]{1,10}\Z"), "ccl-shm", False),
+    ("/dev/shm", re.compile(r"^ccl-rank2proc-eps-shm-.+\Z"), "ccl-shm", False),
     # vLLM's torch.distributed FileStore
     ("/tmp", re.compile(r"^vllm_dist_[0-9A-Za-z_]+\Z"), "filestore", False),
     # oneCCL: device-fd exchange sockets and IPC handle-exchange sockets
     ("/tmp", re.compile(r"^ccl-ipc-fd-sock-\d+:.*\Z"), "ccl-socket", False),
     ("/tmp", re.compile(r"^ccl-handle-.+\Z"), "ccl-socket", False),
+    # oneCCL's pidfd_getfd probe (ze_fd_manager.cpp is_pidfd_supported): mkstemp of the
+    # template /tmp/oneccl_pidfd_check_getXXXXXXXXXX, whose last 6 X become random letters
+    # and digits (the 4 before them stay); unlinked at once, left by a rank killed meanwhile
+    ("/tmp", re.compile(r"^oneccl_pidfd_check_get(?:XXXX)?[0-9A-Za-z]{6}\Z"), "ccl-probe", False),
     # oneCCL kernel module cache: a cache, listed but never stale
     ("/tmp", re.compile(r"^ccl-module-cache-.+\Z"), "cache", False),
     # vLLM's ZMQ ipc:// sockets: uuid4 names directly in /tmp (VLLM_RPC_BASE_PATH)
