@@ -28,7 +28,8 @@ from proctools import StandInRoot, token_env, wait_for
 PY = sys.executable
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="namespaces, mounts and setpriv need root")
-needs_unshare = pytest.mark.skipif(shutil.which("unshare") is None, reason="no unshare (util-linux)")
+needs_unshare = pytest.mark.skipif(shutil.which("unshare") is None,
+                                   reason="no unshare (util-linux)")
 
 # Binds argv[1] as argv[2] says (plain, "double": dir + "//" + name, "relative": chdir into its
 # directory and bind the bare name), listens, says ready.
@@ -142,7 +143,8 @@ def test_maps_lines_give_device_and_inode_whatever_the_path():
 
     assert parse_maps(MAPS) == [
         Mapping("55d1c0a00000-55d1c0a01000", 0xFE, 0, 2146681, "/usr/bin/python3.11"),
-        Mapping("7f3a40000000-7f3a40001000", 0, 0x1A, 31, "/tmp/pytest-of-root/x/elsewhere/psm_held"),
+        Mapping("7f3a40000000-7f3a40001000", 0, 0x1A, 31,
+                "/tmp/pytest-of-root/x/elsewhere/psm_held"),
         Mapping("7f3a40200000-7f3a40201000", 0, 0x1A, 32, "/dev/shm/psm_gone (deleted)"),
         Mapping("7f3a40600000-7f3a40601000", 0x103, 2, 4096, "/mnt/a path/with  spaces"),
     ]
@@ -322,3 +324,36 @@ def test_cleanup_keeps_a_socket_a_connect_reaches(standin_root, proc_token):
     assert [(x.path, x.removed) for x in done] == [("/tmp/" + os.path.basename(live), False)]
     assert "connect() to it was not refused" in done[0].reason
     assert _answers(live)
+
+
+# --- the pass keeps fds by number only when some file may be judged by them ----------------------
+
+
+def test_a_file_that_appears_after_the_pass_is_still_matched_by_identity(standin_root, proc_token):
+    """No candidate file when the pass began: it kept no fds by number (a pass over every
+    process's files costs, host/processes.py). The file that appears meanwhile, held through
+    another path, is still found by the fds read again when it is judged."""
+    from xpuctl.host.liveness import Holdings
+    from xpuctl.host.processes import scan_processes
+    from xpuctl.host.seam import Host
+
+    r = standin_root
+    host = Host(r.root)
+    fds = host.call(scan_processes)
+    assert fds.paths_for is None and fds.paths == []
+    shm = os.path.join(r.root, "dev", "shm")
+    via = os.path.join(r.root, "tmp", "shm-link")
+    os.symlink(shm, via)  # the holder opens it by another path
+    late = _shm_file(r, "psm_after_the_pass")
+    p = _start(proc_token, [PY, "-c", HOLDER, via, via, "psm_after_the_pass", "open"])
+    fds = host.call(scan_processes)  # this pass, with a candidate, keeps them
+    assert fds.paths_for == ("psm_after_the_pass",)
+    info = host.lstat("/dev/shm/psm_after_the_pass")
+    kept = Holdings(host, fds, {"/dev/shm/psm_after_the_pass": info})
+    assert kept.open_by("/dev/shm/psm_after_the_pass") == (p.pid,)
+    # the same judged on a pass that began before the file was there
+    fds_before = host.call(scan_processes, frozenset(), None, True)
+    fds_before.paths, fds_before.paths_for = [], None
+    again = Holdings(host, fds_before, {"/dev/shm/psm_after_the_pass": info})
+    assert again.open_by("/dev/shm/psm_after_the_pass") == (p.pid,)
+    assert os.path.exists(late)

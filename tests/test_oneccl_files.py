@@ -83,7 +83,8 @@ def _libfabric_host(root):
     h.add_process(5002, 1, ["sleep", "1000"], uid=UID, start_ticks=h.ticks(7200))
     h.add_process(5004, 1, rank, uid=UID, start_ticks=h.ticks(3000),
                   maps=[maps_line("/dev/shm/5003:1000:0", 9001, 0x7F0000000000, 64 * MiB)])
-    h.add_process(5006, 1, rank, uid=UID, start_ticks=h.ticks(3000), fds={5: "/dev/shm/5005:1000:0"})
+    h.add_process(5006, 1, rank, uid=UID, start_ticks=h.ticks(3000),
+                  fds={5: "/dev/shm/5005:1000:0"})
     return h
 
 
@@ -148,7 +149,8 @@ def test_a_live_rank_keeps_its_region_and_a_dead_ranks_is_removed(standin_root, 
     a rank that exited is removed by reset."""
     r = standin_root
     shm = os.path.join(r.root, "dev", "shm")
-    rank = subprocess.Popen([PY, "-c", RANK, shm], env=token_env(proc_token), stdout=subprocess.PIPE)
+    rank = subprocess.Popen([PY, "-c", RANK, shm], env=token_env(proc_token),
+                            stdout=subprocess.PIPE)
     assert rank.stdout.readline().strip() == b"ready"
     dead = subprocess.run([PY, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True, check=True)
@@ -181,7 +183,7 @@ def test_a_ccl_socket_named_after_a_reused_pid_is_stale(tmp_path):
     assert arts["/tmp/ccl-ipc-fd-sock-6002:0-1-2"]["stale"] is False
 
 
-# --- oneCCL's GPU build ----------------------------------------------------------------------------
+# --- oneCCL's GPU build --------------------------------------------------------------------------
 
 LIBCCL = "/opt/intel/oneapi/ccl/2021.14/lib/libccl.so.1.0"
 

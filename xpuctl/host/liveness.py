@@ -38,7 +38,7 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 from xpuctl.core.model import FileInfo
-from xpuctl.host.processes import FdTable, read_optional
+from xpuctl.host.processes import FdTable, file_fds, read_optional
 from xpuctl.host.seam import Host
 from xpuctl.host.split import in_two
 from xpuctl.parse.net import parse_unix_paths
@@ -182,9 +182,23 @@ class Holdings:
         info = self.candidates[path]
         return tuple(sorted(set(self._open.get((info.dev, info.inode), ()))))
 
+    def _covered(self) -> bool:
+        """Did the pass keep the fds that may hold every candidate (FdTable.paths_for)?"""
+        kept = self.fds.paths_for
+        if kept is None:
+            return False
+        names = set(kept)
+        return kept == () or all(p.rsplit("/", 1)[-1] in names for p in self.candidates)
+
     def _stat_fds(self) -> dict[Ident, list[int]]:
-        live = [(pid, fd) for pid, fd in self.fds.paths
-                if (p := self.fds.procs.get(pid)) is not None and p.stat.state != "Z"]
+        if self._covered():
+            live = [(pid, fd) for pid, fd in self.fds.paths
+                    if (p := self.fds.procs.get(pid)) is not None and p.stat.state != "Z"]
+        else:  # a file the pass did not know of when it began: read the fds now
+            pids = [pid for pid, p in self.fds.procs.items()
+                    if p.stat.state != "Z" and p.fds_readable]
+            live, denied = self.host.call(file_fds, pids)
+            self._fd_denied.extend(denied)
         parts = in_two(self._stat_some, live, marshal.dumps, marshal.loads,
                        split=self.host.splittable and self.host.reader is None,
                        in_helper=self.host.in_split_helper)
@@ -338,20 +352,21 @@ class Holdings:
             p = self.fds.procs.get(pid)
             if p is None or p.stat.state == "Z":
                 continue
-            if pid not in self._creds:
-                raw = read_optional(self.host, f"/proc/{pid}/status", 1 << 16)
-                self._creds[pid] = parse_status_creds(raw.decode("utf-8", "replace")) if raw else None
-            if could_open(self._creds[pid], info):
+            if could_open(self._creds_of(pid), info):
                 out.append(pid)
         return tuple(out)
 
     def uid_of(self, pid: int) -> int | None:
         """A process's real uid, from its status."""
+        creds = self._creds_of(pid)
+        return creds.uids[0] if creds is not None else None
+
+    def _creds_of(self, pid: int) -> Creds | None:
         if pid not in self._creds:
             raw = read_optional(self.host, f"/proc/{pid}/status", 1 << 16)
-            self._creds[pid] = parse_status_creds(raw.decode("utf-8", "replace")) if raw else None
-        creds = self._creds[pid]
-        return creds.uids[0] if creds is not None else None
+            text = raw.decode("utf-8", "replace") if raw else None
+            self._creds[pid] = parse_status_creds(text) if text is not None else None
+        return self._creds[pid]
 
 
 def _squeeze(path: str) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import marshal
 import os
+import stat as _stat
 from collections.abc import Callable, Iterable
 
 from xpuctl.host.seam import Host
@@ -48,8 +49,8 @@ class FdTable:
     """The open files of every process, as the pass over /proc found them (not a Scan: the
     scan is built from it)."""
 
-    __slots__ = ("dmabuf_fds", "drm_fds", "files", "malformed", "paths", "procs", "sockets",
-                 "unreadable")
+    __slots__ = ("dmabuf_fds", "drm_fds", "files", "malformed", "paths", "paths_for", "procs",
+                 "sockets", "unreadable")
 
     def __init__(self) -> None:
         self.procs: dict[int, RawProcess] = {}
@@ -57,8 +58,11 @@ class FdTable:
         self.dmabuf_fds: list[tuple[int, str]] = []  # (pid, fd)
         self.sockets: dict[int, list[int]] = {}  # inode -> pids
         self.files: dict[str, list[int]] = {}  # /dev/shm|/tmp path -> pids
-        # (pid, fd) of every fd that may lead to a file, on the kernel's /proc (see module)
+        # (pid, fd) of the fds that may lead to a file to judge, on the kernel's /proc (see
+        # module): `paths_for` None, none kept; (), every fd that may lead to a file; else
+        # those whose link ends with "/" + one of these names
         self.paths: list[tuple[int, str]] = []
+        self.paths_for: tuple[str, ...] | None = None
         self.unreadable: list[int] = []  # pids whose fds we could not read
         self.malformed: list[int] = []  # pids whose stat we could not parse
 
@@ -71,6 +75,8 @@ class FdTable:
         for path, owners in other.files.items():
             self.files.setdefault(path, []).extend(owners)
         self.paths.extend(other.paths)
+        if other.paths_for != self.paths_for:  # parts of one pass agree; else trust neither
+            self.paths, self.paths_for = [], None
         self.unreadable.extend(other.unreadable)
         self.malformed.extend(other.malformed)
 
@@ -79,16 +85,17 @@ class FdTable:
         procs = [(p.pid, tuple(p.stat), p.cmdline, p.role, p.rank, p.fds_readable)
                  for p in self.procs.values()]
         return marshal.dumps((procs, self.drm_fds, self.dmabuf_fds, self.sockets, self.files,
-                              self.paths, self.unreadable, self.malformed))
+                              self.paths, self.paths_for, self.unreadable, self.malformed))
 
     @classmethod
     def loads(cls, data: bytes) -> FdTable:
-        procs, drm, dmabuf, sockets, files, paths, unreadable, malformed = marshal.loads(data)
+        (procs, drm, dmabuf, sockets, files, paths, paths_for, unreadable,
+         malformed) = marshal.loads(data)
         out = cls()
         for pid, st, argv, role, rank, readable in procs:
             out.procs[pid] = RawProcess(pid, ProcStat(*st), argv, role, rank, readable)
         out.drm_fds, out.dmabuf_fds = drm, dmabuf  # marshal keeps tuples tuples
-        out.sockets, out.files, out.paths = sockets, files, paths
+        out.sockets, out.files, out.paths, out.paths_for = sockets, files, paths, paths_for
         out.unreadable, out.malformed = unreadable, malformed
         return out
 
@@ -203,7 +210,8 @@ _NOT_FILES = ("/dev/null", "/dev/pts/", "/dev/tty", "/dev/urandom", "/dev/random
               "/sys/", "/dmabuf:")
 
 
-def _scan_some(host: Host, pids: Iterable[int], skip: frozenset[int], out: FdTable) -> None:
+def _scan_some(host: Host, pids: Iterable[int], skip: frozenset[int], out: FdTable,
+               names: tuple[str, ...] | None) -> None:
     procs = out.procs
     drm = out.drm_fds
     dmabuf = out.dmabuf_fds
@@ -211,8 +219,11 @@ def _scan_some(host: Host, pids: Iterable[int], skip: frozenset[int], out: FdTab
     files = out.files
     root = host.root
     cut = len(root)
-    by_number = host.identity_checked  # fds matched with files by identity (FdTable.paths)
-    keep = _KEEP + ((root + "/dev/", root + "/tmp/") if root else ()) + (("/",) if by_number else ())
+    out.paths_for = names  # the fds matched with files by identity (FdTable.paths)
+    by_number = names is not None
+    keep = _KEEP + ((root + "/dev/", root + "/tmp/") if root else ())
+    keep += ("/",) if names == () else ()
+    ends = tuple("/" + name for name in names or ())
     paths = out.paths
     fd_links = host.fd_links
     full_argv = not host.comm_trusted  # a fake tree's comm may not match its argv
@@ -229,7 +240,7 @@ def _scan_some(host: Host, pids: Iterable[int], skip: frozenset[int], out: FdTab
         if proc.stat.state == "Z":
             continue  # a zombie holds nothing: its fds are closed
         try:
-            links = fd_links(pid, keep)
+            links = host.fd_links_ending(pid, keep, ends) if ends else fd_links(pid, keep)
         except _GONE:
             del procs[pid]
             continue
@@ -242,7 +253,8 @@ def _scan_some(host: Host, pids: Iterable[int], skip: frozenset[int], out: FdTab
             if c == "/":
                 if root and link.startswith(root) and link[cut : cut + 1] == "/":
                     link = link[cut:]
-                if by_number and not link.startswith(_NOT_FILES):
+                if by_number and not link.startswith(_NOT_FILES) and (
+                        not ends or link.endswith(ends)):
                     paths.append((pid, fd))
                 if link.startswith("/dev/"):
                     if link.startswith("/dev/dri/"):
@@ -263,17 +275,21 @@ def _scan_some(host: Host, pids: Iterable[int], skip: frozenset[int], out: FdTab
 
 
 def scan_processes(host: Host, skip_pids: frozenset[int] = frozenset(),
-                   meanwhile: Callable[[], object] | None = None) -> FdTable:
+                   meanwhile: Callable[[], object] | None = None, files: bool = True) -> FdTable:
     """The pass. `meanwhile` runs in this process while a split helper starts on its share
-    (before the pass when it is not split): work that need not wait for the pass."""
+    (before the pass when it is not split): work that need not wait for the pass. `files`:
+    the scan judges files in /dev/shm and /tmp; then, when files are matched by identity and
+    some file there may be judged by who holds it, every fd that may lead to a file is kept
+    (`FdTable.paths`; a pass without them costs less, and `file_fds` reads them later)."""
     try:
         pids = list_pids(host)
     except OSError:
         pids = []
+    names = _held_file_names(host) if files and host.identity_checked else None
 
     def work(some: Iterable[int]) -> FdTable:
         part = FdTable()
-        _scan_some(host, some, skip_pids, part)
+        _scan_some(host, some, skip_pids, part, names)
         return part
 
     out, *rest = in_two(work, pids, FdTable.dumps, FdTable.loads, split=host.splittable and host.reader is None,
@@ -281,6 +297,56 @@ def scan_processes(host: Host, skip_pids: frozenset[int] = frozenset(),
     for part in rest:
         out.merge(part)
     return out
+
+
+def _held_file_names(host: Host) -> tuple[str, ...] | None:
+    """Which fds the pass keeps by number (`FdTable.paths_for`): None when no file in
+    /dev/shm or /tmp may be judged by who holds it; else the names of those files, when each
+    has one link: an fd on such a file, opened through whatever mount or namespace, names it
+    by that one dentry, so its link ends with "/" + the name (a rename renames the link
+    too); else () for every fd that may lead to a file (a second name could be anywhere)."""
+    from xpuctl.core.rules import may_be_held
+
+    found: list[str] = []
+    for directory in ("/dev/shm", "/tmp"):
+        try:
+            names = host.listdir(directory)
+        except OSError:
+            continue
+        for name in names:
+            if not may_be_held(directory, name):
+                continue
+            try:
+                st = os.lstat(host.path(f"{directory}/{name}"))
+            except OSError:
+                continue  # gone: nothing to judge
+            if st.st_nlink != 1 and not _stat.S_ISDIR(st.st_mode):
+                return ()
+            found.append(name)
+    return tuple(sorted(set(found))) if found else None
+
+
+def file_fds(host: Host, pids: Iterable[int]) -> tuple[list[tuple[int, str]], list[int]]:
+    """(pid, fd) of every fd of these processes that may lead to a file (as a pass that kept
+    them would have), and the pids whose fds may not be read: for a file that appeared after
+    the pass began."""
+    out: list[tuple[int, str]] = []
+    denied: list[int] = []
+    for pid in pids:
+        try:
+            links = host.fd_links(pid, ("/",))
+        except PermissionError:
+            denied.append(pid)
+            continue
+        except OSError:
+            continue
+        root, cut = host.root, len(host.root)
+        for fd, link in links:
+            if root and link.startswith(root) and link[cut : cut + 1] == "/":
+                link = link[cut:]
+            if not link.startswith(_NOT_FILES):
+                out.append((pid, fd))
+    return out, denied
 
 
 def _is_gone(host: Host, base: str) -> bool:

@@ -41,12 +41,12 @@ RUN_ID_VAR = "XPUCTL_RUN_ID"
 DEFAULT_PORT = 8000
 
 
-def _pass(host: Host, skip: frozenset[int]) -> tuple[float, FdTable]:
+def _pass(host: Host, skip: frozenset[int], files: bool) -> tuple[float, FdTable]:
     """(when it was taken, the pass over /proc): the one started ahead, else a new one."""
     ahead = host.take_ahead(key(host, skip))
     if ahead is not None:
         return ahead  # type: ignore[no-any-return]
-    return host.now(), scan_processes(host, skip)
+    return host.now(), scan_processes(host, skip, files=files)
 
 
 class _Lazy:
@@ -318,7 +318,7 @@ def take_scan(
         scan: Scan = host.reader.call(take_scan, host, port, want_env, caller_env, artifacts,
                                       own_pids(host, exclude_pids))
         return scan
-    now, fds = _pass(host, own_pids(host, exclude_pids))
+    now, fds = _pass(host, own_pids(host, exclude_pids), artifacts)
     devices, issues = scan_devices(host)
     stuck = _stuck(host, fds)
     lazy = _Lazy(host, fds)

@@ -169,8 +169,14 @@ class Host:
 
     def fd_links(self, pid: int, keep: tuple[str, ...] = ("",)) -> list[tuple[str, str]]:
         """(fd, link text) of the fds of a process whose link text starts with one of
-        `keep` (default: all): one open of /proc/<pid>/fd, then readlink relative to it, no
-        path walk per fd. Raises OSError like listdir.
+        `keep` (default: all): see `fd_links_ending`."""
+        return self.fd_links_ending(pid, keep, ())
+
+    def fd_links_ending(self, pid: int, keep: tuple[str, ...],
+                        ends: tuple[str, ...]) -> list[tuple[str, str]]:
+        """(fd, link text) of the fds of a process whose link text starts with one of
+        `keep` or ends with one of `ends`: one open of /proc/<pid>/fd, then readlink
+        relative to it, no path walk per fd. Raises OSError like listdir.
 
         On the kernel's /proc since Linux 6.2 the directory's st_size is the number of open
         fds. When that many fds are numbered 0..n-1, as in most processes, they are read
@@ -195,7 +201,7 @@ class Host:
                         raise
                     except OSError:
                         break  # a gap (or closed meanwhile): list the rest
-                    if link.startswith(keep):
+                    if link.startswith(keep) or (ends and link.endswith(ends)):
                         out.append((name, link))
                 else:
                     return out
@@ -210,7 +216,7 @@ class Host:
                     raise
                 except OSError:
                     continue  # closed meanwhile
-                if link.startswith(keep):
+                if link.startswith(keep) or (ends and link.endswith(ends)):
                     out.append((name, link))
             return out
         finally:

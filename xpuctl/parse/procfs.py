@@ -124,7 +124,8 @@ def parse_maps(text: str) -> list[Mapping]:
             dev = None
         if dev is None or "-" not in parts[0]:
             continue
-        out.append(Mapping(parts[0], dev[0], dev[1], int(inode), parts[5] if len(parts) > 5 else ""))
+        path = parts[5] if len(parts) > 5 else ""
+        out.append(Mapping(parts[0], dev[0], dev[1], int(inode), path))
     return out
 
 
