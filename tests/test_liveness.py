@@ -50,15 +50,17 @@ print("ready", flush=True)
 time.sleep(600)
 """
 
-# Bind-mounts argv[1] (a directory) on argv[2] in this process's own mount namespace, then
-# opens argv[2]/argv[3], maps it, and keeps the fd unless argv[4] is "close".
+# Bind-mounts argv[1] on argv[2] (directories, or files) in this process's own mount
+# namespace, then opens argv[2]/argv[3] (argv[2] itself when argv[3] is "-"), and maps it
+# and keeps the fd ("open"), only maps it ("close"), or only keeps the fd ("fd").
 HOLDER = r"""
 import mmap, os, subprocess, sys, time
 src, dst, name, keep = sys.argv[1:5]
 if src != dst:
     subprocess.run(["mount", "--bind", src, dst], check=True)
-fd = os.open(os.path.join(dst, name), os.O_RDWR)
-m = mmap.mmap(fd, 4096)
+fd = os.open(dst if name == "-" else os.path.join(dst, name), os.O_RDWR)
+if keep != "fd":
+    m = mmap.mmap(fd, 4096)
 if keep == "close":
     os.close(fd)  # only the mapping keeps the file in use
 print("ready", flush=True)
@@ -150,6 +152,18 @@ def test_maps_lines_give_device_and_inode_whatever_the_path():
     ]
 
 
+def test_mountinfo_gives_each_mounts_device_and_mounted_path():
+    from xpuctl.parse.procfs import Mount, parse_mountinfo
+
+    # proc(5)'s example line, a tmpfs, and a file bind mount whose path has a space (\\040)
+    text = ("36 35 98:0 /mnt1 /mnt2 rw,noatime master:1 - ext3 /dev/root rw,errors=continue\n"
+            "25 24 0:23 / /dev/shm rw,relatime - tmpfs tmpfs rw\n"
+            "812 790 0:23 /psm\\040x /data/y rw,relatime - tmpfs tmpfs rw\n"
+            "bad line\n")
+    assert parse_mountinfo(text) == [Mount(98, 0, "/mnt1"), Mount(0, 23, "/"),
+                                     Mount(0, 23, "/psm x")]
+
+
 def test_status_gives_the_credentials_a_process_acts_as():
     from xpuctl.parse.procfs import Creds, parse_status_creds
 
@@ -239,6 +253,30 @@ def test_a_file_held_through_a_bind_mount_in_another_mount_namespace_is_kept(
 
     assert data["removed"] == ["/dev/shm/psm_free"] and not os.path.lexists(free)
     assert os.path.exists(held)
+
+
+@root_only
+@needs_unshare
+def test_a_file_bind_mounted_under_another_name_and_held_open_is_kept(
+        standin_root, proc_token, tmp_path):
+    """The file itself is bind-mounted on another name in the holder's mount namespace, and
+    only held open (no mapping): its fd link names the mount point. The pass keeps fds by the
+    candidates' names; a candidate that is the root of a mount (its mountinfo line: the
+    file's major:minor, the root ending in its name) makes the fds be read again in full."""
+    r = standin_root
+    held = _shm_file(r, "psm_file_mounted")
+    other = tmp_path / "other-name"
+    other.touch()
+    p = _start(proc_token, ["unshare", "--mount", "--propagation", "private", PY, "-c", HOLDER,
+                            held, str(other), "-", "fd"])
+    assert os.readlink(f"/proc/{p.pid}/fd/3") == str(other)
+    arts = _doctor_artifacts(r.root)
+    assert arts["/dev/shm/psm_file_mounted"]["stale"] is False
+    assert arts["/dev/shm/psm_file_mounted"]["open_by"] == [p.pid]
+
+    data = _reset(r.root, str(tmp_path / "state"))
+
+    assert data.get("removed", []) == [] and os.path.exists(held)
 
 
 # --- a non-root reset and the processes it cannot inspect ----------------------------------------

@@ -105,6 +105,7 @@ def test_procfs_never_raises(data):
     procfs.parse_status_nspid(text)
     procfs.parse_maps_paths(text)
     procfs.parse_maps(text)
+    procfs.parse_mountinfo(text)
     procfs.parse_status_creds(text)
     procfs.parse_boot_time(text)
 

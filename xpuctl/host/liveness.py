@@ -42,7 +42,13 @@ from xpuctl.host.processes import FdTable, file_fds, read_optional
 from xpuctl.host.seam import Host
 from xpuctl.host.split import in_two
 from xpuctl.parse.net import parse_unix_paths
-from xpuctl.parse.procfs import Creds, parse_maps, parse_maps_paths, parse_status_creds
+from xpuctl.parse.procfs import (
+    Creds,
+    parse_maps,
+    parse_maps_paths,
+    parse_mountinfo,
+    parse_status_creds,
+)
 
 #: Capabilities that let a process open (or be handed) a file whatever its owner and mode:
 #: CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER, CAP_SETGID, CAP_SETUID,
@@ -174,21 +180,56 @@ class Holdings:
 
     # -- open -------------------------------------------------------------------------------
     def open_by(self, path: str) -> tuple[int, ...]:
-        """The live processes with an fd on the file."""
+        """The live processes with an fd on the file (a socket file is never held open: what
+        is bound to it says whether it is in use)."""
         if not self.host.identity_checked:
             return tuple(sorted(set(self.fds.files.get(path, ()))))
+        info = self.candidates[path]
+        if not info.is_regular:
+            return ()
         if self._open is None:
             self._open = self._stat_fds()
-        info = self.candidates[path]
         return tuple(sorted(set(self._open.get((info.dev, info.inode), ()))))
 
     def _covered(self) -> bool:
-        """Did the pass keep the fds that may hold every candidate (FdTable.paths_for)?"""
+        """Did the pass keep the fds that may hold every candidate (FdTable.paths_for)? By
+        name, only while no candidate is also mounted on a path of its own (a file bind
+        mount: an fd opened through it names the mount point, not the file)."""
         kept = self.fds.paths_for
         if kept is None:
             return False
+        if kept == ():
+            return True
         names = set(kept)
-        return kept == () or all(p.rsplit("/", 1)[-1] in names for p in self.candidates)
+        return all(p.rsplit("/", 1)[-1] in names for p, i in self.candidates.items()
+                   if i.is_regular) and not self._file_mounted()
+
+    def _file_mounted(self) -> bool:
+        """Is a candidate the root of a mount in some mount namespace (`major:minor` its
+        device, the mounted path ending with its name)? One mountinfo read per namespace."""
+        host = self.host
+        regular = {p: i for p, i in self.candidates.items() if i.is_regular}
+        ends = {"/" + p.rsplit("/", 1)[-1] for p in regular}
+        devs = {(os.major(i.dev), os.minor(i.dev)) for i in regular.values()}
+        seen: set[str] = set()
+        for pid, p in self.fds.procs.items():
+            if p.stat.state == "Z":
+                continue
+            try:
+                ns = host.readlink(f"/proc/{pid}/ns/mnt")
+            except OSError:
+                continue  # gone, or not ours to inspect (then its fds are not either)
+            if ns in seen:
+                continue
+            seen.add(ns)
+            raw = read_optional(host, f"/proc/{pid}/mountinfo", 8 << 20)
+            if raw is None:
+                continue
+            for m in parse_mountinfo(raw.decode("utf-8", "surrogateescape")):
+                if (m.major, m.minor) in devs and m.root != "/" and any(
+                        m.root.endswith(e) for e in ends):
+                    return True
+        return False
 
     def _stat_fds(self) -> dict[Ident, list[int]]:
         if self._covered():

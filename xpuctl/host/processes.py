@@ -320,7 +320,9 @@ def _held_file_names(host: Host) -> tuple[str, ...] | None:
                 st = os.lstat(host.path(f"{directory}/{name}"))
             except OSError:
                 continue  # gone: nothing to judge
-            if st.st_nlink != 1 and not _stat.S_ISDIR(st.st_mode):
+            if not _stat.S_ISREG(st.st_mode):
+                continue  # a socket is judged by what is bound to it
+            if st.st_nlink != 1:
                 return ()
             found.append(name)
     return tuple(sorted(set(found))) if found else None

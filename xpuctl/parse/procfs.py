@@ -129,6 +129,49 @@ def parse_maps(text: str) -> list[Mapping]:
     return out
 
 
+class Mount(NamedTuple):
+    """One line of /proc/<pid>/mountinfo: the device (major:minor) and the path inside that
+    filesystem that is mounted (its root: "/" for a whole filesystem, a directory or a file
+    for a bind mount)."""
+
+    major: int
+    minor: int
+    root: str
+
+
+def parse_mountinfo(text: str) -> list[Mount]:
+    """The mounts of /proc/<pid>/mountinfo (`id parent major:minor root mount-point ...`,
+    proc(5); space, tab, newline and backslash in a path are octal escapes such as `\\040`).
+    Lines that do not parse are skipped."""
+    out: list[Mount] = []
+    for line in text.splitlines():
+        parts = line.split(" ", 4)
+        if len(parts) < 5:
+            continue
+        major, sep, minor = parts[2].partition(":")
+        if not (sep and major.isascii() and major.isdigit()
+                and minor.isascii() and minor.isdigit()):
+            continue
+        out.append(Mount(int(major), int(minor), _unescape(parts[3])))
+    return out
+
+
+def _unescape(path: str) -> str:
+    if "\\" not in path:
+        return path
+    out, i = [], 0
+    while i < len(path):
+        c = path[i]
+        code = path[i + 1:i + 4]
+        if c == "\\" and len(code) == 3 and all(x in "01234567" for x in code):
+            out.append(chr(int(code, 8)))
+            i += 4
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)
+
+
 class Creds(NamedTuple):
     """Who a process acts as, from /proc/<pid>/status (readable for every process): its
     uids and gids (real, effective, saved, filesystem), its supplementary groups and its
