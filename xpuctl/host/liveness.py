@@ -5,8 +5,9 @@ another mount namespace, a bind mount, `/tmp//x`, a relative bind. The identity 
 same everywhere, so on the kernel's /proc (`Host.identity_checked`):
 
 - an fd holds a file when a stat of `/proc/<pid>/fd/<n>` gives the file's (st_dev, st_ino):
-  only fds that may lead to a file are stat'ed (`FdTable.paths`), and only when there are
-  candidates;
+  only fds that may lead to a file are stat'ed (`FdTable.paths`), only when there are
+  candidates, and, while each has one link and is mounted nowhere on its own, only those
+  whose link ends with a candidate's name (host/processes.py);
 - a mapping holds it when its maps line carries the file's device (major:minor) and inode;
   a line whose path is the candidate's but whose device differs (overlayfs shows the
   layer's) is settled by a stat of its `/proc/<pid>/map_files` entry;
