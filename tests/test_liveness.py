@@ -311,6 +311,34 @@ def test_a_non_root_reset_keeps_its_file_held_by_a_process_it_cannot_inspect(pro
         assert any("could not be inspected" in n for n in data["plan"]["notes"])
 
 
+# --- a write lease: is the inode open anywhere? ---------------------------------------------------
+
+
+def test_a_write_lease_tells_whether_anything_holds_the_file(standin_root, proc_token):
+    """fs/locks.c grants F_WRLCK only while no other open file description of the inode
+    exists (check_conflicting_open: i_writecount and i_readcount), a mapping's included:
+    the answer needs no look into any process."""
+    from xpuctl.host.liveness import lease_probe
+    from xpuctl.host.seam import Host
+
+    r = standin_root
+    host = Host(r.root, read_timeout=None)
+    shm = os.path.join(r.root, "dev", "shm")
+    for name in ("psm_free", "psm_fd", "psm_mapped"):
+        _shm_file(r, name)
+    assert lease_probe(host, "/dev/shm/psm_free", host.lstat("/dev/shm/psm_free")) is False
+    _start(proc_token, [PY, "-c", HOLDER, shm, shm, "psm_fd", "fd"])
+    _start(proc_token, [PY, "-c", HOLDER, shm, shm, "psm_mapped", "close"])
+    for name in ("psm_fd", "psm_mapped"):
+        assert lease_probe(host, f"/dev/shm/{name}", host.lstat(f"/dev/shm/{name}")) is True
+    # the file changed since it was looked at: no answer
+    before = host.lstat("/dev/shm/psm_free")
+    _shm_file(r, "psm_new")  # made while the old one exists: another inode
+    os.replace(os.path.join(shm, "psm_new"), os.path.join(shm, "psm_free"))
+    assert lease_probe(host, "/dev/shm/psm_free", before) is None
+    assert lease_probe(host, "/dev/shm/psm_free", host.lstat("/dev/shm/psm_free")) is False
+
+
 # --- cleanup asks each file again by its inode, right before its unlink --------------------------
 
 

@@ -131,16 +131,28 @@ def lease_probe(host: Host, hostpath: str, info: FileInfo) -> bool | None:
     threading = sys.modules.get("threading")
     if not info.is_regular or (threading is not None and threading.active_count() > 1):
         return None
-    try:  # O_NONBLOCK: an open that would break someone else's lease fails instead of waiting
-        fd = os.open(host.path(hostpath), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
-                     | os.O_NOCTTY | os.O_CLOEXEC)
+    # O_PATH first: the file opened for the lease is the regular file checked, never a
+    # device or FIFO swapped in meanwhile. O_NONBLOCK: an open that would break someone
+    # else's lease fails instead of waiting.
+    try:
+        where = os.open(host.path(hostpath), os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return None
+    try:
+        st = os.fstat(where)
+        if (st.st_dev, st.st_ino) != (info.dev, info.inode) or not stat.S_ISREG(st.st_mode):
+            return None
+        fd = os.open(f"/proc/self/fd/{where}", os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY
+                     | os.O_CLOEXEC)
+    except OSError:
+        return None
+    finally:
+        os.close(where)
     sigio = {signal.SIGIO}
     old = signal.pthread_sigmask(signal.SIG_BLOCK, sigio)
     try:
         st = os.fstat(fd)
-        if (st.st_dev, st.st_ino) != (info.dev, info.inode) or not stat.S_ISREG(st.st_mode):
+        if (st.st_dev, st.st_ino) != (info.dev, info.inode):
             return None
         try:
             fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
