@@ -339,6 +339,27 @@ def test_a_write_lease_tells_whether_anything_holds_the_file(standin_root, proc_
     assert lease_probe(host, "/dev/shm/psm_free", host.lstat("/dev/shm/psm_free")) is False
 
 
+def test_a_holder_the_scan_did_not_see_still_keeps_the_file(standin_root, proc_token):
+    """The holder is left out of the scan (as a process in a hidden /proc, or one handed
+    the file over a unix socket beyond what its credentials allow, would be): no fd and no
+    mapping of it is found, and the write lease asked before calling the file stale is
+    refused, so it is kept."""
+    from xpuctl.host.scan import take_scan
+    from xpuctl.host.seam import Host
+
+    r = standin_root
+    _shm_file(r, "psm_unseen_holder")
+    _shm_file(r, "psm_nobody_holds")
+    shm = os.path.join(r.root, "dev", "shm")
+    p = _start(proc_token, [PY, "-c", HOLDER, shm, shm, "psm_unseen_holder", "close"])
+    scan = take_scan(Host(r.root), port=None, want_env=False, exclude_pids=frozenset({p.pid}))
+    arts = {a.path: a for a in scan.artifacts}
+    assert arts["/dev/shm/psm_nobody_holds"].stale is True
+    kept = arts["/dev/shm/psm_unseen_holder"]
+    assert kept.stale is False and kept.open_by == ()
+    assert "write lease was refused" in kept.reason
+
+
 # --- cleanup asks each file again by its inode, right before its unlink --------------------------
 
 

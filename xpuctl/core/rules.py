@@ -182,6 +182,13 @@ def _judge(path: str, kind: str, info: FileInfo, facts: Facts) -> Verdict:
         return Verdict(False, "open by " + _pids(facts.open_by), facts.open_by)
     if facts.mapped_by:
         return Verdict(False, "mapped by " + _pids(facts.mapped_by), facts.mapped_by)
+    if facts.held:
+        if facts.unseen:
+            return Verdict(False, f"kept: some process holds it (a write lease was refused), "
+                           f"and {len(facts.unseen)} process(es) could not be inspected "
+                           f"(pid {_pids(facts.unseen)})", (), len(facts.unseen))
+        return Verdict(False, "kept: some process holds it open or mapped (a write lease was "
+                       "refused), though none of those inspected does")
     if info.is_socket and facts.bound:
         who = f" (held by {_pids(facts.bound_by)})" if facts.bound_by else ""
         return Verdict(False, f"a socket is bound to it{who}", facts.bound_by)
@@ -198,11 +205,9 @@ def _judge(path: str, kind: str, info: FileInfo, facts: Facts) -> Verdict:
     if kind in CCL_USED and (users := _started_before(facts.vllm + facts.ccl, info)):
         return Verdict(False, "a live oneCCL process of its owner may still use it "
                        f"({_pids(users)})", users)
-    if facts.unseen and facts.held is not False:
-        some = "; some process holds it (a write lease was refused)" if facts.held else ""
+    if facts.unseen and facts.held is None:
         return Verdict(False, f"kept: {len(facts.unseen)} process(es) that could hold it could "
-                       f"not be inspected (pid {_pids(facts.unseen)}){some}", (),
-                       len(facts.unseen))
+                       f"not be inspected (pid {_pids(facts.unseen)})", (), len(facts.unseen))
     if pid is not None:
         gone = "gone" if facts.named is None else "reused: its process started after the file"
         return Verdict(True, f"its process {pid} is {gone}, and no process has it open or mapped")

@@ -397,16 +397,17 @@ class Holdings:
         answer: bool | None = self.host.call(lease_probe, path, self.candidates[path])
         return answer
 
-    def unseen(self, info: FileInfo) -> tuple[int, ...]:
-        """The live processes that could hold this file and whose fds or maps could not be
-        read (blocked reads are the scan's own matter)."""
+    def unseen(self, info: FileInfo, anyone: bool = False) -> tuple[int, ...]:
+        """The live processes whose fds or maps could not be read (blocked reads are the
+        scan's own matter) and that could hold this file: by their credentials (`could_open`),
+        or, with `anyone`, every one of them (a file can be handed over a unix socket)."""
         pids = set(self.fds.unreadable) | set(self._fd_denied) | set(self._mapped().denied)
         out = []
         for pid in sorted(pids):
             p = self.fds.procs.get(pid)
             if p is None or p.stat.state == "Z":
                 continue
-            if could_open(self._creds_of(pid), info):
+            if anyone or could_open(self._creds_of(pid), info):
                 out.append(pid)
         return tuple(out)
 

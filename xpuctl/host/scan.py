@@ -172,7 +172,12 @@ def _artifacts(
 def _facts(holds: Holdings, lazy: _Lazy, path: str, kind: str, info: FileInfo,
            facts: Facts) -> Facts:
     """What the host says about one candidate: who has it open or mapped (a socket is never
-    mapped), what is bound to it, the process its name's pid names, who went uninspected."""
+    mapped), what is bound to it, the process its name's pid names, who went uninspected.
+
+    A regular file that no process found holds is asked once more by its inode, on the
+    kernel's /proc: a write lease (Holdings.lease) is refused while any open file
+    description of it exists, whoever holds it: a process that could not be inspected, one
+    that was handed it over a unix socket, one the pass did not see it in."""
     open_by = holds.open_by(path)
     mapped_by: tuple[int, ...] = ()
     bound: bool | None = False
@@ -183,8 +188,11 @@ def _facts(holds: Holdings, lazy: _Lazy, path: str, kind: str, info: FileInfo,
         bound, bound_by = holds.bound(path)
     elif not open_by:
         mapped_by = holds.mapped_by(path)
-        if not mapped_by and (unseen := holds.unseen(info)) and holds.host.identity_checked:
-            held = holds.lease(path)  # a fake tree's processes are texts: no lease tells
+        if not mapped_by:
+            if holds.host.identity_checked:  # a fake tree's processes are texts: no lease tells
+                held = holds.lease(path)
+            # refused: anyone uninspected may be the holder; else those who could open it
+            unseen = holds.unseen(info, anyone=bool(held))
     named = None
     pid = named_pid(kind, path.rsplit("/", 1)[-1])
     if pid is not None and (raw := holds.fds.procs.get(pid)) is not None and raw.stat.state != "Z":
