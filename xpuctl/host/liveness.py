@@ -18,14 +18,14 @@ same everywhere, so on the kernel's /proc (`Host.identity_checked`):
 
 A fake tree or a snapshot (its fds and maps are texts) is judged by path text, as before.
 
-A process whose fds or maps could not be read (another user's for a non-root run, one more
-privileged than we are) could hold any file it could open. For such a file one more proof
-needs no look into any process: a write lease (F_SETLEASE) is granted only while no other
-open file description of the inode exists, for reading or writing, a mapping's included
-(fs/locks.c check_conflicting_open). Granted (and let go at once): nobody holds it. Refused,
-or not possible (another user's file without CAP_LEASE, leases disabled): the file is kept,
-and the verdict says how many processes went uninspected. Every read and stat goes through
-the host (bounded).
+A regular file no process was found holding is asked once more, by its inode alone: a
+write lease (F_SETLEASE) is granted only while no other open file description of the inode
+exists, for reading or writing, a mapping's included (fs/locks.c check_conflicting_open).
+Granted (and let go at once): nobody holds it. Refused: kept, whoever holds it. When no
+lease can be asked (another user's file without CAP_LEASE, leases disabled), a process whose
+fds or maps could not be read (another user's for a non-root run, one more privileged than
+we are) keeps every file it could open, and the verdict says how many processes went
+uninspected. Every read and stat goes through the host (bounded).
 """
 
 from __future__ import annotations
