@@ -25,6 +25,7 @@ CHECKS = {
     "device-memory",
     "stuck-processes",
     "stale-shm",
+    "stale-libfabric",
     "stale-ipc",
     "ports",
     "env",
@@ -44,7 +45,8 @@ CHECKS = {
 }
 SEVERITIES = {"info", "warn", "fail"}
 ROLES = {"api-server", "engine-core", "worker", "dp-coordinator", "resource-tracker", None}
-KINDS = {"shm", "filestore", "ccl-socket", "zmq-socket", "cache"}
+KINDS = {"shm", "libfabric", "ccl-shm", "filestore", "ccl-socket", "ccl-probe", "zmq-socket",
+         "cache"}
 DEVICE_KEYS = {
     "index",
     "bdf",
@@ -961,13 +963,13 @@ def test_data_parallel_roles(tmp_path):
 def test_only_doctor_reads_maps(hosts, monkeypatch):
     """The maps pass (is a stale-looking file still mapped?) reads every process's maps, and
     a busy process can hold its mmap lock for long: ps, devices and shutdown need no files."""
-    from xpuctl.host import scan
+    from xpuctl.host import liveness
 
     def trap(self):
         raise AssertionError("maps read")
 
     root = hosts["orphan"].root
-    monkeypatch.setattr(scan._Lazy, "mapped", trap)
+    monkeypatch.setattr(liveness.Holdings, "_mapped", trap)
     for args in (["ps", "--json"], ["devices", "--json"], ["shutdown", "--dry-run", "--all", "--json"]):
         result = runner.invoke(app, ["--root", str(root), *args])
         assert result.exit_code == 0, (args, result.stdout, result.exception)

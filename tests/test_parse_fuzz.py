@@ -105,6 +105,9 @@ def test_procfs_never_raises(data):
     procfs.parse_status_uid(text)
     procfs.parse_status_nspid(text)
     procfs.parse_maps_paths(text)
+    procfs.parse_maps(text)
+    procfs.parse_mountinfo(text)
+    procfs.parse_status_creds(text)
     procfs.parse_boot_time(text)
 
 
@@ -117,10 +120,11 @@ def test_roles_never_raise(argv):
 @FUZZ
 @given(blobs)
 def test_sockdiag_raises_only_netlink_error(data):
-    try:
-        sockdiag.parse_listen_reply(data, [])
-    except sockdiag.NetlinkError:
-        pass
+    for parse in (sockdiag.parse_listen_reply, sockdiag.parse_unix_reply):
+        try:
+            parse(data, [])
+        except sockdiag.NetlinkError:
+            pass
 
 
 @FUZZ

@@ -22,8 +22,11 @@ from xpuctl.parse.sockdiag import (
     NLMSG_ERROR,
     SOCK_DIAG_BY_FAMILY,
     NetlinkError,
+    UnixBound,
     listen_request,
     parse_listen_reply,
+    parse_unix_reply,
+    unix_request,
 )
 
 
@@ -116,3 +119,67 @@ def test_falls_back_to_proc_net_tcp_without_netlink(monkeypatch):
         assert inode in {x.inode for x in listening_sockets(Host("/"))}
     finally:
         s.close()
+
+
+# --- unix sockets bound to files (UNIX_DIAG_VFS) -------------------------------------------------
+
+
+def unix_msg(sock_inode: int, vfs: tuple[int, int] | None, type_: int = 1,
+             state: int = 10) -> bytes:
+    """A unix_diag_msg (linux/unix_diag.h: family, type, state, pad, ino, cookie[2]) with a
+    UNIX_DIAG_NAME attribute the parser skips and, when bound, UNIX_DIAG_VFS (ino, dev)."""
+    body = struct.pack("=BBBBI8x", socket.AF_UNIX, type_, state, 0, sock_inode)
+    name = b"/tmp//x\0"
+    body += struct.pack("=HH", 4 + len(name), 0) + name + bytes(-len(name) % 4)
+    if vfs is not None:
+        body += struct.pack("=HHII", 12, 1, *vfs)
+    return struct.pack("=IHHII", 16 + len(body), SOCK_DIAG_BY_FAMILY, 2, 1, 0) + body
+
+
+def test_unix_parser_reads_the_file_each_socket_is_bound_to():
+    out: list[UnixBound] = []
+    # the kernel's s_dev keeps the major in the top 12 bits: 254:0 is 254 << 20
+    listener = unix_msg(4242, (2146681, 254 << 20))
+    accepted = unix_msg(4243, (2146681, 254 << 20), state=1)  # carries its listener's file
+    unbound = unix_msg(4244, None)
+    tmpfs = unix_msg(4245, (7, 0x23))  # 0:35, a tmpfs
+    assert parse_unix_reply(listener + accepted + unbound + tmpfs, out) is False
+    assert parse_unix_reply(done(), out) is True
+    assert out == [UnixBound(4242, 254, 0, 2146681), UnixBound(4243, 254, 0, 2146681),
+                   UnixBound(4245, 0, 0x23, 7)]
+    with pytest.raises(NetlinkError):
+        parse_unix_reply(listener[:-6], out)  # a message cut inside its attribute
+
+
+def test_unix_request_asks_for_every_state_with_the_bound_file():
+    req = unix_request(3)
+    length, kind, flags, seq, _ = struct.unpack_from("=IHHII", req)
+    family, proto, _, states, ino, show = struct.unpack_from("=BBHIII", req, 16)
+    assert (length, kind, seq) == (len(req), SOCK_DIAG_BY_FAMILY, 3)
+    assert flags == NLM_F_REQUEST | NLM_F_DUMP
+    assert (family, proto, states, ino, show) == (socket.AF_UNIX, 0, 0xFFFFFFFF, 0, 2)
+
+
+def test_live_unix_query_finds_a_socket_by_its_file_whatever_text_bound_it(tmp_path):
+    """Bound as `dir//name` and by a relative name: /proc/net/unix keeps those texts, the
+    kernel's UNIX_DIAG_VFS gives the file's device and inode, as lstat does."""
+    opened = []
+    here = os.getcwd()
+    try:
+        a = socket.socket(socket.AF_UNIX)
+        a.bind(f"{tmp_path}//double")
+        os.chdir(tmp_path)
+        b = socket.socket(socket.AF_UNIX)
+        b.bind("relative")
+        opened = [a, b]
+        try:
+            bound = sockdiag.unix_bound()
+        except OSError as e:
+            pytest.skip(f"netlink sock_diag (unix_diag) unavailable here: {e}")
+        for s, name in ((a, "double"), (b, "relative")):
+            st = os.lstat(tmp_path / name)
+            assert bound[(st.st_dev, st.st_ino)] == [os.fstat(s.fileno()).st_ino]
+    finally:
+        os.chdir(here)
+        for s in opened:
+            s.close()

@@ -31,7 +31,6 @@ from xpuctl.actions.cleanup import Removal, may_delete, removable, remove
 from xpuctl.actions.signals import can_signal, target_of
 from xpuctl.core.checks import Options, evaluate
 from xpuctl.core.model import EMPTY_ENV, Artifact, Finding, Process, RecordedRun, Report, Scan
-from xpuctl.core.rules import CCL_PID
 from xpuctl.errors import UsageError
 from xpuctl.host.processes import live_stats
 from xpuctl.host.scan import DEFAULT_PORT, take_scan
@@ -155,21 +154,13 @@ class Execution:
     after: Report
 
 
-def _kept_only_by(a: Artifact, scan: Scan, orphans: set[int]) -> bool:
+def _kept_only_by(a: Artifact, orphans: set[int]) -> bool:
     """Is this file kept from being stale only by the orphans this reset stops? Then it is
     planned for removal once they are gone (re-judged on a fresh scan first): files they
-    hold open, vLLM's FileStore (kept while any vLLM process of its owner lives; nobody holds
-    it open) and a oneCCL socket named after one of them."""
-    if a.kind == "cache" or not orphans:
-        return False
-    if a.open_by:
-        return set(a.open_by) <= orphans
-    if a.kind == "filestore":
-        keepers = {p.pid for p in scan.processes if p.role is not None and not p.is_zombie
-                   and (p.uid is None or p.uid == a.owner_uid)}
-        return bool(keepers) and keepers <= orphans
-    m = CCL_PID.match(a.path.rsplit("/", 1)[-1])
-    return m is not None and int(m.group(1)) in orphans
+    hold open or mapped or have a socket bound to, vLLM's FileStore and oneCCL's files (kept
+    while a vLLM or oneCCL process of its owner lives; nobody holds them open), and files
+    named after one of them (a oneCCL socket, a libfabric region)."""
+    return a.kind != "cache" and bool(a.kept_by) and set(a.kept_by) <= orphans
 
 
 def _orphaned_trees(scan: Scan) -> dict[int, list[Process]]:
@@ -246,7 +237,13 @@ def make_plan(host: Host, bdfs: tuple[str, ...], port: int | None, device_reset:
                      "is gone is tied to no device (reset without --device removes them)")
         files, skipped = [], []
     pending = [a for a in scan.artifacts
-               if not a.stale and may_delete(a.owner_uid) and _kept_only_by(a, scan, set(orphan_pids))]
+               if not a.stale and may_delete(a.owner_uid) and _kept_only_by(a, set(orphan_pids))]
+    unjudged = [a for a in scan.artifacts if a.unseen and may_delete(a.owner_uid)]
+    if unjudged:
+        skipped += [(a, a.reason) for a in unjudged]
+        notes.append(f"kept: {len(unjudged)} file(s) that {max(a.unseen for a in unjudged)} "
+                     "process(es) could hold: they could not be inspected (run as root to judge "
+                     "them)")
     stuck = scan.blocked_pids()
     if stuck and pending:
         notes.append(f"skipped: {len(pending)} file(s) held by the orphans are kept: pid(s) "

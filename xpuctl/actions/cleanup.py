@@ -1,6 +1,9 @@
 """The only code that deletes files. What may be deleted is decided by `rules.judge`
-(stale) and `may_delete` (ownership); both are re-checked on a fresh scan right before each
-unlink, and the file must still be the same inode that was planned.
+(stale) and `may_delete` (ownership); both are re-checked on a fresh scan right before the
+unlinks, and each file must still be the same device and inode that was planned and judged.
+Right before its unlink a file is asked once more by its inode (host/liveness.py): a socket
+file whose connect() is not refused, or a regular file on which a write lease is refused
+(someone opened or mapped it since the scan), is kept.
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ import time
 from typing import NamedTuple
 
 from xpuctl import pausepoint
-from xpuctl.core.model import Artifact, Scan
+from xpuctl.core.model import Artifact, FileInfo, Scan
+from xpuctl.host.liveness import connect_probe, lease_probe
 from xpuctl.host.seam import Host
 from xpuctl.state import audit
 
@@ -76,9 +80,14 @@ def _remove(host: Host, planned: list[Artifact], fresh: Scan, euid: int | None) 
         except FileNotFoundError:
             out.append(Removal(a.path, a.kind, a.size_bytes, False, "already gone"))
             continue
-        same = info.inode == cur.inode and (a.inode is None or a.inode == info.inode)
+        same = (info.inode, info.dev) == (cur.inode, cur.dev) and (
+            a.inode is None or a.inode == info.inode) and (a.dev is None or a.dev == info.dev)
         if not (info.is_regular or info.is_socket) or info.uid != cur.owner_uid or not same:
             out.append(Removal(a.path, a.kind, a.size_bytes, False, "changed since the scan"))
+            continue
+        busy = _in_use_now(host, a.path, info)
+        if busy:
+            out.append(Removal(a.path, a.kind, a.size_bytes, False, busy))
             continue
         try:
             os.unlink(host.path(a.path))  # unlink never follows a symlink
@@ -91,6 +100,20 @@ def _remove(host: Host, planned: list[Artifact], fresh: Scan, euid: int | None) 
         out.append(Removal(a.path, a.kind, a.size_bytes, True, cur.reason))
         pausepoint.reached("file-removed")
     return out
+
+
+def _in_use_now(host: Host, path: str, info: FileInfo) -> str | None:
+    """Why the file is in use right now, asked by its inode (None: nothing says so). Only on
+    the kernel's /proc: a fake tree's files are texts' stand-ins."""
+    if not host.identity_checked:
+        return None
+    if info.is_socket:
+        if host.call(connect_probe, path, info) is not False:
+            return "a connect() to it was not refused: a socket may be bound to it"
+        return None
+    if host.call(lease_probe, path, info):
+        return "opened or mapped since the scan (a write lease was refused)"
+    return None
 
 
 def remove_stale_temps(directory: str, pattern: re.Pattern[str], max_age: float,

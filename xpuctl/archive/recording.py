@@ -74,6 +74,12 @@ class RecordingHost(Host):
     def rdev_checked(self) -> bool:
         return self.inner.rdev_checked
 
+    @property
+    def identity_checked(self) -> bool:
+        """False: the capture judges files by the texts it records (fd links, maps,
+        /proc/net/unix), as the replay will, and records no other paths processes hold."""
+        return False
+
     def blocked_reads(self) -> tuple:
         return self.inner.blocked_reads()
 

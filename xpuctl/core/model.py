@@ -240,15 +240,21 @@ class Unreadable(NamedTuple):
 
 
 class Artifact(NamedTuple):
+    """A file in /dev/shm or /tmp whose name a stale-file rule knows (core/rules.py)."""
+
     path: str  # host path
-    kind: str  # shm | filestore | ccl-socket | zmq-socket | cache
+    # shm | libfabric | ccl-shm | filestore | ccl-socket | ccl-probe | zmq-socket | cache
+    kind: str
     stale: bool
     reason: str
-    open_by: tuple[int, ...]
+    open_by: tuple[int, ...]  # open or mapped by these processes
     owner_uid: int
     size_bytes: int
     age_seconds: float | None
     inode: int | None = None
+    dev: int | None = None  # st_dev: with the inode, which file was judged
+    kept_by: tuple[int, ...] = ()  # the live processes that keep it from being stale
+    unseen: int = 0  # kept only because this many processes could not be inspected
 
 
 class Port(NamedTuple):

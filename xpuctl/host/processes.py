@@ -2,7 +2,12 @@
 
 The cmdline is read only when `comm` could be vLLM. Only fds that matter are kept: DRM
 nodes (fdinfo later), dma-bufs (fdinfo later), sockets (inode, for ports) and files under
-/dev/shm and /tmp (for stale-artifact checks). A process that vanishes mid-scan is skipped;
+/dev/shm and /tmp (for stale-artifact checks). When files are matched by identity
+(`Host.identity_checked`: the kernel's /proc) every fd that may lead to a file is also kept
+by number (`FdTable.paths`): whether it holds a candidate file is
+decided by its device and inode (a stat, made only when there are candidates), not by its
+link text, which names the path its process sees (another mount namespace, a bind mount).
+A process that vanishes mid-scan is skipped;
 one whose fds cannot be read is counted. On a busy host the pass is split over two
 processes (probes/split.py). Equivalent: `fuser -v /dev/dri/*`, `lsof /dev/dri/*`.
 """
@@ -11,6 +16,7 @@ from __future__ import annotations
 
 import marshal
 import os
+import stat as _stat
 from collections.abc import Callable, Iterable
 
 from xpuctl.host.seam import Host
@@ -49,7 +55,8 @@ class FdTable:
     """The open files of every process, as the pass over /proc found them (not a Scan: the
     scan is built from it)."""
 
-    __slots__ = ("dmabuf_fds", "drm_fds", "files", "malformed", "procs", "sockets", "unreadable")
+    __slots__ = ("dmabuf_fds", "drm_fds", "files", "malformed", "paths", "paths_for", "procs",
+                 "sockets", "unreadable")
 
     def __init__(self) -> None:
         self.procs: dict[int, RawProcess] = {}
@@ -57,6 +64,11 @@ class FdTable:
         self.dmabuf_fds: list[tuple[int, str]] = []  # (pid, fd)
         self.sockets: dict[int, list[int]] = {}  # inode -> pids
         self.files: dict[str, list[int]] = {}  # /dev/shm|/tmp path -> pids
+        # (pid, fd) of the fds that may lead to a file to judge, on the kernel's /proc (see
+        # module): `paths_for` None, none kept; (), every fd that may lead to a file; else
+        # those whose link ends with "/" + one of these names
+        self.paths: list[tuple[int, str]] = []
+        self.paths_for: tuple[str, ...] | None = None
         self.unreadable: list[int] = []  # pids whose fds we could not read
         self.malformed: list[int] = []  # pids whose stat we could not parse
 
@@ -68,6 +80,9 @@ class FdTable:
             self.sockets.setdefault(inode, []).extend(owners)
         for path, owners in other.files.items():
             self.files.setdefault(path, []).extend(owners)
+        self.paths.extend(other.paths)
+        if other.paths_for != self.paths_for:  # parts of one pass agree; else trust neither
+            self.paths, self.paths_for = [], None
         self.unreadable.extend(other.unreadable)
         self.malformed.extend(other.malformed)
 
@@ -76,16 +91,17 @@ class FdTable:
         procs = [(p.pid, tuple(p.stat), p.cmdline, p.role, p.rank, p.fds_readable,
                   p.cmdline_bytes) for p in self.procs.values()]
         return marshal.dumps((procs, self.drm_fds, self.dmabuf_fds, self.sockets, self.files,
-                              self.unreadable, self.malformed))
+                              self.paths, self.paths_for, self.unreadable, self.malformed))
 
     @classmethod
     def loads(cls, data: bytes) -> FdTable:
-        procs, drm, dmabuf, sockets, files, unreadable, malformed = marshal.loads(data)
+        (procs, drm, dmabuf, sockets, files, paths, paths_for, unreadable,
+         malformed) = marshal.loads(data)
         out = cls()
         for pid, st, argv, role, rank, readable, nbytes in procs:
             out.procs[pid] = RawProcess(pid, ProcStat(*st), argv, role, rank, readable, nbytes)
         out.drm_fds, out.dmabuf_fds = drm, dmabuf  # marshal keeps tuples tuples
-        out.sockets, out.files = sockets, files
+        out.sockets, out.files, out.paths, out.paths_for = sockets, files, paths, paths_for
         out.unreadable, out.malformed = unreadable, malformed
         return out
 
@@ -212,9 +228,16 @@ def fill_cmdline(host: Host, proc: RawProcess) -> list[str]:
 #: Link texts worth a second look; every other fd (pipes, eventfds, /dev/null, libraries,
 #: logs) is dropped inside `Host.fd_links` with one startswith per fd.
 _KEEP = ("/dev/dri/", "/dev/shm/", "/tmp/", "/dmabuf:", "socket:[", "anon_inode:dmabuf")
+#: On the kernel's /proc also every path ("/"): a file seen through another mount namespace
+#: or a bind mount shows that path. Not kept by number (FdTable.paths): pseudo files and the
+#: char devices every process holds, which are never a file in /dev/shm or /tmp.
+_NOT_FILES = ("/dev/null", "/dev/pts/", "/dev/tty", "/dev/urandom", "/dev/random", "/dev/zero",
+              "/dev/ptmx", "/dev/console", "/dev/kmsg", "/dev/full", "/dev/dri/", "/proc/",
+              "/sys/", "/dmabuf:")
 
 
-def _scan_some(host: Host, pids: Iterable[int], skip: frozenset[int], out: FdTable) -> None:
+def _scan_some(host: Host, pids: Iterable[int], skip: frozenset[int], out: FdTable,
+               names: tuple[str, ...] | None) -> None:
     procs = out.procs
     drm = out.drm_fds
     dmabuf = out.dmabuf_fds
@@ -222,7 +245,12 @@ def _scan_some(host: Host, pids: Iterable[int], skip: frozenset[int], out: FdTab
     files = out.files
     root = host.root
     cut = len(root)
+    out.paths_for = names  # the fds matched with files by identity (FdTable.paths)
+    by_number = names is not None
     keep = _KEEP + ((root + "/dev/", root + "/tmp/") if root else ())
+    keep += ("/",) if names == () else ()
+    ends = tuple("/" + name for name in names or ())
+    paths = out.paths
     fd_links = host.fd_links
     full_argv = not host.comm_trusted  # a fake tree's comm may not match its argv
     for pid in pids:
@@ -238,7 +266,7 @@ def _scan_some(host: Host, pids: Iterable[int], skip: frozenset[int], out: FdTab
         if proc.stat.state == "Z":
             continue  # a zombie holds nothing: its fds are closed
         try:
-            links = fd_links(pid, keep)
+            links = host.fd_links_ending(pid, keep, ends) if ends else fd_links(pid, keep)
         except _GONE:
             del procs[pid]
             continue
@@ -251,6 +279,9 @@ def _scan_some(host: Host, pids: Iterable[int], skip: frozenset[int], out: FdTab
             if c == "/":
                 if root and link.startswith(root) and link[cut : cut + 1] == "/":
                     link = link[cut:]
+                if by_number and not link.startswith(_NOT_FILES) and (
+                        not ends or link.endswith(ends)):
+                    paths.append((pid, fd))
                 if link.startswith("/dev/"):
                     if link.startswith("/dev/dri/"):
                         drm.append((pid, fd, link))
@@ -270,17 +301,21 @@ def _scan_some(host: Host, pids: Iterable[int], skip: frozenset[int], out: FdTab
 
 
 def scan_processes(host: Host, skip_pids: frozenset[int] = frozenset(),
-                   meanwhile: Callable[[], object] | None = None) -> FdTable:
+                   meanwhile: Callable[[], object] | None = None, files: bool = True) -> FdTable:
     """The pass. `meanwhile` runs in this process while a split helper starts on its share
-    (before the pass when it is not split): work that need not wait for the pass."""
+    (before the pass when it is not split): work that need not wait for the pass. `files`:
+    the scan judges files in /dev/shm and /tmp; then, when files are matched by identity and
+    some file there may be judged by who holds it, every fd that may lead to a file is kept
+    (`FdTable.paths`; a pass without them costs less, and `file_fds` reads them later)."""
     try:
         pids = list_pids(host)
     except OSError:
         pids = []
+    names = _held_file_names(host) if files and host.identity_checked else None
 
     def work(some: Iterable[int]) -> FdTable:
         part = FdTable()
-        _scan_some(host, some, skip_pids, part)
+        _scan_some(host, some, skip_pids, part, names)
         return part
 
     out, *rest = in_two(work, pids, FdTable.dumps, FdTable.loads, split=host.splittable and host.reader is None,
@@ -288,6 +323,58 @@ def scan_processes(host: Host, skip_pids: frozenset[int] = frozenset(),
     for part in rest:
         out.merge(part)
     return out
+
+
+def _held_file_names(host: Host) -> tuple[str, ...] | None:
+    """Which fds the pass keeps by number (`FdTable.paths_for`): None when no file in
+    /dev/shm or /tmp may be judged by who holds it; else the names of those files, when each
+    has one link: an fd on such a file, opened through whatever mount or namespace, names it
+    by that one dentry, so its link ends with "/" + the name (a rename renames the link
+    too); else () for every fd that may lead to a file (a second name could be anywhere)."""
+    from xpuctl.core.rules import may_be_held
+
+    found: list[str] = []
+    for directory in ("/dev/shm", "/tmp"):
+        try:
+            names = host.listdir(directory)
+        except OSError:
+            continue
+        for name in names:
+            if not may_be_held(directory, name):
+                continue
+            try:
+                st = os.lstat(host.path(f"{directory}/{name}"))
+            except OSError:
+                continue  # gone: nothing to judge
+            if not _stat.S_ISREG(st.st_mode):
+                continue  # a socket is judged by what is bound to it
+            if st.st_nlink != 1:
+                return ()
+            found.append(name)
+    return tuple(sorted(set(found))) if found else None
+
+
+def file_fds(host: Host, pids: Iterable[int]) -> tuple[list[tuple[int, str]], list[int]]:
+    """(pid, fd) of every fd of these processes that may lead to a file (as a pass that kept
+    them would have), and the pids whose fds may not be read: for a file that appeared after
+    the pass began."""
+    out: list[tuple[int, str]] = []
+    denied: list[int] = []
+    for pid in pids:
+        try:
+            links = host.fd_links(pid, ("/",))
+        except PermissionError:
+            denied.append(pid)
+            continue
+        except OSError:
+            continue
+        root, cut = host.root, len(host.root)
+        for fd, link in links:
+            if root and link.startswith(root) and link[cut : cut + 1] == "/":
+                link = link[cut:]
+            if not link.startswith(_NOT_FILES):
+                out.append((pid, fd))
+    return out, denied
 
 
 def _is_gone(host: Host, base: str) -> bool:

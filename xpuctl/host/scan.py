@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import marshal
-from collections.abc import Iterable
-
 from xpuctl.core.model import (
     Artifact,
     Device,
@@ -20,12 +17,13 @@ from xpuctl.core.model import (
     Unreadable,
 )
 from xpuctl.core.oneccl import KVS, kvs_port
-from xpuctl.core.rules import Facts, judge, match
+from xpuctl.core.rules import CCL_USED, Facts, Starter, judge, match, named_pid
 from xpuctl.core.trees import Member, resolve
 from xpuctl.host.ahead import key
 from xpuctl.host.containers import ContainerLookup
 from xpuctl.host.devices import scan_devices
 from xpuctl.host.drm import dmabufs_held, drm_clients
+from xpuctl.host.liveness import Holdings
 from xpuctl.host.processes import (
     FdTable,
     RawProcess,
@@ -37,15 +35,13 @@ from xpuctl.host.processes import (
 )
 from xpuctl.host.reads.protocol import BlockedRead
 from xpuctl.host.seam import CLK_TCK, Host  # noqa: F401 (CLK_TCK: cli's own-age check)
-from xpuctl.host.split import in_two
 from xpuctl.parse.envvars import mask_indices
-from xpuctl.parse.net import TcpSocket, parse_tcp, parse_unix_paths
+from xpuctl.parse.net import TcpSocket, parse_tcp
 from xpuctl.parse.procfs import (
     ProcStat,
     maps_library,
     parse_boot_time,
     parse_environ,
-    parse_maps_paths,
     parse_status_uid,
     shown_command,
 )
@@ -55,12 +51,12 @@ RUN_ID_VAR = "XPUCTL_RUN_ID"
 DEFAULT_PORT = 8000
 
 
-def _pass(host: Host, skip: frozenset[int]) -> tuple[float, FdTable]:
+def _pass(host: Host, skip: frozenset[int], files: bool) -> tuple[float, FdTable]:
     """(when it was taken, the pass over /proc): the one started ahead, else a new one."""
     ahead = host.take_ahead(key(host, skip))
     if ahead is not None:
         return ahead  # type: ignore[no-any-return]
-    return host.now(), scan_processes(host, skip)
+    return host.now(), scan_processes(host, skip, files=files)
 
 
 class _Lazy:
@@ -69,8 +65,6 @@ class _Lazy:
     def __init__(self, host: Host, fds: FdTable) -> None:
         self.host = host
         self.fds = fds
-        self._maps: dict[str, list[int]] | None = None
-        self._unix: set[str] | None = None
         self._boot: float | bool | None = False
 
     def boot_time(self) -> float | None:
@@ -81,42 +75,13 @@ class _Lazy:
                 self._boot = None
         return self._boot
 
-    def mapped(self) -> dict[str, list[int]]:
-        """/dev/shm and /tmp paths -> pids that map them (a mapping outlives its fd)."""
-        if self._maps is None:
-            pids = [pid for pid, proc in self.fds.procs.items() if proc.stat.state != "Z"]
-            first, *rest = in_two(self._mapped_by, pids, marshal.dumps, marshal.loads,
-                                  split=self.host.splittable and self.host.reader is None,
-                                  in_helper=self.host.in_split_helper)
-            for part in rest:
-                for path, owners in part.items():
-                    first.setdefault(path, []).extend(owners)
-            self._maps = first
-        return self._maps
-
-    def _mapped_by(self, pids: Iterable[int]) -> dict[str, list[int]]:
-        out: dict[str, list[int]] = {}
-        for pid in pids:
-            try:
-                data = self.host.read_bytes(f"/proc/{pid}/maps", 64 << 20)
-            except OSError:
-                continue
-            if b"/dev/shm/" not in data and b"/tmp/" not in data:
-                continue  # the common case: nothing mapped from there
-            for path in parse_maps_paths(data.decode("utf-8", "surrogateescape")):
-                path = self.host.to_host(path)
-                if path.startswith(("/dev/shm/", "/tmp/")):
-                    out.setdefault(path, []).append(pid)
-        return out
-
-    def unix_bound(self) -> set[str]:
-        if self._unix is None:
-            try:
-                text = self.host.read_text("/proc/net/unix")
-            except OSError:
-                text = ""
-            self._unix = {self.host.to_host(p) for p in parse_unix_paths(text)}
-        return self._unix
+    def start_time(self, pid: int) -> float | None:
+        """When a process of the pass started (None: unknown)."""
+        boot = self.boot_time()
+        raw = self.fds.procs.get(pid)
+        if boot is None or raw is None:
+            return None
+        return boot + raw.stat.start_ticks / self.host.clk_tck
 
 
 def _details(host: Host, pid: int, want_env: bool) -> tuple[int | None, dict[str, str] | None]:
@@ -131,10 +96,8 @@ def _details(host: Host, pid: int, want_env: bool) -> tuple[int | None, dict[str
     return uid, env
 
 
-def _artifacts(
-    host: Host, fds: FdTable, lazy: _Lazy, procs: list[Process], now: float,
-    stuck: dict[int, BlockedRead],
-) -> tuple[list[Artifact], list[Issue]]:
+def _candidates(host: Host) -> tuple[list[tuple[str, str, FileInfo]], list[Issue]]:
+    """The files of /dev/shm and /tmp whose names a rule knows, with their lstat."""
     issues: list[Issue] = []
     candidates: list[tuple[str, str, FileInfo]] = []
     for directory in ("/dev/shm", "/tmp"):
@@ -158,41 +121,94 @@ def _artifacts(
             if socket_only and not info.is_socket:
                 continue
             candidates.append((path, kind, info))
+    return sorted(candidates), issues
+
+
+def _artifacts(
+    host: Host, fds: FdTable, lazy: _Lazy, procs: list[Process], now: float,
+    stuck: dict[int, BlockedRead],
+) -> tuple[list[Artifact], list[Issue]]:
+    candidates, issues = _candidates(host)
     if not candidates:
         return [], issues
-    live = frozenset(pid for pid, p in fds.procs.items() if p.stat.state != "Z")
-    vllm_starts = tuple(
-        (p.uid, p.start_time) for p in procs if p.role is not None and not p.is_zombie
-    )
+    holds = Holdings(host, fds, {path: info for path, _, info in candidates},
+                     ccl_wanted=any(kind in CCL_USED for _, kind, _ in candidates))
+    vllm = tuple(Starter(p.pid, p.uid, p.start_time) for p in procs
+                 if p.role is not None and not p.is_zombie)
+    ccl: tuple[Starter, ...] | None = None
     out: list[Artifact] = []
-    for path, kind, info in sorted(candidates):
-        open_by = tuple(sorted(set(fds.files.get(path, ()))))
-        mapped_by: tuple[int, ...] = ()
-        # sockets are never mmapped: only regular files need the (costly) maps pass
-        if not open_by and kind != "cache" and info.is_regular:
-            mapped_by = tuple(sorted(set(lazy.mapped().get(path, ()))))
-        bound = bool(info.is_socket and path in lazy.unix_bound())
-        facts = Facts(open_by, mapped_by, bound, live, vllm_starts)
-        stale, reason = judge(path, kind, info, facts)
+    unjudged = 0
+    for path, kind, info in candidates:
+        facts = Facts((), (), False, None, vllm)
+        if kind != "cache" and (info.is_regular or info.is_socket):
+            facts = _facts(holds, lazy, path, kind, info, facts)
+            if kind in CCL_USED and not facts.open_by and not facts.mapped_by:
+                if ccl is None:
+                    ccl = tuple(Starter(pid, holds.uid_of(pid), lazy.start_time(pid))
+                                for pid in sorted(set(holds.ccl_users())))
+                facts = facts._replace(ccl=ccl)
+        verdict = judge(path, kind, info, facts)
+        stale, reason = verdict.stale, verdict.reason
         if stale and stuck:
             # a process that did not answer may have it open or mapped, or be the vLLM
             # process whose FileStore it is: nothing is stale on the strength of that
             stale, reason = False, (f"not judged: pid(s) {', '.join(map(str, sorted(stuck)))} "
                                     "did not answer, their open files and mappings are unknown")
+        unjudged += bool(verdict.unseen)
         out.append(
             Artifact(
                 path=path,
                 kind=kind,
                 stale=stale,
                 reason=reason,
-                open_by=tuple(sorted(set(open_by + mapped_by))),
+                open_by=tuple(sorted(set(facts.open_by + facts.mapped_by))),
                 owner_uid=info.uid,
                 size_bytes=info.size,
                 age_seconds=max(0.0, now - info.mtime),
                 inode=info.inode,
+                dev=info.dev,
+                kept_by=verdict.kept_by,
+                unseen=verdict.unseen,
             )
         )
+    if unjudged:
+        seen = max(a.unseen for a in out)
+        issues.append(Issue("/proc", f"{unjudged} file(s) in /dev/shm and /tmp kept unjudged: "
+                                     f"{seen} process(es) that could hold them could not be "
+                                     "inspected"))
     return out, issues
+
+
+def _facts(holds: Holdings, lazy: _Lazy, path: str, kind: str, info: FileInfo,
+           facts: Facts) -> Facts:
+    """What the host says about one candidate: who has it open or mapped (a socket is never
+    mapped), what is bound to it, the process its name's pid names, who went uninspected.
+
+    A regular file that no process found holds is asked once more by its inode, on the
+    kernel's /proc: a write lease (Holdings.lease) is refused while any open file
+    description of it exists, whoever holds it: a process that could not be inspected, one
+    that was handed it over a unix socket, one the pass did not see it in."""
+    open_by = holds.open_by(path)
+    mapped_by: tuple[int, ...] = ()
+    bound: bool | None = False
+    bound_by: tuple[int, ...] = ()
+    unseen: tuple[int, ...] = ()
+    held: bool | None = None
+    if info.is_socket:
+        bound, bound_by = holds.bound(path)
+    elif not open_by:
+        mapped_by = holds.mapped_by(path)
+        if not mapped_by:
+            if holds.host.identity_checked:  # a fake tree's processes are texts: no lease tells
+                held = holds.lease(path)
+            # refused: anyone uninspected may be the holder; else those who could open it
+            unseen = holds.unseen(info, anyone=bool(held))
+    named = None
+    pid = named_pid(kind, path.rsplit("/", 1)[-1])
+    if pid is not None and (raw := holds.fds.procs.get(pid)) is not None and raw.stat.state != "Z":
+        named = (pid, lazy.start_time(pid))
+    return facts._replace(open_by=open_by, mapped_by=mapped_by, bound=bound, named=named,
+                          unseen=unseen, held=held, bound_by=bound_by)
 
 
 def listening_sockets(host: Host) -> list[TcpSocket]:
@@ -395,7 +411,7 @@ def take_scan(
         scan: Scan = host.reader.call(take_scan, host, port, want_env, caller_env, artifacts,
                                       own_pids(host, exclude_pids), runs)
         return scan
-    now, fds = _pass(host, own_pids(host, exclude_pids))
+    now, fds = _pass(host, own_pids(host, exclude_pids), artifacts)
     devices, issues = scan_devices(host)
     stuck = _stuck(host, fds)
     lazy = _Lazy(host, fds)

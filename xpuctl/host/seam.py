@@ -111,6 +111,15 @@ class Host:
         on a live host. A fake tree has plain files there and goes by node name."""
         return self.live
 
+    @property
+    def identity_checked(self) -> bool:
+        """True when what a process holds is matched with the files in /dev/shm and /tmp by
+        device and inode (a stat of its fds and map_files, the device and inode of its
+        maps lines, sock_diag and connect() for sockets), not by path text: on the kernel's
+        /proc. A fake tree's fds link to text; a recording host (snapshot) judges by the
+        texts it records, as its replay will."""
+        return self.proc_is_live
+
     def found_listeners(self, sockets: list[Any]) -> None:
         """Told the TCP LISTEN sockets a scan found (over netlink on a live host, which is
         no file read): a recording host keeps them; this one has no use for them."""
@@ -141,6 +150,14 @@ class Host:
         (`reads.protocol.read_records`); a plain file under a root is read the same way."""
         return self._reads.read(self.root, "records", hostpath, limit or self.READ_LIMIT)  # type: ignore[no-any-return]
 
+    def identity(self, hostpath: str) -> tuple[int, int, int]:
+        """(st_dev, st_ino, st_mode) of the file a path leads to, links followed: for
+        /proc/<pid>/fd/N and /proc/<pid>/map_files/* (the file a process holds, whatever
+        path it sees). Bounded like a read; raises OSError like stat."""
+        data = self._reads.read(self.root, "stat", hostpath, 0)
+        dev, ino, mode = _protocol.IDENTITY.unpack(data)
+        return dev, ino, mode
+
     def read_text(self, hostpath: str, limit: int | None = None) -> str:
         return self.read_bytes(hostpath, limit).decode("utf-8", "surrogateescape")
 
@@ -157,13 +174,23 @@ class Host:
 
     def fd_links(self, pid: int, keep: tuple[str, ...] = ("",)) -> list[tuple[str, str]]:
         """(fd, link text) of the fds of a process whose link text starts with one of
-        `keep` (default: all): one open of /proc/<pid>/fd, then readlink relative to it, no
-        path walk per fd. Raises OSError like listdir.
+        `keep` (default: all): see `fd_links_ending`."""
+        return self.fd_links_ending(pid, keep, ())
+
+    def fd_links_ending(self, pid: int, keep: tuple[str, ...],
+                        ends: tuple[str, ...]) -> list[tuple[str, str]]:
+        """(fd, link text) of the fds of a process whose link text starts with one of
+        `keep` or ends with one of `ends`: one open of /proc/<pid>/fd, then readlink
+        relative to it, no path walk per fd. Raises OSError like listdir.
 
         On the kernel's /proc since Linux 6.2 the directory's st_size is the number of open
         fds. When that many fds are numbered 0..n-1, as in most processes, they are read
         without listing the directory (a listing makes the kernel build an entry per fd);
         a gap, a count of 0 (older kernels) or a fake tree falls back to the listing.
+
+        A link the kernel refuses to show (EACCES, EPERM: the process may not be inspected,
+        though its directory could be listed) raises PermissionError: its open files are
+        unknown, not none.
         """
         dfd = os.open(f"{self.root}/proc/{pid}/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
@@ -175,9 +202,11 @@ class Host:
                 for name in _FD_NAMES[:n]:
                     try:
                         link = rl(name, dir_fd=dfd)
+                    except PermissionError:
+                        raise
                     except OSError:
                         break  # a gap (or closed meanwhile): list the rest
-                    if link.startswith(keep):
+                    if link.startswith(keep) or (ends and link.endswith(ends)):
                         out.append((name, link))
                 else:
                     return out
@@ -188,9 +217,11 @@ class Host:
                     continue
                 try:
                     link = rl(name, dir_fd=dfd)
+                except PermissionError:
+                    raise
                 except OSError:
                     continue  # closed meanwhile
-                if link.startswith(keep):
+                if link.startswith(keep) or (ends and link.endswith(ends)):
                     out.append((name, link))
             return out
         finally:

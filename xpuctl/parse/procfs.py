@@ -148,6 +148,118 @@ def parse_environ(data: bytes) -> dict[str, str]:
     return env
 
 
+class Mapping(NamedTuple):
+    """One file mapping of /proc/<pid>/maps: its address range (the name of its entry in
+    /proc/<pid>/map_files), the device and inode of the mapped file, and its path as the
+    kernel shows it (in the mapping process's mount namespace; "" when there is none)."""
+
+    span: str
+    major: int
+    minor: int
+    inode: int
+    path: str
+
+
+def parse_maps(text: str) -> list[Mapping]:
+    """The file mappings of /proc/<pid>/maps (inode not 0): `start-end perms offset
+    major:minor inode path`, the device in hex and the inode in decimal (show_map_vma in
+    the kernel's fs/proc/task_mmu.c). A file mapped through a bind mount, or in another
+    mount namespace, shows that namespace's path but its own device and inode: those are
+    what identify it. Lines that do not parse are skipped."""
+    out: list[Mapping] = []
+    for line in text.splitlines():
+        parts = line.split(None, 5)
+        if len(parts) < 5:
+            continue
+        inode = parts[4]
+        if inode == "0" or not (inode.isascii() and inode.isdigit()):
+            continue
+        major, sep, minor = parts[3].partition(":")
+        try:
+            dev = (int(major, 16), int(minor, 16)) if sep else None
+        except ValueError:
+            dev = None
+        if dev is None or "-" not in parts[0]:
+            continue
+        path = parts[5] if len(parts) > 5 else ""
+        out.append(Mapping(parts[0], dev[0], dev[1], int(inode), path))
+    return out
+
+
+class Mount(NamedTuple):
+    """One line of /proc/<pid>/mountinfo: the device (major:minor) and the path inside that
+    filesystem that is mounted (its root: "/" for a whole filesystem, a directory or a file
+    for a bind mount)."""
+
+    major: int
+    minor: int
+    root: str
+
+
+def parse_mountinfo(text: str) -> list[Mount]:
+    """The mounts of /proc/<pid>/mountinfo (`id parent major:minor root mount-point ...`,
+    proc(5); space, tab, newline and backslash in a path are octal escapes such as `\\040`).
+    Lines that do not parse are skipped."""
+    out: list[Mount] = []
+    for line in text.splitlines():
+        parts = line.split(" ", 4)
+        if len(parts) < 5:
+            continue
+        major, sep, minor = parts[2].partition(":")
+        if not (sep and major.isascii() and major.isdigit()
+                and minor.isascii() and minor.isdigit()):
+            continue
+        out.append(Mount(int(major), int(minor), _unescape(parts[3])))
+    return out
+
+
+def _unescape(path: str) -> str:
+    if "\\" not in path:
+        return path
+    out, i = [], 0
+    while i < len(path):
+        c = path[i]
+        code = path[i + 1:i + 4]
+        if c == "\\" and len(code) == 3 and all(x in "01234567" for x in code):
+            out.append(chr(int(code, 8)))
+            i += 4
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)
+
+
+class Creds(NamedTuple):
+    """Who a process acts as, from /proc/<pid>/status (readable for every process): its
+    uids and gids (real, effective, saved, filesystem), its supplementary groups and its
+    effective capabilities (a bit mask)."""
+
+    uids: tuple[int, ...]
+    gids: tuple[int, ...]
+    groups: tuple[int, ...]
+    cap_eff: int
+
+
+def parse_status_creds(text: str) -> Creds | None:
+    """The `Uid:`, `Gid:`, `Groups:` and `CapEff:` lines of /proc/<pid>/status; None when
+    a uid or gid line is missing or garbled."""
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key in ("Uid", "Gid", "Groups", "CapEff"):
+            fields[key] = value
+    try:
+        uids = tuple(int(x) for x in fields["Uid"].split())
+        gids = tuple(int(x) for x in fields["Gid"].split())
+        groups = tuple(int(x) for x in fields.get("Groups", "").split())
+        cap = int(fields.get("CapEff", "0").strip() or "0", 16)
+    except (KeyError, ValueError):
+        return None
+    if not uids or not gids:
+        return None
+    return Creds(uids, gids, groups, cap)
+
+
 def parse_maps_paths(text: str) -> set[str]:
     """The file paths mapped in /proc/<pid>/maps (as the kernel shows them)."""
     paths: set[str] = set()

@@ -25,6 +25,7 @@ CHECKS = (
     "device-memory",
     "stuck-processes",
     "stale-shm",
+    "stale-libfabric",
     "stale-ipc",
     "ports",
     "env",

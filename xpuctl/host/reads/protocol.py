@@ -74,9 +74,9 @@ class ReaderTraceback(Exception):
 
 
 #: Files of /proc/<pid> whose read takes the process's mmap lock: one that blocks means the
-#: others will too.
+#: others will too (map_files: a stat of an entry looks its mapping up under that lock).
 _MM_FILES = frozenset({"cmdline", "environ", "maps", "smaps", "smaps_rollup", "mem", "auxv",
-                       "numa_maps", "pagemap"})
+                       "numa_maps", "pagemap", "map_files"})
 
 
 def pid_of(path: str) -> int | None:
@@ -167,14 +167,30 @@ def read_count(path: str, limit: int) -> bytes:
         os.close(fd)
 
 
+#: What a "stat" read answers: st_dev, st_ino, st_mode of the file a path leads to.
+IDENTITY = struct.Struct("<QQI")
+
+
+def read_identity(path: str) -> bytes:
+    """stat(2) of a path, links followed (a /proc/<pid>/fd/N or map_files entry leads to the
+    file itself, whatever mount namespace its process sees it through): IDENTITY bytes. A
+    stat can wait as a read can (a file on a hung network or FUSE mount): it is bounded
+    like one."""
+    st = os.stat(path)
+    return IDENTITY.pack(st.st_dev, st.st_ino, st.st_mode)
+
+
 def read_kind(path: str, kind: str, limit: int) -> bytes:
-    """A read of one of the kinds a Host asks for: "all", "once", "records" or "count"."""
+    """A read of one of the kinds a Host asks for: "all", "once", "records", "count" or
+    "stat"."""
     if kind == "once":
         return read_once(path, limit)
     if kind == "records":
         return read_records(path, limit)
     if kind == "count":
         return read_count(path, limit)
+    if kind == "stat":
+        return read_identity(path)
     return read_all(path, limit)
 
 
