@@ -257,8 +257,11 @@ def run_dict(r: Any, now: float | None = None) -> dict[str, Any]:
     says; `health` is the record's (null: an xpuctl without the watch)
     with `healthy` and `status` as `xpuctl health` judges it at `now`."""
     health = getattr(r, "health", None)
-    out: dict[str, Any] = {"name": r.name, "state": r.state, "age_seconds": r.age_seconds, "pid": r.pid,
-           "port": r.port, "devices": list(r.devices), "run_id": r.run_id, "health": None}
+    out: dict[str, Any] = {
+        "name": r.name, "state": r.state, "age_seconds": r.age_seconds, "pid": r.pid,
+        "port": r.port, "devices": list(r.devices), "run_id": r.run_id,
+        "recorded_state": getattr(r, "recorded_state", None), "health": None,
+    }
     if health is not None:
         from xpuctl.core.watch import judge
 
