@@ -61,6 +61,8 @@ class Listener:
                 data = self.sock.recv(65536)
             except OSError:
                 return
+            if not data:  # shut down by close(): a datagram is never empty here
+                return
             t = time.monotonic()
             text = data.decode("utf-8", "replace")
             fields = tuple(tuple(line.split("=", 1)) for line in text.split("\n") if "=" in line)
@@ -93,6 +95,14 @@ class Listener:
         return [m.t for m in self.all() if m.get("WATCHDOG") == "1" and since <= m.t <= until]
 
     def close(self) -> None:
+        """Stop the reader thread and close the socket: a thread left blocked in recv() would
+        outlive the test, and the in-process commands of every later test would then run
+        with a second thread (their bounded reader spawned, not forked: tests/README.md)."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked recv() with b""
+        except OSError:
+            pass
+        self._thread.join(5)
         self.sock.close()
 
 
