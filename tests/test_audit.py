@@ -186,3 +186,14 @@ def test_text_that_is_utf8_is_written_as_it_is():
     bad = os.fsdecode(b"/tmp/\xc3(")
     assert audit.utf8({"path": bad}) == {"path": "/tmp/\\xc3(", "path_bytes": b"/tmp/\xc3(".hex()}
     assert audit.text(os.fsdecode(b"VLLM::\xff")) == "VLLM::\\xff"
+
+
+def test_a_signal_label_is_capped_like_every_command_line_shown(tmp_path):
+    """A holder's label is its command (read up to 64 KiB, parse/procfs); the audit line shows
+    4 KiB of it and says how many bytes were cut (issue 29 §10)."""
+    with audit.recording(str(tmp_path), "reset"):
+        audit.signal(4242, 7, "/usr/bin/python3 " + "A" * 70_000, 15, "sent")
+    (line,) = _read_all(tmp_path)["audit.jsonl"]
+    label = line["target"]["label"]
+    assert label.startswith("/usr/bin/python3 AAAA") and len(label.encode()) < 4200
+    assert label.endswith("…[+65922 bytes]"), label[-40:]

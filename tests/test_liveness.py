@@ -23,7 +23,7 @@ import sys
 import uuid
 
 import pytest
-from proctools import StandInRoot, token_env, wait_for
+from proctools import StandInRoot, skip_unless_only_ours, token_env, wait_for
 
 PY = sys.executable
 
@@ -77,7 +77,8 @@ def _start(token: str, argv: list[str]) -> subprocess.Popen:
     return p
 
 
-def _reset(root: str, state: str, *, user: str | None = None) -> dict:
+def _reset(root: str, state: str, token: str, *, user: str | None = None) -> dict:
+    skip_unless_only_ours(root, token)  # outside a PID namespace: never stop another's orphan
     argv = [PY, "-m", "xpuctl", "--root", root, "reset", "--yes", "--json", "--state-dir", state]
     if user is not None:
         argv = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *argv]
@@ -213,7 +214,7 @@ def test_a_live_listener_keeps_its_socket_file(standin_root, proc_token, tmp_pat
     dead = _dead_socket(r)
     assert _doctor_artifacts(r.root)["/tmp/" + os.path.basename(live)]["stale"] is False
 
-    data = _reset(r.root, str(tmp_path / "state"))
+    data = _reset(r.root, str(tmp_path / "state"), proc_token)
 
     gone = "/tmp/" + os.path.basename(dead)
     assert gone in data["removed"] and not os.path.lexists(dead)
@@ -249,7 +250,7 @@ def test_a_file_held_through_a_bind_mount_in_another_mount_namespace_is_kept(
     assert arts["/dev/shm/psm_held_elsewhere"]["stale"] is False
     assert p.pid in arts["/dev/shm/psm_held_elsewhere"]["open_by"]
 
-    data = _reset(r.root, str(tmp_path / "state"))
+    data = _reset(r.root, str(tmp_path / "state"), proc_token)
 
     assert data["removed"] == ["/dev/shm/psm_free"] and not os.path.lexists(free)
     assert os.path.exists(held)
@@ -274,7 +275,7 @@ def test_a_file_bind_mounted_under_another_name_and_held_open_is_kept(
     assert arts["/dev/shm/psm_file_mounted"]["stale"] is False
     assert arts["/dev/shm/psm_file_mounted"]["open_by"] == [p.pid]
 
-    data = _reset(r.root, str(tmp_path / "state"))
+    data = _reset(r.root, str(tmp_path / "state"), proc_token)
 
     assert data.get("removed", []) == [] and os.path.exists(held)
 
@@ -302,7 +303,7 @@ def test_a_non_root_reset_keeps_its_file_held_by_a_process_it_cannot_inspect(pro
         shm = os.path.join(r.root, "dev", "shm")
         _start(proc_token, [PY, "-c", HOLDER, shm, shm, "psm_nobody_held", "open"])
 
-        data = _reset(r.root, state, user=str(NOBODY))
+        data = _reset(r.root, state, proc_token, user=str(NOBODY))
 
         assert data["removed"] == ["/dev/shm/psm_nobody_free"] and not os.path.lexists(free)
         assert os.path.exists(held)

@@ -22,7 +22,7 @@ import sys
 
 from fakehost import clean_host
 from fakehost_tree import maps_line
-from proctools import token_env
+from proctools import skip_unless_only_ours, token_env
 from typer.testing import CliRunner
 
 from xpuctl.cli import app
@@ -159,6 +159,7 @@ def test_a_live_rank_keeps_its_region_and_a_dead_ranks_is_removed(standin_root, 
         f.truncate(1 << 20)
     live_region = f"{rank.pid}:{os.getuid()}:0"
 
+    skip_unless_only_ours(r.root, proc_token)  # never stop an orphan this test did not start
     data = _reset(r.root, tmp_path / "state")
 
     assert data["removed"] == ["/dev/shm/" + os.path.basename(dead_region)]

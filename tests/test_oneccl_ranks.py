@@ -186,3 +186,18 @@ def test_a_real_process_mapping_libccl_on_a_kvs_port(tmp_path, standin_root, pro
 def _listening(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_a_snapshot_keeps_the_proof_of_a_kvs_listener(tmp_path):
+    """`doctor --from` names oneCCL's KVS listeners as the live doctor did: the snapshot keeps
+    the maps line of libccl (parse/redact.PROOF_LIBRARIES), not only /dev/shm and /tmp lines."""
+    import test_snapshot
+
+    h = healthy_host(tmp_path / "h")
+    _listener(h, 6001, 4096, 90001, True)
+    archive = test_snapshot.take(h.root, tmp_path / "snap.tar.gz")
+    live = test_snapshot.cli("--root", str(h.root), "doctor", "--json")
+    back = test_snapshot.cli("doctor", "--json", "--from", str(archive))
+    assert json.loads(back.stdout)["ports"] == json.loads(live.stdout)["ports"]
+    ports = {(p["port"], p["pid"]): p for p in json.loads(back.stdout)["ports"]}
+    assert ports[(4096, 6001)]["kind"] == "oneccl-kvs"

@@ -84,6 +84,7 @@ def test_stops_real_orphans_and_cleans_their_files(proc_token, standin_root):
     survivors = [p for p in tree if p != srv.pid]
     assert len(survivors) == 3  # EngineCore and two workers
     assert all(not proctools.is_gone(p) for p in survivors)
+    proctools.skip_unless_only_ours(r.root, proc_token)  # never stop an orphan we did not start
     out = subprocess.run(
         [sys.executable, "-m", "xpuctl", "--root", r.root, "reset", "--yes", "--json", "--kill-after", "2",
          "--timeout", "10"],
@@ -113,7 +114,8 @@ def _start_holder(token, node, mode="ignore"):
     return p
 
 
-def _reset(root, state, *args):
+def _reset(root, state, token, *args):
+    proctools.skip_unless_only_ours(root, token)  # never stop an orphan this test did not start
     return subprocess.run([sys.executable, "-m", "xpuctl", "--root", root, "reset", "--state-dir",
                            str(state), *args], capture_output=True, text=True, timeout=120,
                           stdin=subprocess.DEVNULL)
@@ -138,13 +140,13 @@ def test_a_non_vllm_holder_is_listed_and_left_alone_without_kill_holders(proc_to
     r = standin_root
     holder = _start_holder(proc_token, r.node(0))
     try:
-        out = _reset(r.root, tmp_path / "state", "--yes")
+        out = _reset(r.root, tmp_path / "state", proc_token, "--yes")
         assert out.returncode == 0, out.stderr
         line = next(x for x in out.stdout.splitlines() if x.startswith("holder pid"))
         assert line.startswith(f"holder pid {holder.pid} ({sys.executable} -c import os, signal, sys")
         assert f"holds {r.bdf(0)}, not part of a live server: --kill-holders stops it" in line
         assert "\\n" in line  # the multi-line argv stays on one line, escaped
-        out = _reset(r.root, tmp_path / "state", "--yes", "--json")
+        out = _reset(r.root, tmp_path / "state", proc_token, "--yes", "--json")
         data = json.loads(out.stdout)
         assert data["plan"]["holders"] == [{"pid": holder.pid, "command": data["plan"]["holders"][0]["command"],
                                             "devices": [r.bdf(0)], "stop": False, "why_not": None}]
@@ -163,7 +165,7 @@ def test_kill_holders_runs_the_ladder_and_audits_every_signal(proc_token, standi
     holder = _start_holder(proc_token, r.node(1), "ignore")
     ticks = _start_ticks(holder.pid)
     try:
-        out = _reset(r.root, tmp_path / "state", "--yes", "--kill-holders", "--json",
+        out = _reset(r.root, tmp_path / "state", proc_token, "--yes", "--kill-holders", "--json",
                      "--timeout", "1", "--kill-after", "1")
         assert out.returncode == 0, out.stderr
         data = json.loads(out.stdout)
@@ -193,7 +195,7 @@ def test_kill_holders_never_touches_a_live_server(proc_token, standin_root, tmp_
         assert srv.wait_ready()
         tree = srv.tree()
         assert proctools.holders(r.node(0)) and set(proctools.holders(r.node(0))) - {holder.pid}
-        out = _reset(r.root, tmp_path / "state", "--yes", "--kill-holders", "--json",
+        out = _reset(r.root, tmp_path / "state", proc_token, "--yes", "--kill-holders", "--json",
                      "--kill-after", "1")
         data = json.loads(out.stdout)
         assert [h["pid"] for h in data["plan"]["holders"]] == [holder.pid]

@@ -399,3 +399,22 @@ def test_shutdown_members_read_environ_only_since_the_run_and_cmdline_only_of_me
         for p in (old, top, tagged):
             p.kill()
             p.wait()
+
+
+def test_fds_refused_even_to_root_are_not_remedied_by_running_as_root(monkeypatch):
+    """Not root: others' processes are unreadable and root is the remedy. Root refused (Yama's
+    ptrace_scope, an LSM, another user namespace: PID 1 of this machine's sandbox): the
+    finding names the pids and does not tell root to run as root."""
+    from xpuctl.core.checks.inspection import _REMEDY_BY_SOURCE
+    from xpuctl.core.model import Issue
+    from xpuctl.host import scan
+
+    live = Host("/", read_timeout=None)
+    monkeypatch.setattr(scan.os, "geteuid", lambda: 1000)
+    assert scan._unreadable_fds(live, [1, 7]) == Issue("/proc",
+                                                       "could not read the fds of 2 process(es)")
+    monkeypatch.setattr(scan.os, "geteuid", lambda: 0)
+    issue = scan._unreadable_fds(live, [7, 1])
+    assert issue.reason == "could not read the fds of 2 process(es) even as root (pids 1, 7)"
+    assert issue.remedy and "run as root" not in issue.remedy
+    assert _REMEDY_BY_SOURCE["/proc"].startswith("run as root")  # the usual remedy, not for root

@@ -490,6 +490,35 @@ def pause_env(marker: str | os.PathLike, step: str) -> dict[str, str]:
             "XPUCTL_TEST_PAUSE_KEY": key}
 
 
+def foreign_targets(root: str | os.PathLike, token: str) -> list[int]:
+    """The processes `xpuctl --root ROOT reset --yes --kill-holders` would stop today that do
+    not carry this test's token: orphaned vLLM trees anywhere on this host (a stand-in root's
+    /proc is the real one) and holders of ROOT's devices. A test that runs `reset --yes` on a
+    stand-in root outside a private PID namespace calls this first and skips when it is not
+    empty: a test never signals what it did not start (a developer's host may hold a real
+    orphan)."""
+    import json
+
+    out = subprocess.run([sys.executable, "-m", "xpuctl", "--root", str(root), "reset",
+                          "--dry-run", "--kill-holders", "--json"],
+                         capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    plan = json.loads(out.stdout)["plan"]
+    pids = set(plan["orphan_pids"]) | {h["pid"] for h in plan["holders"] if h["stop"]}
+    ours = set(pids_with_token(token, include_zombies=True))
+    return sorted(p for p in pids if p not in ours)
+
+
+def skip_unless_only_ours(root: str | os.PathLike, token: str) -> None:
+    """pytest.skip, saying why, when `reset --yes` on ROOT would stop a process this test did
+    not start (foreign_targets)."""
+    foreign = foreign_targets(root, token)
+    if foreign:
+        import pytest
+
+        pytest.skip(f"this host has orphaned vLLM processes or holders this test did not "
+                    f"start (pids {foreign[:10]}): reset --yes would stop them")
+
+
 def pidns_available() -> bool:
     """`unshare --pid --fork --mount-proc` works here (root, or user namespaces): tests that
     need a private PID namespace skip without it."""

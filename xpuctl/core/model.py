@@ -28,10 +28,12 @@ SEVERITIES = ("info", "warn", "fail")
 
 
 class Issue(NamedTuple):
-    """Something the scan could not read, and why."""
+    """Something the scan could not read, and why (and what to do, when the source's usual
+    remedy does not apply: core/checks/inspection)."""
 
     source: str
     reason: str
+    remedy: str | None = None
 
 
 class Device(NamedTuple):

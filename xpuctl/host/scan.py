@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from xpuctl.core.model import (
     Artifact,
     Device,
@@ -390,6 +392,21 @@ def _unreadable(host: Host, fds: FdTable, stuck: dict[int, BlockedRead]) -> list
     return out
 
 
+def _unreadable_fds(host: Host, pids: list[int]) -> Issue:
+    """The processes whose fds could not be read. Not root: others' processes, and running
+    as root is the remedy. Root refused too (Yama's ptrace_scope 3, an LSM, a process of
+    another user namespace, or PID 1 of some sandboxes): nothing xpuctl can do, and what they
+    may hold is kept, never judged (docs/safety.md)."""
+    reason = f"could not read the fds of {len(pids)} process(es)"
+    if not (host.proc_is_live and os.geteuid() == 0):
+        return Issue("/proc", reason)
+    shown = ", ".join(map(str, sorted(pids)[:8])) + (", ..." if len(pids) > 8 else "")
+    return Issue("/proc", f"{reason} even as root (pids {shown})",
+                 "the kernel refuses them even to root (ptrace restrictions: Yama's "
+                 "ptrace_scope, an LSM, another user namespace); what they may hold is kept, "
+                 "never judged")
+
+
 def take_scan(
     host: Host,
     port: int | None = DEFAULT_PORT,
@@ -421,9 +438,7 @@ def take_scan(
     found, art_issues = _artifacts(host, fds, lazy, ordered, now, stuck) if artifacts else ([], [])
     issues.extend(art_issues)
     if fds.unreadable:
-        issues.append(
-            Issue("/proc", f"could not read the fds of {len(fds.unreadable)} process(es)")
-        )
+        issues.append(_unreadable_fds(host, fds.unreadable))
     if fds.malformed:
         issues.append(Issue("/proc", f"could not parse {len(fds.malformed)} process(es)"))
     ports = _ports(host, fds, procs, port)

@@ -161,10 +161,23 @@ def scrub(text: str, values: Iterable[str] = ()) -> str:
     return text
 
 
+#: Libraries whose mapping doctor reads as a proof (a oneCCL KVS listener's process maps
+#: oneCCL's library: core/oneccl.py), kept in a snapshot's maps so that `doctor --from` names
+#: what the live doctor named. A library's path says nothing secret.
+PROOF_LIBRARIES = ("libccl",)
+
+
+def _proof_library(path: str) -> bool:
+    name = path.rsplit("/", 1)[-1]
+    return any(name == f"{stem}.so" or name.startswith(f"{stem}.so.") for stem in PROOF_LIBRARIES)
+
+
 def maps(data: bytes, to_host: Callable[[str], str]) -> bytes:
     """The /proc/<pid>/maps lines naming a file under /dev/shm or /tmp (as `to_host` maps the
-    kernel's path), with that path written as the host path."""
+    kernel's path), with that path written as the host path, and the first line mapping each
+    library doctor reads as a proof (PROOF_LIBRARIES)."""
     out = []
+    seen: set[str] = set()
     for line in data.decode("utf-8", "surrogateescape").splitlines():
         parts = line.split(None, 5)
         if len(parts) < 6 or not parts[5].startswith("/") or parts[5].endswith(" (deleted)"):
@@ -172,6 +185,9 @@ def maps(data: bytes, to_host: Callable[[str], str]) -> bytes:
         path = to_host(parts[5])
         if path.startswith(ARTIFACT_DIRS):
             out.append(line[: len(line) - len(parts[5])] + path + "\n")
+        elif _proof_library(parts[5]) and parts[5] not in seen:
+            seen.add(parts[5])
+            out.append(line + "\n")
     return "".join(out).encode("utf-8", "surrogateescape")
 
 

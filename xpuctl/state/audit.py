@@ -215,7 +215,12 @@ def record(action: str, target: dict[str, Any], result: str, **extra: Any) -> No
 
 
 def signal(pid: int, start_ticks: int, label: str, sig: int, result: str) -> None:
+    """One line for a signal; `label` (the process's title or command) is capped as every
+    command line xpuctl shows is (4 KiB, `…[+N bytes]` when cut: parse/procfs)."""
     if _sink is not None:
+        from xpuctl.parse.procfs import shown_command
+
+        label = shown_command([label])
         try:
             name = _signal.Signals(sig).name
         except ValueError:

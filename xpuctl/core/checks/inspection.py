@@ -23,7 +23,7 @@ def inspection(c: Ctx) -> list[Finding]:
             "inspection",
             "warn" if issue.source in ("/proc", "ray") else "info",
             issue.reason if issue.source == "pid-namespace" else f"{issue.source}: {issue.reason}",
-            _REMEDY_BY_SOURCE.get(issue.source),
+            issue.remedy or _REMEDY_BY_SOURCE.get(issue.source),
         )
         for issue in c.scan.issues
         if issue not in blocked  # said by blocked-reads
