@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -29,6 +29,9 @@ from xpuctl.cli.options import (
     port_option,
 )
 from xpuctl.errors import ExitCode, UsageError
+
+if TYPE_CHECKING:  # types only: the countdown's module loads with --collective
+    from xpuctl.output.progress import View
 
 app = command_app()
 
@@ -102,8 +105,11 @@ def doctor(
     host, environ, replayed = open_source(ctx, from_)
     sdir = resolve_state_dir(host, state_dir, environ)
     deep_opts = _deep(deep, replayed, probe_timeout, unattributed_threshold, sdir)
-    # --collective runs once: a --wait-clean re-check carries its first result
-    coll: list[Any] = [doctor_core.CollectiveOptions(collective_timeout) if collective else None]
+    # --collective runs once: a --wait-clean re-check carries its first result; while it
+    # runs, stderr shows what its ranks are doing and the time left
+    view = _countdown() if collective else None
+    coll: list[Any] = [doctor_core.CollectiveOptions(collective_timeout, on_wait=view.wait)
+                       if view is not None else None]
 
     def run() -> Any:
         report = doctor_core.diagnose(host, list(device or []), port, expect_idle, environ,
@@ -112,7 +118,11 @@ def doctor(
         coll[0] = report.scan.collective
         return report
 
-    report = run()
+    try:
+        report = run()
+    finally:
+        if view is not None:
+            view.finish()
     clean = not doctor_core.blocking(report, strict)
     if wait_clean is not None and not clean:
         report, clean = _wait(a, report, run, wait_clean, strict, out_fmt is Format.table)
@@ -120,6 +130,13 @@ def doctor(
     if out_fmt is Format.table and wait_clean is not None and not clean:
         a.err.print(f"still not clean after {wait_clean:g}s", style="red")
     raise typer.Exit(ExitCode.OK if clean else ExitCode.PROBLEMS)
+
+
+def _countdown() -> View:
+    """The collective check's countdown on stderr (output/progress.py)."""
+    from xpuctl.output import progress
+
+    return progress.countdown(sys.stderr)
 
 
 def _check_sources(ray: str | None, from_: str | None, deep: bool, wait_clean: float | None) -> None:

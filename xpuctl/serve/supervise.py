@@ -471,17 +471,24 @@ class RunSupervisor:
         self._set(state="stopping", stopping_by=own_identity())
         try:
             return stop(self.host, [self._tree()], kill_after=self.opts.kill_after,
-                        release_timeout=self.opts.teardown_timeout, on_event=self._show)
+                        release_timeout=self.opts.teardown_timeout, on_event=self._show,
+                        on_wait=self.view.wait)
         except _Interrupted:
             self.say("xpuctl: second interrupt: killing the tree now")
             return stop(self.host, [self._tree()], kill_after=0,
                         release_timeout=self.opts.teardown_timeout, on_event=self._show,
-                        skip_drain=True)
+                        skip_drain=True, on_wait=self.view.wait)
+        finally:
+            if self.foreground and self.pump is not None:
+                # the tree is gone: vLLM's last lines reach the terminal (they are left out
+                # of the timeline there) before anything else is said
+                self.pump.join(timeout=1.0)
 
     def _stop_on_signal(self) -> int:
         self.say("xpuctl: stopping (signal received; press Ctrl-C again to kill)")
         result = self.stop_tree("stopping: signal received")
         code = self._after_stop(result)
+            self.view.wait(None)
         self.end("stopped" if code == ExitCode.OK else f"exit {int(code)}")
         return code
 
@@ -554,7 +561,7 @@ class RunSupervisor:
         result = stop(self.host, [self._tree()], timeout=self.opts.teardown_timeout,
                       kill_after=self.opts.kill_after, release_timeout=self.opts.teardown_timeout,
                       on_event=lambda ev: self._show(ev) if ev.phase not in ("gone", "drain") else None,
-                      passive=passive, yield_to=someone_else)
+                      passive=passive, yield_to=someone_else, on_wait=self.view.wait)
         # asked for: `xpuctl shutdown` is (or was) stopping the run, or serve or its supervisor
         # got a signal (which it turns into its own stop; vLLM may have exited first)
         requested = requested or asked or passive or self.signals > 0
