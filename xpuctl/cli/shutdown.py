@@ -113,4 +113,9 @@ def shutdown(
     if as_json:
         summary = out.audit.summary()
         sys.stdout.write(documents.to_json(documents.shutdown_document(targets, out.result, out.resolve_s, summary)) + "\n")
+    if out.leftovers:  # the one command to run next
+        devices = dict.fromkeys(d for t in out.trees for d in t.devices)
+        ports = [t.port for t in out.trees if t.port]
+        emit(sys.stderr, lines.next_line(devices, ports[0] if len(ports) == 1 else None,
+                                         out.result.verdict))
     raise typer.Exit(ExitCode.PROBLEMS if out.leftovers else ExitCode.OK)

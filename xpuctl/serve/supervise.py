@@ -43,7 +43,7 @@ from xpuctl.host import http
 from xpuctl.host.notify import Notifier
 from xpuctl.host.seam import Host
 from xpuctl.output import progress
-from xpuctl.output.lines import event_line
+from xpuctl.output.lines import event_line, next_line
 from xpuctl.output.safetext import safe
 from xpuctl.parse.vllmlog import STARTING
 from xpuctl.serve.budget import worst_stop_seconds
@@ -386,6 +386,7 @@ class RunSupervisor:
         code = ExitCode.PROBLEMS if leftovers else ExitCode.UNHEALTHY
         self.say(f"xpuctl: stopped: {verdict}: the run was {reason.split(':', 1)[0]}; serve "
                  f"exits {int(code)}")
+        self._next(verdict)
         return code
 
     def run(self) -> int:
@@ -430,7 +431,7 @@ class RunSupervisor:
         self.say(f"xpuctl: {self.rec.name}: vLLM exited with code {code} before it was ready; "
                  f"{said}")
         self.say("xpuctl: before the next launch, try (advice only; each has a cost):")
-        for line in advice.lines(keys):
+        for line in advice.lines(keys, skip=(advice.RESET,)):
             self.say(f"xpuctl:   - {line}")
 
     def end(self, status: str) -> None:
@@ -460,7 +461,15 @@ class RunSupervisor:
                     never_ready=not self.ready)
 
     def _show(self, ev) -> None:
+        """One step of a stop's timeline. vLLM's own lines (`vllm` steps, read from its log)
+        are left out in the foreground: its output is echoed there already."""
+        if self.foreground and ev.phase == "vllm":
+            return
         self.say(f"xpuctl: {event_line(ev)}")
+
+    def _next(self, verdict: str) -> None:
+        """After a failure: the one command to run next (output.lines.next_line)."""
+        self.say(next_line(self.plan.bdfs, self.plan.port, verdict))
 
     def stop_tree(self, why: str):
         """The ladder on our own tree. A server that never became ready has nothing to
@@ -474,6 +483,7 @@ class RunSupervisor:
                         release_timeout=self.opts.teardown_timeout, on_event=self._show,
                         on_wait=self.view.wait)
         except _Interrupted:
+            self.view.wait(None)
             self.say("xpuctl: second interrupt: killing the tree now")
             return stop(self.host, [self._tree()], kill_after=0,
                         release_timeout=self.opts.teardown_timeout, on_event=self._show,
@@ -488,7 +498,6 @@ class RunSupervisor:
         self.say("xpuctl: stopping (signal received; press Ctrl-C again to kill)")
         result = self.stop_tree("stopping: signal received")
         code = self._after_stop(result)
-            self.view.wait(None)
         self.end("stopped" if code == ExitCode.OK else f"exit {int(code)}")
         return code
 
@@ -504,8 +513,9 @@ class RunSupervisor:
         where = phase.label if phase.rank else "an unknown phase (no start-up line recognised)"
         sigs, keys, said = _start_diagnosis(lines, where, phase.hint)
         self.say(f"xpuctl: {self.rec.name}: not ready after {self.opts.ready_timeout:g}s; {said}")
-        for line in lines[-10:]:
-            self.say(f"xpuctl:   | {safe(line, 300)}")
+        if not self.foreground:  # in the foreground vLLM's lines are on the terminal already
+            for line in lines[-10:]:
+                self.say(f"xpuctl:   | {safe(line, 300)}")
         try:
             from xpuctl.doctor import diagnose
 
@@ -517,14 +527,15 @@ class RunSupervisor:
             pass
         self._set(notes=[*self.rec.notes,
                          f"not ready after {self.opts.ready_timeout:g}s: {phase.label}"])
-        self.stop_tree(f"stopping: not ready after {self.opts.ready_timeout:g}s (stuck in: "
-                       f"{where})")
+        result = self.stop_tree(f"stopping: not ready after {self.opts.ready_timeout:g}s "
+                                f"(stuck in: {where})")
         self._set(state="failed", exit_code=int(ExitCode.NOT_READY), stopped_at=time.time())
         crashed = any(s.kind == "crash" for s in sigs)  # the crash's own advice first
         keys = [*keys, "not-ready"] if crashed else ["not-ready", *keys]
         self.say("xpuctl: before the next launch, try (advice only; each has a cost):")
-        for line in advice.lines(keys):
+        for line in advice.lines(keys, skip=(advice.RESET,)):
             self.say(f"xpuctl:   - {line}")
+        self._next(result.verdict)
         self.end(f"failed {int(ExitCode.NOT_READY)}")
         return ExitCode.NOT_READY
 
@@ -580,6 +591,7 @@ class RunSupervisor:
         leftovers = result.verdict != "clean"
         self._set(state="failed", exit_code=code, stopped_at=time.time(),
                   **self._unasked_exit(code))
+        self._next(result.verdict)
         if not ready:
             self.end(f"exit {code}")
         if self.lines.stop_line is not None:
