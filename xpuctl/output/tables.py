@@ -415,4 +415,19 @@ def print_doctor(console: Console, report: Report) -> None:
         console.print(findings_table(report.findings))
     status = report.status
     bare = " (no Intel GPU found)" if any(f.check == "no-device" for f in report.findings) else ""
-    console.print(Text.assemble("status: ", (status, _STATUS_STYLE[status]), bare))
+    counts = status_counts(report.findings)
+    if counts:  # "clean, 2 warnings": never a bare "clean" above findings that warn
+        console.print(Text.assemble((status, _STATUS_STYLE[status]), f", {counts}", bare))
+    else:
+        console.print(Text.assemble("status: ", (status, _STATUS_STYLE[status]), bare))
+
+
+def status_counts(findings: tuple[Finding, ...] | list[Finding]) -> str:
+    """`3 failing, 2 warnings` (what follows the status word), or "" when nothing fails or
+    warns."""
+    fails = sum(1 for f in findings if f.severity == "fail")
+    warns = sum(1 for f in findings if f.severity == "warn")
+    parts = [f"{fails} failing"] if fails else []
+    if warns:
+        parts.append(f"{warns} warning{'s' if warns != 1 else ''}")
+    return ", ".join(parts)
