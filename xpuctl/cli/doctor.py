@@ -16,8 +16,8 @@ from xpuctl.cli.options import (
     DeepOpt,
     DeviceOpt,
     Format,
+    FormatJsonOpt,
     FromOpt,
-    JsonOpt,
     ProbeTimeoutOpt,
     RayOpt,
     Seconds,
@@ -51,9 +51,10 @@ def doctor(
         typer.Option("--wait-clean", click_type=Seconds(0), show_default=False,
                      help="Re-check until nothing fails, for up to SECONDS (right after a shutdown)."),
     ] = None,
-    fmt: Annotated[Format | None, typer.Option("--format", "-f", help="table, json or prometheus.",
+    fmt: Annotated[Format | None, typer.Option("--format", "-f", help="table, json or "
+                                                  "prometheus (json: as --json).",
                                                   show_default="table")] = None,
-    as_json: JsonOpt = False,
+    as_json: FormatJsonOpt = False,
     textfile: Annotated[
         str | None,
         typer.Option("--textfile", metavar="PATH", show_default=False,
