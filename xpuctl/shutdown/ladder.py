@@ -262,7 +262,8 @@ def _wait_exit(ld: _Ladder, timeout: float | None) -> None:
     next_probe = 0.0
     while True:
         known = [n for n in last_flight.values() if n is not None]
-        ld.awaiting(phase, deadline, len(ld.pending), sum(known) if known else None)
+        if ld.pending:  # gone already (a fast teardown): nothing to count down
+            ld.awaiting(phase, deadline, len(ld.pending), sum(known) if known else None)
         ld.pending = wait_gone(ld.host, ld.pending, min(0.25, max(0.0, deadline - time.monotonic())),
                                ld.poll)
         now = time.monotonic()
