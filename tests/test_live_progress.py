@@ -18,6 +18,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -90,6 +91,8 @@ def test_a_countdown_on_a_terminal_is_redrawn_in_place_and_counts_down():
     finally:
         view.finish()
         err.close()
+    # its thread is gone with it (a command's last thread exits without the teardown)
+    assert not any(t.name == "xpuctl-countdown" for t in threading.enumerate())
     shown = read_pty(master)
     drain = countdowns(shown, "xpuctl: draining vllm-8000: 3 requests running")
     assert len(set(drain)) >= 2 and drain == sorted(drain, reverse=True), shown

@@ -177,7 +177,8 @@ class LiveView(_Base):
         self.last_draw = 0.0
         self.same_terminal = same_terminal  # vLLM's echoed output shares the terminal
         self.waiting: Wait | None = None
-        self.ticker: threading.Thread | None = None
+        self.ticker: threading.Thread | None = None  # redraws a countdown (from the first wait)
+        self.ending = threading.Event()  # the ticker's end (ready, finish)
         self.drawn = ""  # the status line as last drawn
 
     def _status(self) -> str:
@@ -233,12 +234,24 @@ class LiveView(_Base):
             self._clear()
             self.done = True
             self._write(neutral_lines(msg) + "\n")
+            ticker = self._end_ticker()
+        if ticker is not None:
+            ticker.join(1.0)
 
     def finish(self) -> None:
         with self.lock:
             self._clear()
             self.done = True
             self.waiting = None
+            ticker = self._end_ticker()
+        if ticker is not None:
+            ticker.join(1.0)  # gone before the command ends (cli.leave: the last thread)
+
+    def _end_ticker(self) -> threading.Thread | None:
+        """Stop the countdown's thread (under the lock); the caller joins it outside."""
+        ticker, self.ticker = self.ticker, None
+        self.ending.set()
+        return ticker
 
     def echo(self, line: str) -> None:
         if not self.same_terminal:
@@ -257,18 +270,16 @@ class LiveView(_Base):
                 return
             self._draw()
             if self.ticker is None:
-                self.ticker = threading.Thread(target=self._count_down, daemon=True,
-                                               name="xpuctl-countdown")
+                self.ending = threading.Event()
+                self.ticker = threading.Thread(target=self._count_down, args=(self.ending,),
+                                               daemon=True, name="xpuctl-countdown")
                 self.ticker.start()
 
-    def _count_down(self) -> None:
-        while True:
-            time.sleep(self.TICK)
+    def _count_down(self, ending: threading.Event) -> None:
+        while not ending.wait(self.TICK):
             with self.lock:
-                if self.waiting is None:
-                    self.ticker = None
-                    return
-                self._draw()
+                if self.waiting is not None:
+                    self._draw()
 
     def above(self, stream: IO[str], text: str) -> None:
         with self.lock:

@@ -213,6 +213,8 @@ def _start(host: Host, opts: ServeOptions, environ: dict[str, str], out: Callabl
             prepared = _prepare(host, opts, planned, out, show_findings, before.wait)
         finally:
             before.wait(None)
+            if before is not view:
+                before.finish()  # the start has a view of its own
         if view is None:
             view = progress.choose(sys.stderr, prepared.rec.name, quiet=opts.quiet)
         if opts.detach:
