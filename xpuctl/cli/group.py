@@ -62,8 +62,11 @@ class Group(TyperGroup):
     def get_command(self, ctx: Any, cmd_name: str) -> Any:
         if cmd_name not in COMMANDS:
             return None
+        loaded: dict[str, Any] = self.__dict__.setdefault("_loaded", {})
+        if cmd_name in loaded:  # built once (globals_first asks before click does)
+            return loaded[cmd_name]
         module = importlib.import_module(COMMANDS[cmd_name][0])
-        command = typer.main.get_command(module.app)
+        command = loaded[cmd_name] = typer.main.get_command(module.app)
         gc.enable()  # paused while the modules loaded (xpuctl.cli.main); the command may run long
         return command
 
