@@ -101,3 +101,19 @@ def test_start_up_loads_only_what_it_uses(args):
         assert "xpuctl.cli.doctor" in commands
     assert not any(m.startswith("rich") for m in loaded), loaded
     assert not any(m.startswith(("xpuctl.host.scan", "xpuctl.doctor", "xpuctl.core.checks")) for m in loaded), loaded
+
+
+def test_json_help_says_how_it_meets_format(tmp_path):
+    """doctor's --json is --format json: both may be given when they agree, a disagreement is
+    a usage error (issue 32 §6); a command without --format does not name it."""
+    doctor = " ".join(run("doctor", "--help").stdout.split())
+    said = ("--json The same as --format json. Both may be given when they agree; --json with "
+            "another --format is a usage error (exit 2).")
+    assert said in doctor
+    for name in ("ps", "devices", "shutdown", "reset", "health"):
+        assert "--format" not in run(name, "--help").stdout, name
+    root = tmp_path / "root"
+    fakehost.clean_host(root)
+    assert run("--root", str(root), "doctor", "--json", "--format", "json").returncode == 0
+    refused = run("--root", str(root), "doctor", "--json", "--format", "table")
+    assert refused.returncode == 2 and "--json and --format disagree" in refused.stderr

@@ -148,7 +148,7 @@ def test_shm_broadcast_after_ready_is_a_hang_finding(tmp_path):
 
 
 @pytest.mark.parametrize(("key", "cause", "advice"), [
-    ("atl-init", "leaked libfabric shared-memory regions", "xpuctl reset, then room in /dev/shm"),
+    ("atl-init", "leaked libfabric shared-memory regions", "room in /dev/shm"),
     ("kvs-timeout", "a KVS port in TIME_WAIT after a killed run", "unset CCL_KVS_PORT"),
 ])
 def test_atl_and_kvs_lines_name_their_cause_and_what_to_do(tmp_path, key, cause, advice):

@@ -34,7 +34,7 @@ def test_a_oneccl_crash_with_a_spinning_peer_is_crashed_not_stuck(rig):
     assert len(said) == 1, str(res)
     assert "crashed in: oneCCL init (xccl)" in said[0] and "stuck" not in said[0], said
     assert "leaked libfabric shared-memory regions" in said[0] and "fi_getinfo" in said[0], said
-    assert "xpuctl reset, then room in /dev/shm" in res.err, str(res)
+    assert "room in /dev/shm" in res.err, str(res)
     rig.assert_clean()
 
 

@@ -69,7 +69,9 @@ def test_foreground_serve_echo_and_shutdown_json_keep_exact_text(rig):
 
 
 def test_not_ready_diagnosis_escapes_the_log_tail(rig):
-    cmd = rig.serve_cmd(port=free_port(), ready=3, detach=False)
+    # --detach: the diagnosis quotes vLLM's last lines (in the foreground they are on the
+    # terminal already, echoed as they came)
+    cmd = rig.serve_cmd(port=free_port(), ready=3, detach=True)
     p = subprocess.run(cmd, env=rig.env(FAKE_VLLM_LOG_SUFFIX=SUFFIX, FAKE_VLLM_FAULTS="hang-startup"),
                        capture_output=True, timeout=90, stdin=subprocess.DEVNULL, cwd=rig.tmp)
     hostile.assert_terminal_safe(p.stdout, "serve stdout")

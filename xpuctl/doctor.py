@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from xpuctl.core.checks import Options, evaluate
 from xpuctl.core.model import CollectiveResult, Issue, RecordedRun, Report, Scan, ShmRoom, Version
+from xpuctl.core.waits import Wait
 from xpuctl.host.devices import resolve_device_specs
 from xpuctl.host.scan import DEFAULT_PORT, take_scan
 from xpuctl.host.seam import Host
@@ -43,6 +44,8 @@ class CollectiveOptions(NamedTuple):
 
     timeout: float = 30.0
     env: dict[str, str] | None = None  # the ranks' environment; None: the probes' (doctor's)
+    # told what the ranks are doing and the deadline as it moves (the CLI's countdown)
+    on_wait: Callable[[Wait | None], None] | None = None
 
 
 def check_collective(host: Host, bdfs: tuple[str, ...] | list[str] | None, environ: dict[str, str],
@@ -55,7 +58,7 @@ def check_collective(host: Host, bdfs: tuple[str, ...] | list[str] | None, envir
     from xpuctl.probes import collective, runner
 
     env = opts.env if opts.env is not None else runner.probe_env(environ)
-    result = collective.run_collective(host, bdfs, env, opts.timeout)
+    result = collective.run_collective(host, bdfs, env, opts.timeout, opts.on_wait)
     if result.files:
         result = result._replace(files=remove_collective_files(result.files, state_dir))
     if result.verdict == "ok" and result.ranks:

@@ -4,11 +4,21 @@ vendors, no Intel GPU) built with the tree builder in fakehost_tree.py.
 `import fakehost` gives both: the scenarios below and the builder's names (`FakeHost`, the
 fdinfo text generators, `KiB`/`MiB`/`GiB`), re-exported here. Each scenario writes under the
 root it is given and returns its `FakeHost`.
+
+Run as a program it writes one for a person to look at (docs/try-without-a-gpu.md):
+
+    python tests/support/fakehost.py orphan /tmp/xpuctl-try/orphan
+    xpuctl --root /tmp/xpuctl-try/orphan doctor
+
+`python tests/support/fakehost.py` lists the scenarios; `standin DIR` makes a stand-in root
+instead (its `proc` is the live /proc, its render nodes plain files): the root `serve` and
+the fake vLLM (tests/fake_vllm/vllm) run under.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 from fakehost_tree import (  # noqa: F401 (re-exported: fakehost's public names stay importable)
@@ -753,3 +763,57 @@ def device_scope_host(root: Path) -> FakeHost:
     h.paths["stale"] = "/dev/shm/psm_dead2"
     h.add_file(h.paths["stale"], uid=1000, size=MiB, mtime=h.at(3900), mode=0o600)
     return _attrs(h)
+
+
+# --- as a program -------------------------------------------------------------------------
+
+#: the scenarios by the name the program takes
+SCENARIOS = {
+    "clean": clean_host,
+    "healthy": healthy_host,
+    "orphan": orphan_host,
+    "i915": i915_host,
+    "mixed-vendor": mixed_vendor_host,
+    "no-drm": no_drm_host,
+    "amd-only": amd_only_host,
+    "embedded": embedded_host,
+    "device-scope": device_scope_host,
+}
+STANDIN = "standin"
+
+
+def _usage() -> str:
+    lines = ["usage: python tests/support/fakehost.py SCENARIO DIR", "",
+             "Write a fake host under DIR (new or empty), then: xpuctl --root DIR doctor", ""]
+    for name, fn in SCENARIOS.items():
+        said = " ".join((fn.__doc__ or "").split("\n\n")[0].split())
+        if len(said) > 64:
+            said = said[:63].rsplit(" ", 1)[0] + " …"
+        lines.append(f"  {name:<13} {said}")
+    lines.append(f"  {STANDIN:<13} a root whose proc is the live /proc and whose render nodes")
+    lines.append(f"  {'':<13} are plain files: for serve with the fake vLLM")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2 or argv[0] not in (*SCENARIOS, STANDIN):
+        print(_usage(), file=sys.stderr if argv else sys.stdout)
+        return 2 if argv else 0
+    name, target = argv
+    root = Path(target).absolute()
+    if root.exists() and (not root.is_dir() or any(root.iterdir())):
+        print(f"fakehost: {root} exists and is not an empty directory", file=sys.stderr)
+        return 2
+    if name == STANDIN:
+        from proctools import StandInRoot
+
+        StandInRoot(root=root)
+        print(f"stand-in root written to {root}: xpuctl --root {root} devices")
+        return 0
+    SCENARIOS[name](root)
+    print(f"fake host {name!r} written to {root}: xpuctl --root {root} doctor")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -269,10 +269,17 @@ class StandInRoot:
     DRIVER = "xe"
 
     def __init__(self, tmp_path: str | os.PathLike | None = None, n_devices: int = 2,
-                 device_id: str = DEVICE, driver: str = DRIVER):
+                 device_id: str = DEVICE, driver: str = DRIVER,
+                 root: str | os.PathLike | None = None):
+        """`root`: build it there (an empty or new directory, e.g. for a person trying
+        xpuctl: `python tests/support/fakehost.py standin DIR`) instead of a new one."""
         self.tmp_path = tmp_path
         self.n_devices = n_devices
-        self.root = tempfile.mkdtemp(prefix="xr", dir="/tmp")
+        if root is None:
+            self.root = tempfile.mkdtemp(prefix="xr", dir="/tmp")
+        else:
+            os.makedirs(root, exist_ok=True)
+            self.root = os.path.abspath(root)
         R = Path(self.root)
         os.symlink("/proc", R / "proc")
         for d in ("dev/dri", "dev/shm", "tmp", "sys/class/drm", f"sys/bus/pci/drivers/{driver}"):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -16,8 +16,8 @@ from xpuctl.cli.options import (
     DeepOpt,
     DeviceOpt,
     Format,
+    FormatJsonOpt,
     FromOpt,
-    JsonOpt,
     ProbeTimeoutOpt,
     RayOpt,
     Seconds,
@@ -29,6 +29,9 @@ from xpuctl.cli.options import (
     port_option,
 )
 from xpuctl.errors import ExitCode, UsageError
+
+if TYPE_CHECKING:  # types only: the countdown's module loads with --collective
+    from xpuctl.output.progress import View
 
 app = command_app()
 
@@ -48,9 +51,10 @@ def doctor(
         typer.Option("--wait-clean", click_type=Seconds(0), show_default=False,
                      help="Re-check until nothing fails, for up to SECONDS (right after a shutdown)."),
     ] = None,
-    fmt: Annotated[Format | None, typer.Option("--format", "-f", help="table, json or prometheus.",
+    fmt: Annotated[Format | None, typer.Option("--format", "-f", help="table, json or "
+                                                  "prometheus (json: as --json).",
                                                   show_default="table")] = None,
-    as_json: JsonOpt = False,
+    as_json: FormatJsonOpt = False,
     textfile: Annotated[
         str | None,
         typer.Option("--textfile", metavar="PATH", show_default=False,
@@ -102,8 +106,11 @@ def doctor(
     host, environ, replayed = open_source(ctx, from_)
     sdir = resolve_state_dir(host, state_dir, environ)
     deep_opts = _deep(deep, replayed, probe_timeout, unattributed_threshold, sdir)
-    # --collective runs once: a --wait-clean re-check carries its first result
-    coll: list[Any] = [doctor_core.CollectiveOptions(collective_timeout) if collective else None]
+    # --collective runs once: a --wait-clean re-check carries its first result; while it
+    # runs, stderr shows what its ranks are doing and the time left
+    view = _countdown() if collective else None
+    coll: list[Any] = [doctor_core.CollectiveOptions(collective_timeout, on_wait=view.wait)
+                       if view is not None else None]
 
     def run() -> Any:
         report = doctor_core.diagnose(host, list(device or []), port, expect_idle, environ,
@@ -112,7 +119,11 @@ def doctor(
         coll[0] = report.scan.collective
         return report
 
-    report = run()
+    try:
+        report = run()
+    finally:
+        if view is not None:
+            view.finish()
     clean = not doctor_core.blocking(report, strict)
     if wait_clean is not None and not clean:
         report, clean = _wait(a, report, run, wait_clean, strict, out_fmt is Format.table)
@@ -120,6 +131,13 @@ def doctor(
     if out_fmt is Format.table and wait_clean is not None and not clean:
         a.err.print(f"still not clean after {wait_clean:g}s", style="red")
     raise typer.Exit(ExitCode.OK if clean else ExitCode.PROBLEMS)
+
+
+def _countdown() -> View:
+    """The collective check's countdown on stderr (output/progress.py)."""
+    from xpuctl.output import progress
+
+    return progress.countdown(sys.stderr)
 
 
 def _check_sources(ray: str | None, from_: str | None, deep: bool, wait_clean: float | None) -> None:

@@ -62,8 +62,11 @@ class Group(TyperGroup):
     def get_command(self, ctx: Any, cmd_name: str) -> Any:
         if cmd_name not in COMMANDS:
             return None
+        loaded: dict[str, Any] = self.__dict__.setdefault("_loaded", {})
+        if cmd_name in loaded:  # built once (globals_first asks before click does)
+            return loaded[cmd_name]
         module = importlib.import_module(COMMANDS[cmd_name][0])
-        command = typer.main.get_command(module.app)
+        command = loaded[cmd_name] = typer.main.get_command(module.app)
         gc.enable()  # paused while the modules loaded (xpuctl.cli.main); the command may run long
         return command
 
@@ -82,6 +85,54 @@ class Group(TyperGroup):
         return names + [i for i in super().shell_complete(ctx, incomplete)
                         if i.value.startswith("-")]
 
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        """The group's own options are taken after the command too (`xpuctl doctor --root X`
+        is `xpuctl --root X doctor`, as kubectl takes its global flags): `globals_first`."""
+        return list(super().parse_args(ctx, self.globals_first(ctx, args)))
+
+    def globals_first(self, ctx: Any, args: list[str]) -> list[str]:
+        """`args` with the group's options that follow the command moved before it.
+
+        The group's options are its own params (no second list); help stays with the
+        command. After the command, an option of the command's own of the same name is the
+        command's; a value of the command's options is skipped, never read as an option;
+        `--` ends the options; and a positional argument ends them when the command takes
+        no options after its arguments (serve: everything after MODEL is vLLM's, `--debug`
+        there included). Anything not recognised is left where it is, for click to judge."""
+        help_names = set(ctx.help_option_names)
+        mine = _options(self.params, help_names)
+        at = _command_at(args, mine)
+        if at is None:
+            return args
+        command = self.get_command(ctx, args[at])
+        if command is None:
+            return args
+        theirs = _options(command.params, help_names)
+        interspersed = command.context_settings.get("allow_interspersed_args",
+                                                    command.allow_interspersed_args)
+        moved: list[str] = []
+        rest: list[str] = []
+        i = at + 1
+        while i < len(args):
+            arg = args[i]
+            name, eq, _ = arg.partition("=")
+            if arg == "--" or (not arg.startswith("-") and not interspersed) or arg == "-":
+                rest += args[i:]
+                break
+            if arg.startswith("-") and name in theirs:
+                n = 1 if eq or not theirs[name] else 2
+                rest += args[i:i + n]
+            elif arg.startswith("--") and name in mine:
+                n = 1 if eq or not mine[name] else 2
+                if i + n > len(args):  # no value: click says so, of the group's option
+                    return [*args[:at], *moved, arg]
+                moved += args[i:i + n]
+            else:
+                n = 1
+                rest.append(arg)
+            i += n
+        return [*args[:at], *moved, args[at], *rest]
+
     def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,
              complete_var: str | None = None, standalone_mode: bool = True,
              windows_expand_args: bool = True, **extra: Any) -> Any:
@@ -98,6 +149,34 @@ class Group(TyperGroup):
         if not standalone_mode:
             return rv
         sys.exit(rv if isinstance(rv, int) else 0)
+
+
+def _options(params: list[Any], skip: set[str]) -> dict[str, bool]:
+    """Option name -> whether it takes a value, for these click params (a flag, a counter
+    or a --x/--no-x pair takes none)."""
+    out: dict[str, bool] = {}
+    for p in params:
+        if getattr(p, "param_type_name", "") != "option":
+            continue
+        valued = not (p.is_flag or p.count)
+        for name in (*p.opts, *p.secondary_opts):
+            if name not in skip:
+                out[name] = valued
+    return out
+
+
+def _command_at(args: list[str], mine: dict[str, bool]) -> int | None:
+    """Where the command's name is: the first argument that is not one of the group's
+    options or its value (None: no command, or an option the group does not know first)."""
+    i = 0
+    while i < len(args):
+        name, eq, _ = args[i].partition("=")
+        if not args[i].startswith("-"):
+            return i
+        if name not in mine:
+            return None
+        i += 1 if eq or not mine[name] else 2
+    return None
 
 
 def ray_value_optional(args: list[str]) -> list[str]:
@@ -130,7 +209,9 @@ def exit_epilog(width: int = 78) -> str:
 app = typer.Typer(
     name="xpuctl",
     cls=Group,
-    help="Intel XPU serving hygiene around vLLM: serve, shutdown, doctor, reset.",
+    help="Intel XPU serving hygiene around vLLM: serve, shutdown, doctor, reset.\n\n"
+    "The options below go before or after the command (xpuctl doctor --root DIR); after "
+    "serve's MODEL everything is vLLM's.",
     epilog=exit_epilog(),
     no_args_is_help=True,
     add_completion=False,

@@ -120,7 +120,14 @@ DeviceOpt = Annotated[
         show_default=False,
     ),
 ]
-JsonOpt = Annotated[bool, typer.Option("--json", help="JSON for scripts (same as --format json).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="JSON on stdout, for scripts (one document; "
+                                        "messages go to stderr).")]
+#: --json of a command that also has --format (doctor): the same thing, said how they meet
+FormatJsonOpt = Annotated[
+    bool,
+    typer.Option("--json", help="The same as --format json. Both may be given when they agree; "
+                 "--json with another --format is a usage error (exit 2)."),
+]
 DeepOpt = Annotated[
     bool,
     typer.Option("--deep", help="Also ask the devices themselves (Sysman, torch.xpu, xpu-smi, the "

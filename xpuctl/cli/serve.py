@@ -94,7 +94,7 @@ def serve(
                      help="The collective preflight's bound (and again for its runs alone)."),
     ] = 30.0,
     probe_timeout: ProbeTimeoutOpt = 10.0,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No live status line or phase lines while vLLM starts.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No live status line or phase lines while vLLM starts, no countdown while it stops.")] = False,
     port: Annotated[int | None, port_option("vLLM's port, passed on to vLLM (before or after MODEL).",
                                                "8000", short=False)] = None,
     bind: Annotated[

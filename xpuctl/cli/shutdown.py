@@ -58,7 +58,7 @@ def shutdown(
     remain (or --all's question answered no). 2: usage (or --all without --yes and no
     terminal). 3: NAME, --pid or --port matches nothing. --all with nothing running exits 0.
     """
-    from xpuctl.output import documents, lines
+    from xpuctl.output import documents, lines, progress
     from xpuctl.shutdown import flow
     from xpuctl.state.statedir import resolve_state_dir
 
@@ -70,12 +70,14 @@ def shutdown(
                            environ=a.environ)
     flow.check(request, a.host)  # before the state directory is resolved (run checks it too)
 
+    view = progress.countdown(sys.stderr)  # what the stop waits for, on stderr
+
     def show(ev: flow.Found | Event) -> None:
         if isinstance(ev, flow.Found):
             if ev.resolve_s is not None:
-                emit(sys.stdout, lines.found_line(ev.trees, ev.resolve_s))
+                view.above(sys.stdout, lines.found_line(ev.trees, ev.resolve_s))
         else:
-            emit(sys.stdout, lines.event_line(ev))
+            view.above(sys.stdout, lines.event_line(ev))
 
     def ask(planned: flow.Planned) -> bool:
         stream = sys.stderr if as_json else sys.stdout
@@ -87,8 +89,11 @@ def shutdown(
         return confirm("refusing to stop every server without confirmation: pass --yes "
                        "(no terminal to ask)")
 
-    out = flow.run(a.host, request, resolve_state_dir(a.host, state_dir, a.environ),
-                   None if as_json else show, approve=None if yes else ask)
+    try:
+        out = flow.run(a.host, request, resolve_state_dir(a.host, state_dir, a.environ),
+                       None if as_json else show, approve=None if yes else ask, on_wait=view.wait)
+    finally:
+        view.finish()
     if out.declined:
         raise typer.Exit(ExitCode.PROBLEMS)  # a "no" at the prompt: nothing was sent
     targets = documents.shutdown_target_dicts(out.trees, out.members)
@@ -108,4 +113,9 @@ def shutdown(
     if as_json:
         summary = out.audit.summary()
         sys.stdout.write(documents.to_json(documents.shutdown_document(targets, out.result, out.resolve_s, summary)) + "\n")
+    if out.leftovers:  # the one command to run next
+        devices = dict.fromkeys(d for t in out.trees for d in t.devices)
+        ports = [t.port for t in out.trees if t.port]
+        emit(sys.stderr, lines.next_line(devices, ports[0] if len(ports) == 1 else None,
+                                         out.result.verdict))
     raise typer.Exit(ExitCode.PROBLEMS if out.leftovers else ExitCode.OK)

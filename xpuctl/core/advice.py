@@ -1,6 +1,8 @@
 """What to try before relaunching after a oneCCL hang or crash: mitigations and their cost.
 
-Advice only: xpuctl never sets these itself (docs/oneccl.md has the table). Sources: vLLM
+Advice only: xpuctl never sets these itself (docs/oneccl.md has the table). After a failed
+start serve leaves `RESET` out (`skip`): the command to run next is said once, after the
+list (output.lines.next_line). Sources: vLLM
 #50545 / oneCCL #215 (ring all-reduce), vLLM #41663 (IPC handle cache), #48953 and
 llm-scaler #486 (IPC exchange), oneCCL #209 (KVS interface), torch-ccl #71 (sockets exchange
 crash), vLLM #14612 and ipex-llm #12990 (render nodes not visible), vLLM #10109 (oneCCL
@@ -73,13 +75,13 @@ CRASH_LOG = Mitigation(
     "none",
 )
 SHM_BROADCAST = Mitigation(
-    "find the worker that stopped answering (`xpuctl doctor`; py-spy dump of the workers)",
+    "find the worker that stopped answering (py-spy dump of the workers)",
     "vLLM's engine waited 60 s for its workers (shm_broadcast, vLLM #27313); one is hanging in "
     "a collective or a compilation, or is gone",
     "none to look; restarting drops the requests in flight",
 )
 SHM_ROOM = Mitigation(
-    "xpuctl reset, then room in /dev/shm (`df -h /dev/shm`; a container's --shm-size)",
+    "room in /dev/shm (`df -h /dev/shm`; a container's --shm-size)",
     "oneCCL's transport needs libfabric shared-memory regions (64 MiB each, "
     "/dev/shm/<pid>:<uid>:<n>); a SIGKILLed rank leaks them, and with /dev/shm full "
     "fi_getinfo finds no provider (ret -61) and the ATL does not start; reset removes the "
@@ -101,7 +103,7 @@ KVS_WAIT = Mitigation(
     "the wait; a port oneCCL picks must be free between the ranks (one host: any)",
 )
 READY_TIMEOUT = Mitigation(
-    "serve --ready-timeout SECONDS",
+    "a longer --ready-timeout",
     "a start that was still making progress may only have been slow (a large model)",
     "a real hang is noticed that much later",
 )
@@ -124,16 +126,16 @@ BY_SIGNATURE: dict[str, tuple[Mitigation, ...]] = {
 }
 
 
-def mitigations(keys: list[str]) -> list[Mitigation]:
-    """The mitigations for these signature keys, each once, in order."""
+def mitigations(keys: list[str], skip: tuple[Mitigation, ...] = ()) -> list[Mitigation]:
+    """The mitigations for these signature keys, each once, in order (but those in `skip`)."""
     out: list[Mitigation] = []
     for key in keys:
         for m in BY_SIGNATURE.get(key, ()):
-            if m not in out:
+            if m not in out and m not in skip:
                 out.append(m)
     return out
 
 
-def lines(keys: list[str]) -> list[str]:
+def lines(keys: list[str], skip: tuple[Mitigation, ...] = ()) -> list[str]:
     """One line per mitigation: `SETTING: why (cost: ...)`."""
-    return [f"{m.setting}: {m.why} (cost: {m.cost})" for m in mitigations(keys)]
+    return [f"{m.setting}: {m.why} (cost: {m.cost})" for m in mitigations(keys, skip)]

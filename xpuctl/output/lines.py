@@ -11,7 +11,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from xpuctl.core import waits
 from xpuctl.core.model import Finding, Scan
+from xpuctl.core.waits import Wait
 from xpuctl.output.safetext import safe
 
 
@@ -42,6 +44,69 @@ def found_line(trees: int, resolve_s: float) -> str:
 def phase_line(t: float, label: str) -> str:
     """A start-up phase as it begins: `  12.3s loading model` (tenths: phases last seconds)."""
     return f"{t:6.1f}s {label}"
+
+
+def _count(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
+
+
+def waiting_for(w: Wait) -> str:
+    """What a wait is for, without its time (`draining vllm-8000: 3 requests running`)."""
+    subject = safe(w.subject)
+    procs = _count(w.processes or 0, "process", "processes")
+    if w.phase == waits.DRAIN:
+        if w.requests:
+            return f"draining {subject}: {_count(w.requests, 'request', 'requests')} running"
+        return f"draining {subject}: waiting for {procs}"
+    if w.phase == waits.TEARDOWN:
+        return f"teardown of {subject}: waiting for {procs}"
+    if w.phase == waits.ESCALATION:
+        return f"SIGTERM to what is left of {subject}: waiting for {procs}"
+    if w.phase == waits.KILL:
+        return f"SIGKILL to what is left of {subject}: waiting for {procs}"
+    if w.phase == waits.SUPERVISORS:
+        return f"waiting for the supervisor of {subject} to exit"
+    if w.phase == waits.RELEASE:
+        held = f" ({_count(w.processes, 'holder', 'holders')} left)" if w.processes else ""
+        return f"release of {subject}: waiting for the devices and port to be free{held}"
+    where = (f"collective check, each of {subject} alone" if w.phase == waits.COLLECTIVE_ALONE
+             else f"collective check on {subject}")
+    return f"{where}: {safe(w.step)}" if w.step else where
+
+
+def wait_line(w: Wait, now: float, width: int | None = None) -> str:
+    """A live countdown's text: what is awaited and the time left, in whole seconds
+    (`draining vllm-8000: 3 requests running, 12 s left`); within `width` columns what is
+    awaited is cut first, never the time left."""
+    what, left = waiting_for(w), f", {w.left(now):.0f} s left"
+    if width is not None and len(what) + len(left) > width:
+        what = what[: max(1, width - len(left) - 1)] + "…"
+    return what + left
+
+
+def wait_phase_line(w: Wait, now: float) -> str:
+    """The one line a wait gets where nothing is redrawn (not a terminal): what it waits
+    for and for how long at most (`teardown of vllm-8000: waiting for 3 processes, up to
+    8 s`); the collective check's ranks' phase moves within it, so it is left out."""
+    return f"{waiting_for(w._replace(step=None))}, up to {w.left(now):.0f} s"
+
+
+def next_command(devices: Iterable[str], port: int | None, verdict: str) -> str:
+    """The one command to run after a failed start or stop: reset when the stop had to
+    escalate or left something (what was killed may have left orphans and files: reset
+    stops and removes only what its rules allow), else doctor (what is left, if anything,
+    and each finding's fix), both scoped to the run's devices (its port when it has none)."""
+    devs = ",".join(devices)
+    if verdict in ("escalated", "leftovers"):
+        return f"xpuctl reset --device {devs}" if devs else "xpuctl reset"
+    if devs:
+        return f"xpuctl doctor --device {devs}"
+    return f"xpuctl doctor --port {port}" if port else "xpuctl doctor"
+
+
+def next_line(devices: Iterable[str], port: int | None, verdict: str) -> str:
+    """`xpuctl: next step: xpuctl reset --device 0000:03:00.0` (said once, at the end)."""
+    return f"xpuctl: next step: {safe(next_command(devices, port, verdict))}"
 
 
 def audit_warning(log: Any) -> str | None:

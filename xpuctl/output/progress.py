@@ -11,6 +11,13 @@ the same one the readiness diagnosis and doctor's `last-run` use). A view shows 
   no control characters (CI logs, journalctl).
 - `QuietView` (--quiet): only xpuctl's messages.
 
+The same views show what a flow waits for (`wait`, a `core.waits.Wait`: the stop ladder's
+drain, teardown, escalation and release, the collective check): on a terminal a countdown
+line redrawn in place about every quarter second (`draining vllm-8000: 3 requests running,
+12 s left`), on its own or after serve's start; elsewhere one plain line per phase, never
+one per tick; nothing with --quiet. Lines written meanwhile (`say`, `above`: a stop's
+timeline) go above it.
+
 With --detach the supervisor runs in another process: `PipeSink` sends the same calls as
 JSON lines through a pipe and `replay` plays them into the parent's view.
 """
@@ -26,7 +33,8 @@ import time
 from collections.abc import Callable
 from typing import IO, Protocol
 
-from xpuctl.output.lines import phase_line
+from xpuctl.core.waits import Wait
+from xpuctl.output.lines import phase_line, wait_line, wait_phase_line
 from xpuctl.output.safetext import emit, neutral_lines, safe
 from xpuctl.parse.vllmlog import READY, STARTING, Phase, phase_of, short_line
 
@@ -70,6 +78,8 @@ class View(Protocol):
     def tick(self) -> None: ...
     def echo(self, line: str) -> None: ...
     def finish(self) -> None: ...
+    def wait(self, w: Wait | None) -> None: ...
+    def above(self, stream: IO[str], text: str) -> None: ...
 
 
 class _Base:
@@ -108,6 +118,17 @@ class _Base:
     def finish(self) -> None:
         """The start is over without a `ready` (failed, stopped): no more status."""
 
+    def wait(self, w: Wait | None) -> None:
+        """What a flow waits for now (None: nothing any more)."""
+
+    def above(self, stream: IO[str], text: str) -> None:
+        """A line of the command's own output (a stop's timeline) on `stream`, escaped."""
+        with self.lock:
+            try:
+                emit(stream, text)
+            except (OSError, ValueError):
+                pass
+
 
 def _echo(line: str) -> None:
     import sys
@@ -123,14 +144,27 @@ class QuietView(_Base):
 
 
 class PlainView(_Base):
+    def __init__(self, err: IO[str], name: str) -> None:
+        super().__init__(err, name)
+        self.last_wait: tuple[str, str] | None = None
+
     def phase(self, t: float, label: str) -> None:
         self.say(f"xpuctl: {self.name}: {phase_line(t, label)}")
 
+    def wait(self, w: Wait | None) -> None:
+        """One line when a phase begins; its ticks and counts are not lines."""
+        if w is None or (w.phase, w.subject) == self.last_wait:
+            return
+        self.last_wait = (w.phase, w.subject)
+        self.say(f"xpuctl: {wait_phase_line(w, time.monotonic())}")
+
 
 class LiveView(_Base):
-    """One status line on a terminal, redrawn in place (`\\r` + erase line)."""
+    """One status line on a terminal, redrawn in place (`\\r` + erase line): serve's start,
+    or what a flow waits for with the time left (a thread redraws the countdown)."""
 
     MIN_REDRAW = 0.1  # seconds between redraws caused by log lines
+    TICK = 0.25  # seconds between redraws of a countdown
 
     def __init__(self, err: IO[str], name: str, t0: float | None = None,
                  same_terminal: bool = False) -> None:
@@ -142,9 +176,16 @@ class LiveView(_Base):
         self.done = False
         self.last_draw = 0.0
         self.same_terminal = same_terminal  # vLLM's echoed output shares the terminal
+        self.waiting: Wait | None = None
+        self.ticker: threading.Thread | None = None  # redraws a countdown (from the first wait)
+        self.ending = threading.Event()  # the ticker's end (ready, finish)
+        self.drawn = ""  # the status line as last drawn
 
     def _status(self) -> str:
         width = shutil.get_terminal_size((80, 24)).columns
+        if self.waiting is not None:
+            lead = "xpuctl: "
+            return lead + wait_line(self.waiting, time.monotonic(), max(20, width - 1 - len(lead)))
         elapsed = time.monotonic() - self.t0
         head = f"xpuctl: {self.name} {elapsed:5.0f}s {self.label}"
         tail = safe(short_line(self.text), 512)
@@ -157,10 +198,14 @@ class LiveView(_Base):
             self.shown = False
 
     def _draw(self) -> None:
-        if self.done:
+        if self.done and self.waiting is None:
             return
-        self._write("\r\x1b[2K" + self._status())
+        text = self._status()
+        if self.shown and text == self.drawn:
+            return  # the same line: nothing to redraw
+        self._write("\r\x1b[2K" + text)
         self.shown = True
+        self.drawn = text
         self.last_draw = time.monotonic()
 
     def say(self, msg: str) -> None:
@@ -189,11 +234,24 @@ class LiveView(_Base):
             self._clear()
             self.done = True
             self._write(neutral_lines(msg) + "\n")
+            ticker = self._end_ticker()
+        if ticker is not None:
+            ticker.join(1.0)
 
     def finish(self) -> None:
         with self.lock:
             self._clear()
             self.done = True
+            self.waiting = None
+            ticker = self._end_ticker()
+        if ticker is not None:
+            ticker.join(1.0)  # gone before the command ends (cli.leave: the last thread)
+
+    def _end_ticker(self) -> threading.Thread | None:
+        """Stop the countdown's thread (under the lock); the caller joins it outside."""
+        ticker, self.ticker = self.ticker, None
+        self.ending.set()
+        return ticker
 
     def echo(self, line: str) -> None:
         if not self.same_terminal:
@@ -202,6 +260,34 @@ class LiveView(_Base):
         with self.lock:
             self._clear()
             _echo(line)
+            self._draw()
+
+    def wait(self, w: Wait | None) -> None:
+        with self.lock:
+            self.waiting = w
+            if w is None:
+                self._clear()  # serve's start status comes back with its next tick
+                return
+            self._draw()
+            if self.ticker is None:
+                self.ending = threading.Event()
+                self.ticker = threading.Thread(target=self._count_down, args=(self.ending,),
+                                               daemon=True, name="xpuctl-countdown")
+                self.ticker.start()
+
+    def _count_down(self, ending: threading.Event) -> None:
+        while not ending.wait(self.TICK):
+            with self.lock:
+                if self.waiting is not None:
+                    self._draw()
+
+    def above(self, stream: IO[str], text: str) -> None:
+        with self.lock:
+            self._clear()
+            try:
+                emit(stream, text)
+            except (OSError, ValueError):
+                pass
             self._draw()
 
 
@@ -222,6 +308,14 @@ def choose(err: IO[str], name: str, quiet: bool, t0: float | None = None) -> Vie
     except (OSError, ValueError, AttributeError):
         pass
     return LiveView(err, name, t0, same_terminal=same)
+
+
+def countdown(err: IO[str], quiet: bool = False) -> View:
+    """A view for a command that only waits (shutdown, doctor --collective): its `wait`s
+    shown as a countdown on a terminal, one line per phase elsewhere; no start status."""
+    view = choose(err, "", quiet)
+    view.finish()
+    return view
 
 
 # -- --detach: the supervisor's calls through a pipe -------------------------------------
@@ -285,6 +379,12 @@ class PipeSink:
     def finish(self) -> None:
         pass
 
+    def wait(self, w: Wait | None) -> None:
+        self._send("wait", None if w is None else list(w))
+
+    def above(self, stream: IO[str], text: str) -> None:
+        self.say(text)
+
     def end(self, status: str) -> None:
         """The parent's answer (`ready`, `failed N`, `exit N`); closes the pipe."""
         self._send("end", status)
@@ -325,3 +425,19 @@ def replay(fd: int, view: View, tick: float = 0.5) -> str:
                 view.line(str(msg[1]))
             elif kind == "ready":
                 view.ready(str(msg[1]))
+            elif kind == "wait":
+                view.wait(_wait_of(msg[1]))
+
+
+def _wait_of(fields: object) -> Wait | None:
+    """A Wait sent through the pipe (a list of its fields), or None."""
+    if not isinstance(fields, list) or len(fields) != len(Wait._fields):
+        return None
+    phase, subject, deadline, processes, requests, step = fields
+    try:
+        return Wait(str(phase), str(subject), float(deadline),
+                    None if processes is None else int(processes),
+                    None if requests is None else int(requests),
+                    None if step is None else str(step))
+    except (TypeError, ValueError):
+        return None

@@ -72,14 +72,18 @@ def _holders_cell(scan: Scan, holders: tuple[int, ...]) -> Any:
 
 
 def devices_table(scan: Scan) -> Any:
+    """The devices, one row each, fitted to the console's width when printed (_Fitted)."""
     from rich.table import Table
     from rich.text import Text
 
     t = Table(expand=False)
     deep_cols = ("device used", "unattributed", "state") if scan.deep else ()
     right = ("#", "memory used", "total", "device used", "unattributed")
-    for col in ("#", "BDF", "node", "driver", "id", "memory used", "total", "holders", *deep_cols):
-        t.add_column(col, justify="right" if col in right else "left", no_wrap=True)
+    names = ("#", "BDF", "node", "driver", "id", "memory used", "total", "holders", *deep_cols)
+    for col in names:
+        t.add_column(_one_line(col), justify="right" if col in right else "left", no_wrap=True,
+                     overflow="ellipsis")
+    rows = []
     for d in scan.devices:
         holders = scan.holders(d.bdf)
         view = scan.deep.device(d.bdf) if scan.deep else None
@@ -89,7 +93,7 @@ def devices_table(scan: Scan) -> Any:
             "-" if view is None or view.unattributed_bytes is None else human_bytes(view.unattributed_bytes),
             "-" if view is None else (Text(view.state, style="bold red") if view.state != "ok" else "ok"),
         )
-        t.add_row(
+        rows.append([_one_line(c) for c in (
             "-" if d.index is None else str(d.index),
             _cell(d.bdf),
             _cell((d.render_node or d.card_node or "-").rsplit("/", 1)[-1]),
@@ -99,8 +103,56 @@ def devices_table(scan: Scan) -> Any:
             human_bytes(d.memory_total_bytes) if d.memory_total_bytes else "-",
             _holders_cell(scan, holders),
             *extra,
-        )
-    return t
+        )])
+    for row in rows:
+        t.add_row(*row)
+    natural = [max([len(n), *(r[i].cell_len for r in rows)]) for i, n in enumerate(names)]
+    return _Fitted(t, names, natural)
+
+
+#: The order in which a narrow terminal shortens the devices table's columns, first to last
+#: (each cell then cut with "…"). "#" and the BDF, which name a device, are never shortened.
+SHRINK_ORDER = ("id", "node", "driver", "holders", "state", "unattributed", "device used",
+                "total", "memory used")
+#: a shortened column keeps this many columns ("ren…") while others can give way
+SHRINK_FLOOR = 4
+
+
+class _Fitted:
+    """A table whose columns are narrowed in SHRINK_ORDER to fit the console's width, when it
+    is printed (rich alone would narrow every column, "#" and the BDF too)."""
+
+    def __init__(self, table: Any, names: tuple[str, ...], natural: list[int]) -> None:
+        self.table = table
+        self.names = names
+        self.natural = natural
+
+    def __rich_console__(self, console: Any, options: Any) -> Any:
+        widths = list(self.natural)
+        # a cell's padding (one column each side) and one border between and around columns
+        excess = sum(widths) + 3 * len(widths) + 1 - options.max_width
+        for floor in (SHRINK_FLOOR, 1):
+            for name in SHRINK_ORDER:
+                if excess <= 0 or name not in self.names:
+                    continue
+                i = self.names.index(name)
+                cut = min(excess, max(0, widths[i] - floor))
+                widths[i] -= cut
+                excess -= cut
+        for column, width, natural in zip(self.table.columns, widths, self.natural, strict=True):
+            column.width = width if width < natural else None
+        yield self.table
+
+
+def _one_line(cell: object) -> Any:
+    """A cell kept on one line and cut with "…" when its column is narrower (a Text cell
+    keeps its style; a str is plain text, never markup)."""
+    from rich.text import Text
+
+    text = cell.copy() if isinstance(cell, Text) else Text(str(cell))
+    text.no_wrap = True
+    text.overflow = "ellipsis"
+    return text
 
 
 def probes_line(scan: Scan) -> Any:
@@ -162,6 +214,7 @@ def processes_table(scan: Scan, title: str = "Processes", width: int = 120) -> A
     orphan = [False] + [p.orphan for p in scan.processes]
     last = len(heads) - 1  # the command, cut to the room left
     widths = [max([len(heads[i])] + [len(r[i]) for r in rows]) for i in range(last)]
+    _narrow(heads, rows, widths, width)
     role_at = sum(w + 2 for w in widths[:3])
     out = Text()
     out.append(title, style="bold")
@@ -179,6 +232,42 @@ def processes_table(scan: Scan, title: str = "Processes", width: int = 120) -> A
         out.append("\n")
         out.append_text(line)
     return out
+
+
+#: What a narrow terminal shortens in a process listing, first to last, and how far (each
+#: cell then cut with "…"): PID, PPID, DEV and MEMORY are never shortened, and the command
+#: keeps COMMAND_ROOM columns when the others can give them.
+PS_SHRINK = (("S", 6), ("POD/CONTAINER", 8), ("RUN", 3), ("ROLE", 12))
+COMMAND_ROOM = 12
+
+
+def _narrow(heads: list[str], rows: list[list[str]], widths: list[int], width: int) -> None:
+    """Shorten the columns of PS_SHRINK (in place) until the listing fits `width`."""
+    excess = sum(w + 2 for w in widths) + COMMAND_ROOM - width
+    for name, floor in PS_SHRINK:
+        if excess <= 0 or name not in heads:
+            continue
+        i = heads.index(name)
+        cut = min(excess, max(0, widths[i] - floor))
+        if not cut:
+            continue
+        widths[i] -= cut
+        excess -= cut
+        heads[i] = _cut(heads[i], widths[i])
+        for r in rows:
+            r[i] = _cut(r[i], widths[i], keep=" ORPHAN" if name == "ROLE" else "")
+
+
+def _cut(text: str, width: int, keep: str = "") -> str:
+    """`text` in `width` columns, cut with "…"; a `keep` mark in it (a role's ORPHAN) stays."""
+    if len(text) <= width:
+        return text
+    if keep and keep in text:
+        head, tail = text.split(keep, 1)
+        mark = keep + tail if len(keep + tail) < width - 1 else keep
+        if len(mark) < width - 1:
+            return head[: width - len(mark) - 1] + "…" + mark
+    return text[: max(0, width - 1)] + "…"
 
 
 def _health_cell(r: Any, now: float) -> str:
@@ -326,4 +415,19 @@ def print_doctor(console: Console, report: Report) -> None:
         console.print(findings_table(report.findings))
     status = report.status
     bare = " (no Intel GPU found)" if any(f.check == "no-device" for f in report.findings) else ""
-    console.print(Text.assemble("status: ", (status, _STATUS_STYLE[status]), bare))
+    counts = status_counts(report.findings)
+    if counts:  # "clean, 2 warnings": never a bare "clean" above findings that warn
+        console.print(Text.assemble((status, _STATUS_STYLE[status]), f", {counts}", bare))
+    else:
+        console.print(Text.assemble("status: ", (status, _STATUS_STYLE[status]), bare))
+
+
+def status_counts(findings: tuple[Finding, ...] | list[Finding]) -> str:
+    """`3 failing, 2 warnings` (what follows the status word), or "" when nothing fails or
+    warns."""
+    fails = sum(1 for f in findings if f.severity == "fail")
+    warns = sum(1 for f in findings if f.severity == "warn")
+    parts = [f"{fails} failing"] if fails else []
+    if warns:
+        parts.append(f"{warns} warning{'s' if warns != 1 else ''}")
+    return ", ".join(parts)

@@ -45,8 +45,8 @@ PHASES: tuple[Phase, ...] = (
     Phase("engine", "engine start", 1, ("Initializing a V1 LLM engine",)),
     # one line names both world_size and the backend: the oneCCL row comes first
     Phase("oneccl", "oneCCL init (xccl)", 2, ("backend=xccl", "backend=ccl"),
-          "the oneCCL warm-up all_reduce, where relaunch hangs sit; check `xpuctl doctor` "
-          "for orphans or stale oneCCL files on the devices"),
+          "the oneCCL warm-up all_reduce, where relaunch hangs sit (orphans or stale oneCCL "
+          "files on the devices)"),
     Phase("distributed", "distributed init", 2, ("world_size=",)),
     Phase("loading", "loading model", 3, ("Starting to load model",)),
     Phase("profiling", "KV cache + warm-up", 4,

@@ -32,10 +32,11 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from xpuctl.core import rules
+from xpuctl.core import rules, waits
 from xpuctl.core.model import AloneRun, CollectiveRank, CollectiveResult, Device
+from xpuctl.core.waits import Wait
 from xpuctl.host.devices import scan_devices
 from xpuctl.host.seam import Host
 from xpuctl.parse.collective import (
@@ -138,9 +139,25 @@ def _alive_in_group(pid: int, pgid: int) -> bool:
     return len(fields) > 3 and fields[0] != "Z" and fields[0] != "X" and fields[2] == str(pgid)
 
 
-def _run_group(specs: list[dict[str, object]], env: dict[str, str], timeout: float) -> _Outcome:
+OnWait = Callable[[Wait | None], None]
+
+
+def _tell(on_wait: OnWait | None, phase: str, subject: str, deadline: float,
+          reports: dict[int, RankReport], slots: set[int]) -> None:
+    """What the group waits for: the least advanced phase of its ranks still running."""
+    if on_wait is None:
+        return
+    running = [reports[s].phase if s in reports else None for s in sorted(slots)
+               if s not in reports or not reports[s].exited]
+    on_wait(Wait(phase, subject, deadline, step=earliest_phase(running) if running else None))
+
+
+def _run_group(specs: list[dict[str, object]], env: dict[str, str], timeout: float,
+               on_wait: OnWait | None = None, wait: tuple[str, str] = ("", "")) -> _Outcome:
     """Start the leader in a new session, collect its events until every rank exited, one
-    failed (plus GRACE), or the deadline; then kill the leader's group and see it gone."""
+    failed (plus GRACE), or the deadline; then kill the leader's group and see it gone.
+    `on_wait` hears the phase the slowest rank is in as it moves (`wait`: the Wait's phase
+    and subject), and None at the end."""
     slots = {int(str(s["slot"])) for s in specs}
     proc = subprocess.Popen([probe_python(), "-m", GROUP_MODULE], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
@@ -155,9 +172,16 @@ def _run_group(specs: list[dict[str, object]], env: dict[str, str], timeout: flo
         except BrokenPipeError:
             pass
         deadline = time.monotonic() + timeout
+        told: tuple[object, ...] = ()
         with selectors.DefaultSelector() as sel:
             sel.register(proc.stdout, selectors.EVENT_READ)
             while True:
+                if on_wait is not None:
+                    shown = parse_events(out.decode("ascii", "replace"))
+                    now_told = (*((r.phase, r.exited) for r in shown.values()), deadline)
+                    if now_told != told:
+                        told = now_told
+                        _tell(on_wait, *wait, deadline, shown, slots)
                 now = time.monotonic()
                 if now >= deadline:
                     reports = parse_events(out.decode("ascii", "replace"))
@@ -176,6 +200,8 @@ def _run_group(specs: list[dict[str, object]], env: dict[str, str], timeout: flo
                 if any(r.failed or r.unavailable for r in reports.values()):
                     deadline = min(deadline, time.monotonic() + GRACE)
     finally:
+        if on_wait is not None:
+            on_wait(None)
         reports = parse_events(out.decode("ascii", "replace"))
         running = tuple(r.pid for r in reports.values() if r.pid and not r.exited)
         opened = open_paths(Host("/"), running) if running else ()
@@ -254,9 +280,11 @@ def _unavailable(reason: str, world: int = 0) -> CollectiveResult:
 
 
 def run_collective(host: Host, devices: Sequence[str] | None, env: dict[str, str],
-                   timeout: float = DEFAULT_TIMEOUT) -> CollectiveResult:
+                   timeout: float = DEFAULT_TIMEOUT,
+                   on_wait: OnWait | None = None) -> CollectiveResult:
     """The check on `devices` (BDFs; None or empty: every Intel GPU of `host`), ranks in
-    `env` (see the module's doc), bounded by `timeout` (and one more for the runs alone)."""
+    `env` (see the module's doc), bounded by `timeout` (and one more for the runs alone).
+    `on_wait`: told the phase the ranks are in and the deadline as they move (a countdown)."""
     t0 = time.monotonic()
     seen, _ = scan_devices(host)
     intel = sorted((d for d in seen if d.is_intel and d.index is not None), key=lambda d: d.index or 0)
@@ -269,7 +297,9 @@ def run_collective(host: Host, devices: Sequence[str] | None, env: dict[str, str
     index = [torch_index(d, env) for d in chosen]
     before = _known_files()
     port = free_port()
-    group = _run_group([_spec(r, r, world, index[r], port, env) for r in range(world)], env, timeout)
+    shown = ",".join(str(d.index) for d in chosen)
+    group = _run_group([_spec(r, r, world, index[r], port, env) for r in range(world)], env, timeout,
+                       on_wait, (waits.COLLECTIVE, shown))
     reports = [group.reports.get(r, RankReport(r)) for r in range(world)]
     verdict, phase, reason = _verdict(reports, timeout)
     if group.stuck:
@@ -286,7 +316,7 @@ def run_collective(host: Host, devices: Sequence[str] | None, env: dict[str, str
     held = set(group.held)
     if world > 1 and verdict in ("hung", "failed"):
         specs = [_spec(i, 0, 1, index[i], free_port(), env) for i in range(world)]
-        solo = _run_group(specs, env, timeout)
+        solo = _run_group(specs, env, timeout, on_wait, (waits.COLLECTIVE_ALONE, shown))
         runs = []
         for i, d in enumerate(chosen):
             rep = solo.reports.get(i, RankReport(i))

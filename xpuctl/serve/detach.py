@@ -105,15 +105,14 @@ def _outcome(msg: str, name: str, log_path: str, view: progress.View) -> int:
 
 
 def run_detached(host: Host, opts: ServeOptions, plan: LaunchPlan, rec: RunRecord, state_dir: str,
-                 keys: list[str], view: progress.View, environ: dict[str, str]) -> int:
+                 locks: Locks, view: progress.View, environ: dict[str, str]) -> int:
     """A supervisor child keeps running; this process shows its start (through a pipe) and
     returns once it is ready or failed.
 
-    The locks are taken here and inherited: flock belongs to the open file, which the child
-    shares, so there is no moment where another run could slip in."""
+    The locks (taken before the preflight, held) are inherited: flock belongs to the open
+    file, which the child shares, so there is no moment where another run could slip in."""
     name, log_path = rec.name, rec.log_path
-    locks = Locks(state_dir)
-    locks.acquire(keys, f"{name} (starting)")
+    locks.relabel(f"{name} (starting)")
     notifier = Notifier(environ)
     rfd, wfd = os.pipe()
     go_r, go_w = os.pipe() if notifier.enabled else (None, None)

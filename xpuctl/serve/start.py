@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 from xpuctl.actions.signals import can_signal
+from xpuctl.core.waits import Wait
 from xpuctl.errors import UsageError, XpuctlError
 from xpuctl.host.notify import Notifier
 from xpuctl.host.seam import Host
@@ -26,6 +27,14 @@ if TYPE_CHECKING:  # types only: doctor is imported where used
     from xpuctl.doctor import CollectiveOptions
 
 
+class _Planned(NamedTuple):
+    state_dir: str
+    plan: LaunchPlan
+    name: str
+    run_id: str
+    keys: list[str]  # the locks the run holds from before its preflight to its end
+
+
 class _Prepared(NamedTuple):
     state_dir: str
     plan: LaunchPlan
@@ -33,8 +42,8 @@ class _Prepared(NamedTuple):
     keys: list[str]
 
 
-def _collective(opts: ServeOptions, plan: LaunchPlan,
-                out: Callable[[str], None]) -> CollectiveOptions | None:
+def _collective(opts: ServeOptions, plan: LaunchPlan, out: Callable[[str], None],
+                on_wait: Callable[[Wait | None], None] | None = None) -> CollectiveOptions | None:
     """doctor.CollectiveOptions for the run's own environment (its ZE_AFFINITY_MASK, CCL_*,
     PCI device order unless it says otherwise) when `--preflight collective` asks for the
     collective check, or, without an explicit --preflight, when the last run on one of the
@@ -51,21 +60,26 @@ def _collective(opts: ServeOptions, plan: LaunchPlan,
     # the run's tag stays off the ranks: they are not the run's processes
     env = {k: v for k, v in plan.env.items() if k not in ("XPUCTL_RUN_ID", "XPUCTL_ROOT")}
     env.setdefault("ZE_ENABLE_PCI_ID_DEVICE_ORDER", "1")  # the mask's indices are in PCI order
-    return CollectiveOptions(opts.collective_timeout, env)
+    return CollectiveOptions(opts.collective_timeout, env, on_wait)
 
 
 def _preflight(host: Host, opts: ServeOptions, plan: LaunchPlan,
-               show_findings: Callable[[object], None], out: Callable[[str], None]) -> None:
+               show_findings: Callable[[object], None], out: Callable[[str], None],
+               on_wait: Callable[[Wait | None], None] | None = None) -> None:
     """doctor on the run's devices and port (and the collective check when asked for or
-    after an unclean last run); XpuctlError when they are not clean."""
+    after an unclean last run, its countdown told to `on_wait`); XpuctlError when they are
+    not clean. The collective check's verdict is said also when serve goes on: a pass, or a
+    warning (no torch with XPU, no backend: nothing was proven)."""
     from xpuctl.doctor import diagnose
 
-    coll = _collective(opts, plan, out)
+    coll = _collective(opts, plan, out, on_wait)
     report = diagnose(host, plan.bdfs or None, plan.port, caller_env=plan.env,
                       deep=opts.deep_preflight, collective=coll)
     for f in report.findings:
         if f.check == "collective" and f.severity == "info":
             out(f"xpuctl: preflight: {safe(f.message)}")
+        elif f.check == "collective" and f.severity == "warn" and not report.failed:
+            out(f"xpuctl: preflight warn collective: {safe(f.message)}")
     if report.failed:
         show_findings(report)
         raise XpuctlError(
@@ -125,9 +139,9 @@ def _ray_preflight(plan: LaunchPlan, opts: ServeOptions, out: Callable[[str], No
     return cluster
 
 
-def _prepare(host: Host, opts: ServeOptions, environ: dict[str, str], out: Callable[[str], None],
-             show_findings: Callable[[object], None]) -> _Prepared:
-    """Plan the launch, check the name, run the preflight doctor; the record to write."""
+def _plan(host: Host, opts: ServeOptions, environ: dict[str, str],
+          out: Callable[[str], None]) -> _Planned:
+    """Plan the launch and check the name: what the run will claim."""
     if not can_signal(host):
         raise UsageError("serve needs the live /proc (a root whose proc is the real /proc)")
     assert opts.state_dir is not None  # resolve_state_dir gives one wherever /proc is live
@@ -140,31 +154,36 @@ def _prepare(host: Host, opts: ServeOptions, environ: dict[str, str], out: Calla
     name = opts.name or f"vllm-{plan.port}"
     if not NAME_RE.fullmatch(name):
         raise UsageError(f"--name {name!r}: use letters, digits, '.', '_' or '-'")
-    _last_run_advice(state_dir, out)  # also with --force: advice only, it refuses nothing
-    _shm_warning(host, plan, out)
-    cluster = _ray_preflight(plan, opts, out)
+    keys = [f"run-{name}", f"port-{plan.port}"] + [f"device-{b}" for b in plan.bdfs]
+    return _Planned(state_dir, plan, name, run_id, keys)
+
+
+def _prepare(host: Host, opts: ServeOptions, p: _Planned, out: Callable[[str], None],
+             show_findings: Callable[[object], None],
+             on_wait: Callable[[Wait | None], None] | None = None) -> _Prepared:
+    """Run the preflight doctor (the run's locks are held: a second serve of the same name,
+    port or device was refused before it); the record to write."""
+    _last_run_advice(p.state_dir, out)  # also with --force: advice only, it refuses nothing
+    _shm_warning(host, p.plan, out)
+    cluster = _ray_preflight(p.plan, opts, out)
     if not opts.force:
-        _preflight(host, opts, plan, show_findings, out)
-    log_path = os.path.join(state_dir, "logs", f"{name}.log")
-    rec = RunRecord(name=name, run_id=run_id, pid=None, start_ticks=None, session=None,
+        _preflight(host, opts, p.plan, show_findings, out, on_wait)
+    plan, name = p.plan, p.name
+    log_path = os.path.join(p.state_dir, "logs", f"{name}.log")
+    rec = RunRecord(name=name, run_id=p.run_id, pid=None, start_ticks=None, session=None,
                     command=plan.argv, devices=plan.bdfs, port=plan.port, bind=plan.bind or "127.0.0.1",
                     shutdown_timeout=plan.shutdown_timeout, drain_timeout=opts.drain_timeout,
                     teardown_timeout=opts.teardown_timeout, log_path=log_path,
                     notes=list(plan.notes), ray_cluster=cluster)
-    keys = [f"run-{name}", f"port-{plan.port}"] + [f"device-{b}" for b in plan.bdfs]
-    return _Prepared(state_dir, plan, rec, keys)
+    return _Prepared(p.state_dir, plan, rec, p.keys)
 
 
-def _run_foreground(host: Host, opts: ServeOptions, p: _Prepared, view: progress.View,
-                    environ: dict[str, str]) -> int:
-    locks = Locks(p.state_dir)
-    locks.acquire(p.keys, f"{p.rec.name} pid {os.getpid()}")
+def _run_foreground(host: Host, opts: ServeOptions, p: _Prepared, locks: Locks,
+                    view: progress.View, environ: dict[str, str]) -> int:
+    locks.relabel(f"{p.rec.name} pid {os.getpid()}")
     p.rec.supervisor_pid = os.getpid()
-    try:
-        return RunSupervisor(host, opts, p.plan, p.rec, p.state_dir, view, foreground=True,
-                             notifier=Notifier(environ)).run()
-    finally:
-        locks.release()
+    return RunSupervisor(host, opts, p.plan, p.rec, p.state_dir, view, foreground=True,
+                         notifier=Notifier(environ)).run()
 
 
 def serve(host: Host, opts: ServeOptions, environ: dict[str, str], out: Callable[[str], None],
@@ -183,12 +202,26 @@ def serve(host: Host, opts: ServeOptions, environ: dict[str, str], out: Callable
 
 def _start(host: Host, opts: ServeOptions, environ: dict[str, str], out: Callable[[str], None],
            show_findings: Callable[[object], None], view: progress.View | None) -> int:
-    prepared = _prepare(host, opts, environ, out, show_findings)
-    if view is None:
-        view = progress.choose(sys.stderr, prepared.rec.name, quiet=opts.quiet)
-    if opts.detach:
-        from xpuctl.serve.detach import run_detached
+    planned = _plan(host, opts, environ, out)
+    # the run's name, port and devices are claimed before the preflight: a second serve of
+    # the same is refused at once (exit 5), not after this one's preflight
+    locks = Locks(planned.state_dir)
+    locks.acquire(planned.keys, f"{planned.name} pid {os.getpid()} (preflight)")
+    try:
+        before = view or progress.choose(sys.stderr, planned.name, quiet=opts.quiet)
+        try:
+            prepared = _prepare(host, opts, planned, out, show_findings, before.wait)
+        finally:
+            before.wait(None)
+            if before is not view:
+                before.finish()  # the start has a view of its own
+        if view is None:
+            view = progress.choose(sys.stderr, prepared.rec.name, quiet=opts.quiet)
+        if opts.detach:
+            from xpuctl.serve.detach import run_detached
 
-        p = prepared
-        return run_detached(host, opts, p.plan, p.rec, p.state_dir, p.keys, view, environ)
-    return _run_foreground(host, opts, prepared, view, environ)
+            p = prepared
+            return run_detached(host, opts, p.plan, p.rec, p.state_dir, locks, view, environ)
+        return _run_foreground(host, opts, prepared, locks, view, environ)
+    finally:
+        locks.release()

@@ -43,7 +43,7 @@ from xpuctl.host import http
 from xpuctl.host.notify import Notifier
 from xpuctl.host.seam import Host
 from xpuctl.output import progress
-from xpuctl.output.lines import event_line
+from xpuctl.output.lines import event_line, next_line
 from xpuctl.output.safetext import safe
 from xpuctl.parse.vllmlog import STARTING
 from xpuctl.serve.budget import worst_stop_seconds
@@ -386,6 +386,7 @@ class RunSupervisor:
         code = ExitCode.PROBLEMS if leftovers else ExitCode.UNHEALTHY
         self.say(f"xpuctl: stopped: {verdict}: the run was {reason.split(':', 1)[0]}; serve "
                  f"exits {int(code)}")
+        self._next(verdict)
         return code
 
     def run(self) -> int:
@@ -430,7 +431,7 @@ class RunSupervisor:
         self.say(f"xpuctl: {self.rec.name}: vLLM exited with code {code} before it was ready; "
                  f"{said}")
         self.say("xpuctl: before the next launch, try (advice only; each has a cost):")
-        for line in advice.lines(keys):
+        for line in advice.lines(keys, skip=(advice.RESET,)):
             self.say(f"xpuctl:   - {line}")
 
     def end(self, status: str) -> None:
@@ -460,7 +461,15 @@ class RunSupervisor:
                     never_ready=not self.ready)
 
     def _show(self, ev) -> None:
+        """One step of a stop's timeline. vLLM's own lines (`vllm` steps, read from its log)
+        are left out in the foreground: its output is echoed there already."""
+        if self.foreground and ev.phase == "vllm":
+            return
         self.say(f"xpuctl: {event_line(ev)}")
+
+    def _next(self, verdict: str) -> None:
+        """After a failure: the one command to run next (output.lines.next_line)."""
+        self.say(next_line(self.plan.bdfs, self.plan.port, verdict))
 
     def stop_tree(self, why: str):
         """The ladder on our own tree. A server that never became ready has nothing to
@@ -471,12 +480,19 @@ class RunSupervisor:
         self._set(state="stopping", stopping_by=own_identity())
         try:
             return stop(self.host, [self._tree()], kill_after=self.opts.kill_after,
-                        release_timeout=self.opts.teardown_timeout, on_event=self._show)
+                        release_timeout=self.opts.teardown_timeout, on_event=self._show,
+                        on_wait=self.view.wait)
         except _Interrupted:
+            self.view.wait(None)
             self.say("xpuctl: second interrupt: killing the tree now")
             return stop(self.host, [self._tree()], kill_after=0,
                         release_timeout=self.opts.teardown_timeout, on_event=self._show,
-                        skip_drain=True)
+                        skip_drain=True, on_wait=self.view.wait)
+        finally:
+            if self.foreground and self.pump is not None:
+                # the tree is gone: vLLM's last lines reach the terminal (they are left out
+                # of the timeline there) before anything else is said
+                self.pump.join(timeout=1.0)
 
     def _stop_on_signal(self) -> int:
         self.say("xpuctl: stopping (signal received; press Ctrl-C again to kill)")
@@ -497,8 +513,9 @@ class RunSupervisor:
         where = phase.label if phase.rank else "an unknown phase (no start-up line recognised)"
         sigs, keys, said = _start_diagnosis(lines, where, phase.hint)
         self.say(f"xpuctl: {self.rec.name}: not ready after {self.opts.ready_timeout:g}s; {said}")
-        for line in lines[-10:]:
-            self.say(f"xpuctl:   | {safe(line, 300)}")
+        if not self.foreground:  # in the foreground vLLM's lines are on the terminal already
+            for line in lines[-10:]:
+                self.say(f"xpuctl:   | {safe(line, 300)}")
         try:
             from xpuctl.doctor import diagnose
 
@@ -510,14 +527,15 @@ class RunSupervisor:
             pass
         self._set(notes=[*self.rec.notes,
                          f"not ready after {self.opts.ready_timeout:g}s: {phase.label}"])
-        self.stop_tree(f"stopping: not ready after {self.opts.ready_timeout:g}s (stuck in: "
-                       f"{where})")
+        result = self.stop_tree(f"stopping: not ready after {self.opts.ready_timeout:g}s "
+                                f"(stuck in: {where})")
         self._set(state="failed", exit_code=int(ExitCode.NOT_READY), stopped_at=time.time())
         crashed = any(s.kind == "crash" for s in sigs)  # the crash's own advice first
         keys = [*keys, "not-ready"] if crashed else ["not-ready", *keys]
         self.say("xpuctl: before the next launch, try (advice only; each has a cost):")
-        for line in advice.lines(keys):
+        for line in advice.lines(keys, skip=(advice.RESET,)):
             self.say(f"xpuctl:   - {line}")
+        self._next(result.verdict)
         self.end(f"failed {int(ExitCode.NOT_READY)}")
         return ExitCode.NOT_READY
 
@@ -554,7 +572,7 @@ class RunSupervisor:
         result = stop(self.host, [self._tree()], timeout=self.opts.teardown_timeout,
                       kill_after=self.opts.kill_after, release_timeout=self.opts.teardown_timeout,
                       on_event=lambda ev: self._show(ev) if ev.phase not in ("gone", "drain") else None,
-                      passive=passive, yield_to=someone_else)
+                      passive=passive, yield_to=someone_else, on_wait=self.view.wait)
         # asked for: `xpuctl shutdown` is (or was) stopping the run, or serve or its supervisor
         # got a signal (which it turns into its own stop; vLLM may have exited first)
         requested = requested or asked or passive or self.signals > 0
@@ -573,6 +591,7 @@ class RunSupervisor:
         leftovers = result.verdict != "clean"
         self._set(state="failed", exit_code=code, stopped_at=time.time(),
                   **self._unasked_exit(code))
+        self._next(result.verdict)
         if not ready:
             self.end(f"exit {code}")
         if self.lines.stop_line is not None:

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 from xpuctl.actions.signals import can_signal
 from xpuctl.core.model import EMPTY_ENV
+from xpuctl.core.waits import Wait
 from xpuctl.errors import NotFoundError, UsageError
 from xpuctl.host.seam import Host
 from xpuctl.shutdown import ladder, plan
@@ -88,15 +89,17 @@ def check(request: Request, host: Host) -> None:
 
 def run(host: Host, request: Request, state_dir: str | None,
         on_event: Callable[[Found | ladder.Event], None] | None,
-        approve: Callable[[Planned], bool] | None = None) -> Outcome:
+        approve: Callable[[Planned], bool] | None = None,
+        on_wait: Callable[[Wait | None], None] | None = None) -> Outcome:
     """Stop what `request` names (NotFoundError, exit 3, when NAME, --pid or --port match
-    nothing). `on_event` hears `Found` once, then each step of the ladder. `--all` stops
+    nothing). `on_event` hears `Found` once, then each step of the ladder; `on_wait`, what
+    the ladder waits for and until when (ladder.stop). `--all` stops
     every server of the host: unless `approve` is None (--yes), it is shown the plan first,
     and nothing is sent (`declined`) when it says no."""
     check(request, host)
     early = None if request.dry_run else plan.recorded_top(host, state_dir, request)
     if early is not None:
-        return _run_early(host, request, state_dir, on_event, early)
+        return _run_early(host, request, state_dir, on_event, early, on_wait)
     trees = plan.find_targets(host, state_dir, request.name, request.pid, request.port,
                               list(request.devices), request.all_, request.environ)
     if request.dry_run or not trees:
@@ -114,7 +117,8 @@ def run(host: Host, request: Request, state_dir: str | None,
         on_event(Found(len(trees), resolve_s))
     with audit.recording(state_dir, "shutdown") as log:
         result = ladder.stop(host, trees, timeout=request.timeout, kill_after=request.kill_after,
-                             release_timeout=request.release_timeout, on_event=on_event)
+                             release_timeout=request.release_timeout, on_event=on_event,
+                             on_wait=on_wait)
     mark_ended(state_dir, trees, result.verdict, unclean)
     return Outcome(trees, result.members, result, resolve_s, audit=log)
 
@@ -125,7 +129,8 @@ def _since(request: Request) -> float | None:
 
 def _run_early(host: Host, request: Request, state_dir: str | None,
                on_event: Callable[[Found | ladder.Event], None] | None,
-               early: ServerTree) -> Outcome:
+               early: ServerTree,
+               on_wait: Callable[[Wait | None], None] | None = None) -> Outcome:
     """NAME's recorded top is still the process serve launched (pid and start ticks, checked
     again through a pidfd when the signal is sent): SIGTERM it first, then scan for the rest
     of the tree (members, devices, port) while vLLM drains. The identity check is what makes
@@ -151,7 +156,8 @@ def _run_early(host: Host, request: Request, state_dir: str | None,
             on_event(Found(len(trees), resolve_s))
         result = ladder.stop(host, trees, timeout=request.timeout, kill_after=request.kill_after,
                              release_timeout=request.release_timeout, on_event=on_event,
-                             signalled={early.top.pid: signalled}, tails=tails)
+                             signalled={early.top.pid: signalled}, tails=tails,
+                             on_wait=on_wait)
     mark_ended(state_dir, trees, result.verdict, unclean)
     return Outcome(trees, result.members, result, resolve_s, audit=log)
 

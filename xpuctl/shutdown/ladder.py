@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 from xpuctl import pausepoint
 from xpuctl.actions.signals import Target, survivors, wait_gone
+from xpuctl.core import waits
+from xpuctl.core.waits import Wait
 from xpuctl.host.processes import read_cmdline, stat_of, still_running
 from xpuctl.host.scan import listening_sockets, take_scan
 from xpuctl.host.seam import Host
@@ -67,10 +69,13 @@ class _Ladder:
 
     def __init__(self, host: Host, trees: list[ServerTree], on_event: Callable[[Event], None] | None,
                  poll: float, passive: bool, yield_to: Callable[[], bool] | None,
-                 tails: dict[str, LogTail]) -> None:
+                 tails: dict[str, LogTail],
+                 on_wait: Callable[[Wait | None], None] | None = None) -> None:
         self.host = host
         self.trees = trees
         self.on_event = on_event
+        self.on_wait = on_wait
+        self.waiting: Wait | None = None
         self.poll = poll
         self.passive = passive
         self.yield_to = yield_to
@@ -92,6 +97,40 @@ class _Ladder:
         self.events.append(ev)
         if self.on_event:
             self.on_event(ev)
+
+    def awaiting(self, phase: str, deadline: float, processes: int | None = None,
+                 requests: int | None = None) -> None:
+        """Tell `on_wait` what the ladder waits for now, when that changed (not part of the
+        timeline: a caller draws it as a countdown)."""
+        if self.on_wait is None:
+            return
+        names = ", ".join(dict.fromkeys(t.name for t in self.trees))
+        w = Wait(phase, names, deadline, processes, requests)
+        if w != self.waiting:
+            self.waiting = w
+            self.on_wait(w)
+
+    def awaited(self) -> None:
+        """Nothing is awaited any more (until the next `awaiting`)."""
+        if self.on_wait is not None and self.waiting is not None:
+            self.waiting = None
+            self.on_wait(None)
+
+    def wait_gone(self, phase: str, targets: list[Target], seconds: float) -> list[Target]:
+        """`actions.signals.wait_gone`, in slices when someone is shown the countdown, so
+        that the number of processes left is told as it falls."""
+        if self.on_wait is None:
+            return wait_gone(self.host, targets, seconds, self.poll)
+        deadline = time.monotonic() + seconds
+        left = survivors(self.host, targets)
+        while left:
+            self.awaiting(phase, deadline, processes=len(left))
+            left = wait_gone(self.host, left, min(0.25, max(0.0, deadline - time.monotonic())),
+                             self.poll)
+            if time.monotonic() >= deadline:
+                break
+        self.awaited()
+        return left
 
     def vllm_lines(self) -> None:
         for tree in self.trees:
@@ -212,7 +251,8 @@ def exit_budget(tree: ServerTree) -> float:
 def _wait_exit(ld: _Ladder, timeout: float | None) -> None:
     """2-3. Wait for the whole set, watching the drain (in-flight requests, vLLM's lines)."""
     budget = timeout if timeout is not None else max(exit_budget(t) for t in ld.trees)
-    if all(t.never_ready for t in ld.trees):
+    phase = waits.TEARDOWN if all(t.never_ready for t in ld.trees) else waits.DRAIN
+    if phase == waits.TEARDOWN:
         ld.emit("teardown", f"never ready, nothing to drain: waiting up to {budget:g}s for "
                 f"{len(ld.everyone)} process(es) to exit")
     else:
@@ -221,6 +261,9 @@ def _wait_exit(ld: _Ladder, timeout: float | None) -> None:
     last_flight: dict[int, int | None] = {}
     next_probe = 0.0
     while True:
+        known = [n for n in last_flight.values() if n is not None]
+        if ld.pending:  # gone already (a fast teardown): nothing to count down
+            ld.awaiting(phase, deadline, len(ld.pending), sum(known) if known else None)
         ld.pending = wait_gone(ld.host, ld.pending, min(0.25, max(0.0, deadline - time.monotonic())),
                                ld.poll)
         now = time.monotonic()
@@ -230,6 +273,11 @@ def _wait_exit(ld: _Ladder, timeout: float | None) -> None:
         ld.check_yield()
         if now >= next_probe:
             next_probe = now + 0.5
+            if phase == waits.DRAIN and ld.on_wait is not None and (
+                    (last_flight and not any(last_flight.values()))
+                    or not any(not t.never_ready and t.top.alive(ld.host) for t in ld.trees)):
+                # no request left, or the tops are gone: what is left is vLLM's teardown
+                phase = waits.TEARDOWN
             for tree in ld.trees:
                 if tree.port and not tree.orphan and not tree.never_ready and tree.top.alive(ld.host):
                     from xpuctl.host import http  # only when there is a drain to watch
@@ -238,6 +286,7 @@ def _wait_exit(ld: _Ladder, timeout: float | None) -> None:
                     if n is not None and n != last_flight.get(tree.top.pid):
                         last_flight[tree.top.pid] = n
                         ld.emit("in-flight", f"{n} request(s) running or waiting on :{tree.port}")
+    ld.awaited()
     if ld.pending:
         ld.emit("timeout", f"{len(ld.pending)} process(es) still alive after {budget:g}s")
 
@@ -263,13 +312,13 @@ def _escalate(ld: _Ladder, kill_after: float, skip_drain: bool) -> None:
         sent = [t for t in reversed(ld.pending) if t.send(ld.host, signal.SIGTERM)]
         if sent:
             ld.emit("sigterm-survivors", "SIGTERM to " + ", ".join(f"{t.pid} ({t.label})" for t in sent))
-        ld.pending = wait_gone(ld.host, ld.pending, kill_after, ld.poll)
+        ld.pending = ld.wait_gone(waits.ESCALATION, ld.pending, kill_after)
     if ld.pending:
         ld.escalated = True
         sent = [t for t in reversed(ld.pending) if t.send(ld.host, signal.SIGKILL)]
         if sent:
             ld.emit("sigkill", "SIGKILL to " + ", ".join(f"{t.pid} ({t.label})" for t in sent))
-        ld.pending = wait_gone(ld.host, ld.pending, KILL_WAIT, ld.poll)
+        ld.pending = ld.wait_gone(waits.KILL, ld.pending, KILL_WAIT)
 
 
 def _driver_first(ld: _Ladder, kill_after: float) -> None:
@@ -286,10 +335,11 @@ def _driver_first(ld: _Ladder, kill_after: float) -> None:
             ld.emit("sigterm-survivors" if sig == signal.SIGTERM else "sigkill",
                     f"{signal.Signals(sig).name} to " + ", ".join(f"{t.pid} ({t.label})" for t in sent)
                     + " first (Ray reaps a dead driver's actors)")
-        others = wait_gone(ld.host, others, wait, ld.poll)
+        others = ld.wait_gone(waits.ESCALATION if sig == signal.SIGTERM else waits.KILL,
+                              others, wait)
         if not others:
             break
-    ld.pending = others + wait_gone(ld.host, actors, KILL_WAIT, ld.poll)
+    ld.pending = others + ld.wait_gone(waits.KILL, actors, KILL_WAIT)
 
 
 def _running(host: Host, pids: list[int]) -> list[int]:
@@ -308,8 +358,10 @@ def _await_supervisors(ld: _Ladder, release_timeout: float) -> None:
     deadline = time.monotonic() + release_timeout
     waiting = _running(ld.host, pids)
     while waiting and time.monotonic() < deadline:
+        ld.awaiting(waits.SUPERVISORS, deadline, len(waiting))
         time.sleep(ld.poll)
         waiting = _running(ld.host, waiting)
+    ld.awaited()
     for pid in pids:
         if pid in waiting:
             ld.emit("supervisor", f"supervisor {pid} still runs: the run's locks are still held")
@@ -332,7 +384,9 @@ def _verify_release(ld: _Ladder, release_timeout: float) -> StopResult:
         busy_ports = sorted({s.port for s in listening_sockets(ld.host) if s.port in ports}) if ports else []
         if (not holders and not busy_ports) or time.monotonic() >= deadline:
             break
+        ld.awaiting(waits.RELEASE, deadline, len(holders))
         time.sleep(0.1)
+    ld.awaited()
     stuck = [(p.pid, p.wchan) for p in scan.processes if p.pid in holders and p.state == "D"]
     holders = sorted(set(holders) | set(unknown))
     if devices:
@@ -368,6 +422,7 @@ def stop(
     yield_to: Callable[[], bool] | None = None,
     signalled: dict[int, bool] | None = None,
     tails: dict[str, LogTail] | None = None,
+    on_wait: Callable[[Wait | None], None] | None = None,
 ) -> StopResult:
     """Run the ladder on `trees`, step by step (each step a function named for what it
     does; the events it emits are the timeline): `_find_members`, `_find_ray_actors`,
@@ -379,8 +434,9 @@ def stop(
     midway. `skip_drain`: no SIGTERM and no wait, straight to SIGKILL. `signalled`: tops
     already sent their SIGTERM by the caller (top pid -> whether it was sent), before the
     members were listed: step 1 does not send to them again; `tails`: their logs, read from
-    before that signal on (by log path)."""
-    ld = _Ladder(host, trees, on_event, poll, passive, yield_to, tails or {})
+    before that signal on (by log path). `on_wait` hears what each wait is for and its
+    deadline as it changes, and None when it ends (core/waits.py: a caller's countdown)."""
+    ld = _Ladder(host, trees, on_event, poll, passive, yield_to, tails or {}, on_wait)
     ld.signalled = dict(signalled or {})
     _find_members(ld)
     if not ld.signalled:  # else the caller reached it, before its signal

@@ -32,6 +32,8 @@ import os
 import re
 from typing import Any
 
+from xpuctl.probes.children.common import TORCH_XPU_INSTALL
+
 MARKER = "XPUCTL-COLLECTIVE "  # xpuctl.parse.collective.MARKER
 TEST_BACKEND = "XPUCTL_TEST_COLLECTIVE_BACKEND"
 SLOT = int(os.environ.get("XPUCTL_COLLECTIVE_SLOT", "0") or 0)
@@ -90,8 +92,7 @@ def _backend(torch: Any) -> str:
         check = getattr(dist, "is_xccl_available", None)
         if check is not None and not check():
             raise Unavailable(f"torch {version} was built without the xccl backend "
-                              "(install torch's XPU wheel: pip install torch --index-url "
-                              "https://download.pytorch.org/whl/xpu)")
+                              f"(its XPU build: {TORCH_XPU_INSTALL})")
         return "xccl"
     for module, package in (("intel_extension_for_pytorch", "intel-extension-for-pytorch"),
                             ("oneccl_bindings_for_pytorch", "oneccl_bind_pt")):
@@ -107,7 +108,7 @@ def _device(torch: Any, index: int) -> Any:
     xpu = getattr(torch, "xpu", None)
     if xpu is None or not xpu.is_available():
         raise Unavailable(f"torch {getattr(torch, '__version__', '?')} sees no XPU "
-                          "(a CPU-only build, or no Intel GPU driver)")
+                          f"(a build without XPU, as PyPI's: {TORCH_XPU_INSTALL}; or no Intel GPU driver)")
     count = int(xpu.device_count())
     if index >= count:
         raise RuntimeError(f"torch sees {count} XPU device(s); device {index} is not among them")
@@ -122,7 +123,8 @@ def rank() -> None:
         try:
             import torch
         except ImportError as exc:
-            raise Unavailable(f"torch is not installed ({exc}): pip install 'xpuctl[torch]'") from None
+            raise Unavailable(f"torch is not installed ({exc}); its XPU build: "
+                              f"{TORCH_XPU_INSTALL}") from None
         import torch.distributed as dist
 
         index = int(os.environ["XPUCTL_COLLECTIVE_DEVICE"])

@@ -9,6 +9,11 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+#: How to get torch with XPU, said wherever torch is missing or is not the XPU build: PyTorch's
+#: own XPU wheel index (PyTorch's "Getting Started on Intel GPU" notes). Not PyPI's torch
+#: (`pip install torch`, or an extra that names it): on Linux x86_64 that is the CUDA build.
+TORCH_XPU_INSTALL = "pip install torch --index-url https://download.pytorch.org/whl/xpu"
+
 
 def emit(result: dict[str, Any]) -> None:
     data = ("\n" + json.dumps(result, ensure_ascii=True) + "\n").encode("ascii")

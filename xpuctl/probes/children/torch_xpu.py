@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from xpuctl.probes.children.common import run
+from xpuctl.probes.children.common import TORCH_XPU_INSTALL, run
 
 IPEX_NOTE = (
     "intel-extension-for-pytorch is end-of-life (last release 2.8.10+xpu, repository "
@@ -61,7 +61,7 @@ def probe() -> dict[str, Any]:
     try:
         import torch
     except ImportError:
-        result["reason"] = "torch is not installed (pip install 'xpuctl[torch]')"
+        result["reason"] = f"torch is not installed (its XPU build: {TORCH_XPU_INSTALL})"
         return result
     except OSError as exc:
         result["reason"] = f"torch could not load a library: {exc}"
@@ -99,7 +99,7 @@ def probe() -> dict[str, Any]:
     if not available:
         result["reason"] = (
             f"torch.xpu.is_available() is False: torch {version} sees no XPU "
-            "(a CPU-only build, or no Intel GPU driver)"
+            f"(a build without XPU, as PyPI's: {TORCH_XPU_INSTALL}; or no Intel GPU driver)"
         )
         return result
     result["available"] = True
