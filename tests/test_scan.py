@@ -410,10 +410,10 @@ def test_fds_refused_even_to_root_are_not_remedied_by_running_as_root(monkeypatc
     from xpuctl.host import scan
 
     live = Host("/", read_timeout=None)
-    monkeypatch.setattr(scan.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
     assert scan._unreadable_fds(live, [1, 7]) == Issue("/proc",
                                                        "could not read the fds of 2 process(es)")
-    monkeypatch.setattr(scan.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
     issue = scan._unreadable_fds(live, [7, 1])
     assert issue.reason == "could not read the fds of 2 process(es) even as root (pids 1, 7)"
     assert issue.remedy and "run as root" not in issue.remedy

@@ -75,6 +75,10 @@ class RecordingHost(Host):
         return self.inner.rdev_checked
 
     @property
+    def inspected_as_root(self) -> bool:
+        return self.inner.inspected_as_root
+
+    @property
     def identity_checked(self) -> bool:
         """False: the capture judges files by the texts it records (fd links, maps,
         /proc/net/unix), as the replay will, and records no other paths processes hold."""

@@ -64,6 +64,10 @@ class ArchiveHost(Host):
     def rdev_checked(self) -> bool:
         return self.manifest.rdev_checked
 
+    @property
+    def inspected_as_root(self) -> bool:
+        return self.manifest.uid == 0 and self.manifest.comm_trusted  # a live /proc, as root
+
     def now(self) -> float:
         return self.manifest.time
 

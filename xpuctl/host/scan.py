@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 from xpuctl.core.model import (
     Artifact,
     Device,
@@ -398,7 +396,7 @@ def _unreadable_fds(host: Host, pids: list[int]) -> Issue:
     another user namespace, or PID 1 of some sandboxes): nothing xpuctl can do, and what they
     may hold is kept, never judged (docs/safety.md)."""
     reason = f"could not read the fds of {len(pids)} process(es)"
-    if not (host.proc_is_live and os.geteuid() == 0):
+    if not host.inspected_as_root:
         return Issue("/proc", reason)
     shown = ", ".join(map(str, sorted(pids)[:8])) + (", ..." if len(pids) > 8 else "")
     return Issue("/proc", f"{reason} even as root (pids {shown})",

@@ -112,6 +112,13 @@ class Host:
         return self.live
 
     @property
+    def inspected_as_root(self) -> bool:
+        """True when this /proc is read as root (the live /proc, euid 0): what it refuses, it
+        refuses to root too, and running as root is no remedy (a snapshot says how it was
+        taken)."""
+        return self.proc_is_live and os.geteuid() == 0
+
+    @property
     def identity_checked(self) -> bool:
         """True when what a process holds is matched with the files in /dev/shm and /tmp by
         device and inode (a stat of its fds and map_files, the device and inode of its
