@@ -12,6 +12,7 @@ from xpuctl.core.model import CollectiveResult, Issue, RecordedRun, Report, Scan
 from xpuctl.host.devices import resolve_device_specs
 from xpuctl.host.scan import DEFAULT_PORT, take_scan
 from xpuctl.host.seam import Host
+from xpuctl.parse.probes import ProbeResult
 from xpuctl.parse.procfs import parse_status_nspid
 
 if TYPE_CHECKING:  # types only: imported where used
@@ -21,7 +22,7 @@ if TYPE_CHECKING:  # types only: imported where used
 class RecordedProbes(NamedTuple):
     """Probe results kept by `xpuctl snapshot --deep`: replayed instead of running probes."""
 
-    results: tuple  # tuple[ProbeResult, ...]
+    results: tuple[ProbeResult, ...]
     probe_pids: tuple[int, ...]
     baseline: dict[str, int]
     baseline_problem: Issue | None = None

@@ -88,7 +88,7 @@ class Group(TyperGroup):
         if os.environ.get(complete_var or COMPLETE_VAR):
             # typer's word order for the shims in completions/ (`complete_bash`, not click's
             # `bash_complete`): scripts in click's order would silently complete nothing
-            from typer.completion import completion_init
+            from typer._completion_classes import completion_init
 
             completion_init()
         args = ray_value_optional(list(sys.argv[1:] if args is None else args))

@@ -11,18 +11,18 @@ from xpuctl.cli.context import app_context
 from xpuctl.cli.group import command_app
 from xpuctl.cli.guard import confirm, guard
 from xpuctl.cli.options import (
-    HOUR,
     CollectiveOpt,
     CollectiveTimeoutOpt,
     DeviceOpt,
     JsonOpt,
     KillAfterOpt,
-    Seconds,
     StateDirOpt,
     port_option,
 )
+from xpuctl.cli.paramtypes import Seconds
 from xpuctl.errors import ExitCode, UsageError
 from xpuctl.output.safetext import emit
+from xpuctl.parse.seconds import HOUR
 
 if TYPE_CHECKING:  # types only: the command's modules load when it runs
     pass

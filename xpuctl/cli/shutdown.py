@@ -15,11 +15,11 @@ from xpuctl.cli.options import (
     DeviceOpt,
     JsonOpt,
     KillAfterOpt,
-    Seconds,
     StateDirOpt,
     complete_run,
     port_option,
 )
+from xpuctl.cli.paramtypes import Seconds
 from xpuctl.errors import ExitCode
 from xpuctl.output.safetext import emit, safe
 

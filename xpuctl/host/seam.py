@@ -22,6 +22,7 @@ from xpuctl.host.reads.protocol import DEFAULT_BOUND, BlockedRead
 
 if TYPE_CHECKING:  # imported in lstat: a pass over /proc (host/ahead.py) needs no record types
     from xpuctl.core.model import FileInfo
+    from xpuctl.parse.net import TcpSocket
 
 #: Clock ticks per second of /proc/<pid>/stat start times.
 CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -120,7 +121,7 @@ class Host:
         texts it records, as its replay will."""
         return self.proc_is_live
 
-    def found_listeners(self, sockets: list[Any]) -> None:
+    def found_listeners(self, sockets: list[TcpSocket]) -> None:
         """Told the TCP LISTEN sockets a scan found (over netlink on a live host, which is
         no file read): a recording host keeps them; this one has no use for them."""
 
