@@ -166,3 +166,25 @@ def test_mypy_gives_the_same_verdict_without_the_optional_packages(tmp_path):
             r.kill()
     assert without == full, f"with the optional packages:\n{full}\nwithout:\n{without}"
     assert full.startswith("Success: no issues found"), full
+
+
+def test_output_renders_typed_records():
+    """No `Any` in output/ (issue 32 §2): its renderers take the records themselves, or the
+    shapes (output/shapes.py) of records that live in the layers above it, and return rich
+    renderables or JSON documents by their types. mypy holds every call to them."""
+    import ast
+    import io
+    import tokenize
+
+    found = []
+    for path in sorted((REPO / "xpuctl" / "output").glob("*.py")):
+        text = path.read_text()
+        for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+            if tok.type == tokenize.NAME and tok.string == "Any":
+                found.append(f"{path.relative_to(REPO)}:{tok.start[0]}")
+        for node in ast.walk(ast.parse(text)):  # a type alias written as a string
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.value, ast.Constant)
+                    and isinstance(node.value.value, str)
+                    and re.search(r"\bAny\b", node.value.value)):
+                found.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert not found, found

@@ -6,15 +6,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from xpuctl.core.model import Process, Scan
+from xpuctl.core.model import Process, RunRow, Scan, Unread
 from xpuctl.host.seam import Host
 
 
 class ProcessListing(NamedTuple):
-    runs: list[Any]  # RunRow: xpuctl's active runs from their records (gone ones: "stale")
+    runs: list[RunRow]  # xpuctl's active runs from their records (gone ones: "stale")
     processes: list[Process]
     scan: Scan  # the scan, for the device labels
-    unread: tuple[Any, ...] = ()  # runs.Unread: the records (or directories) not read
+    unread: tuple[Unread, ...] = ()  # the records (or directories) not read
 
 
 def list_processes(host: Host, specs: list[str], show_all: bool, state_dir: str | None,

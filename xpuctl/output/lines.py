@@ -8,11 +8,11 @@ Host text in them is escaped with `safe`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
 
 from xpuctl.core.model import Finding, Scan
 from xpuctl.output.safetext import safe
+from xpuctl.output.shapes import AuditLog, ResetPlan, Step, Tree
 
 
 def finding_lines(findings: Iterable[Finding], lead: str = "", fix: str | None = "  fix: ",
@@ -29,7 +29,7 @@ def finding_lines(findings: Iterable[Finding], lead: str = "", fix: str | None =
     return out
 
 
-def event_line(ev: Any) -> str:
+def event_line(ev: Step) -> str:
     """One step of a stop's timeline: seconds since it began, the phase, what happened."""
     return f"{ev.t:7.2f}s  {ev.phase:<18} {safe(ev.detail)}"
 
@@ -44,27 +44,28 @@ def phase_line(t: float, label: str) -> str:
     return f"{t:6.1f}s {label}"
 
 
-def audit_warning(log: Any) -> str | None:
+def audit_warning(log: AuditLog) -> str | None:
     """The audit log could not be written: say so (the action itself went ahead), unless a
     warning that covers it was given (`told`)."""
-    if not log.lost or getattr(log, "told", False):
+    if not log.lost or log.told:
         return None
     return f"xpuctl: warning: audit log {safe(log.path)}: {log.lost} line(s) not written ({safe(log.error)})"
 
 
-def shutdown_plan_lines(targets: list[dict[str, Any]]) -> list[str]:
-    """`shutdown --dry-run` (and a shutdown that finds nothing)."""
-    if not targets:
+def shutdown_plan_lines(trees: Sequence[Tree], members: Mapping[int, list[int]]) -> list[str]:
+    """`shutdown --dry-run` (and a shutdown that finds nothing); `members`: each tree's
+    processes by its top's pid."""
+    if not trees:
         return ["nothing to stop"]
     return [
-        f"would stop {safe(t['name'])}: SIGTERM {t['role']} {t['top']}"
-        f"{' (orphaned)' if t['orphan'] else ''}, then wait for {len(t['processes'])} process(es) "
-        f"{t['processes']}, devices {safe(', '.join(t['devices'])) or '-'}, port {t['port'] or '-'}"
-        for t in targets
+        f"would stop {safe(t.name)}: SIGTERM {t.role} {t.top.pid}"
+        f"{' (orphaned)' if t.orphan else ''}, then wait for {len(members[t.top.pid])} process(es) "
+        f"{members[t.top.pid]}, devices {safe(', '.join(t.devices)) or '-'}, port {t.port or '-'}"
+        for t in trees
     ]
 
 
-def reset_plan_lines(plan: Any, kill_holders: bool, advice: list[Finding]) -> list[str]:
+def reset_plan_lines(plan: ResetPlan, kill_holders: bool, advice: Sequence[Finding]) -> list[str]:
     """What reset will do (or would, with --dry-run), then the relaunch advice."""
     out = ["nothing to clean"] if plan.empty else []
     for t in plan.orphan_trees:
