@@ -97,7 +97,7 @@ class Group(TyperGroup):
             windows_expand_args=windows_expand_args, **extra))
         if not standalone_mode:
             return rv
-        sys.exit(rv if isinstance(rv, int) else 0)
+        sys.exit(rv if isinstance(rv, int) else ExitCode.OK)  # a command's return value: none
 
 
 def ray_value_optional(args: list[str]) -> list[str]:
