@@ -59,11 +59,17 @@ def check_collective(host: Host, bdfs: tuple[str, ...] | list[str] | None, envir
     result = collective.run_collective(host, bdfs, env, opts.timeout)
     if result.files:
         result = result._replace(files=remove_collective_files(result.files, state_dir))
+    note_proven(state_dir, result)
+    return result
+
+
+def note_proven(state_dir: str | None, result: CollectiveResult) -> None:
+    """A collective check that passed proves its devices clean in `state_dir` (doctor
+    --collective, and reset --rebind --collective once the device is back)."""
     if result.verdict == "ok" and result.ranks:
         from xpuctl.state.lastrun import note_clean
 
         note_clean(state_dir, [r.bdf for r in result.ranks], "collective check")
-    return result
 
 
 def remove_collective_files(paths: tuple[str, ...], state_dir: str | None) -> tuple[str, ...]:

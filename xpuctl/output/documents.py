@@ -31,7 +31,7 @@ from xpuctl.core.model import (
     Unread,
     Unreadable,
 )
-from xpuctl.output.shapes import ResetDone, ResetPlan, Stopped, Tree
+from xpuctl.output.shapes import RebindPlan, Rebound, ResetDone, ResetPlan, Stopped, Tree
 from xpuctl.parse.probes import ProbeResult, result_to_dict
 
 if TYPE_CHECKING:  # types only: the watch's judgement is imported where a run is shown
@@ -390,5 +390,33 @@ def reset_document(plan: Document, outcome: ResetDone, audit: Document) -> Docum
         "device_reset": [{"bdf": b, "done": ok, "detail": why} for b, ok, why in outcome.device_reset],
         "status": outcome.after.status,
         "findings": [finding_dict(f) for f in outcome.after.findings],
+        "audit": audit,
+    }
+
+
+def rebind_plan_dict(plan: RebindPlan) -> Document:
+    d = plan.device
+    return {
+        "device": d.index, "bdf": d.bdf, "driver": plan.driver, "nodes": list(plan.nodes),
+        "writes": [{"path": path, "value": d.bdf} for path in (plan.unbind, plan.bind)],
+        "holders": [{"pid": h.pid, "command": h.command, "stoppable": h.why_not is None,
+                     "why_not": h.why_not} for h in plan.holders],
+        "refused": plan.refused,
+    }
+
+
+def rebind_plan_document(plan: RebindPlan, dry_run: bool) -> Document:
+    """`reset --rebind --json` when nothing was written: a dry run, or refused."""
+    return {"schema": "xpuctl.reset/1", "dry_run": dry_run, "rebind": rebind_plan_dict(plan)}
+
+
+def rebind_document(plan: RebindPlan, out: Rebound, audit: Document) -> Document:
+    """`reset --rebind --json` after the writes: the plan, what was done, the check after."""
+    return {
+        **rebind_plan_document(plan, False),
+        "writes": [{"path": w.path, "done": w.done, "detail": w.detail} for w in out.writes],
+        "nodes_gone": out.gone, "render_node": out.back, "missing": list(out.missing),
+        "status": out.after.status if out.after else None,
+        "findings": [finding_dict(f) for f in out.after.findings] if out.after else [],
         "audit": audit,
     }

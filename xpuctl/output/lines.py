@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from xpuctl.core.model import Finding, Scan
 from xpuctl.output.safetext import safe
-from xpuctl.output.shapes import AuditLog, ResetPlan, Step, Tree
+from xpuctl.output.shapes import AuditLog, DriverWrite, RebindPlan, Rebound, ResetPlan, Step, Tree
 
 
 def finding_lines(findings: Iterable[Finding], lead: str = "", fix: str | None = "  fix: ",
@@ -94,6 +94,48 @@ def reset_plan_lines(plan: ResetPlan, kill_holders: bool, advice: Sequence[Findi
 
 def reset_result_lines(findings: list[Finding], status: str) -> list[str]:
     return [f"still failing: {f.check}: {safe(f.message)}" for f in findings] + [f"status: {status}"]
+
+
+def rebind_plan_lines(plan: RebindPlan) -> list[str]:
+    """What `reset --rebind` will do (or would, with --dry-run), or why it refuses."""
+    d = plan.device
+    name = f"device {d.index if d.index is not None else '-'} ({d.bdf}, driver {plan.driver})"
+    out = [f"rebind {name}:"]
+    for h in plan.holders:
+        act = "stop first" if plan.kill_holders and h.why_not is None else (h.why_not or "holds it")
+        out.append(f"  holder pid {h.pid} ({safe(h.command)}): {safe(act)}")
+    nodes = ", ".join(plan.nodes) or "none"
+    out.append(f"  write {d.bdf} > {plan.unbind}")
+    out.append(f"  wait until its DRM nodes are gone ({nodes})")
+    out.append(f"  write {d.bdf} > {plan.bind}")
+    out.append("  wait until its render node is back, then run doctor on it")
+    out.append("  a pending crash dump (devcoredump) of the device is lost: save it first")
+    if plan.refused and plan.device.survivability is not None:
+        out.append(f"refused: {safe(plan.refused)}")
+    elif plan.refused:
+        out.append(f"refused: {safe(plan.refused)}; stop them first, or --kill-holders")
+    return out
+
+
+def driver_write_line(op: str, bdf: str, driver: str, write: DriverWrite) -> str:
+    """`unbind BDF from xe: done (written)`, `bind BDF to xe: not done (why)`."""
+    way = "from" if op == "unbind" else "to"
+    return f"{op} {bdf} {way} {driver}: {'done' if write.done else 'not done'} ({safe(write.detail)})"
+
+
+def device_back_line(bdf: str, node: str) -> str:
+    return f"{bdf} is back as {safe(node)}"
+
+
+def collective_check_line(bdf: str) -> str:
+    return f"checking {bdf}: oneCCL init, one all_reduce and destroy (--collective)"
+
+
+def rebind_result_lines(bdf: str, out: Rebound) -> list[str]:
+    """What is missing after the rebind, or that the device is back and clean."""
+    if out.missing:
+        return [f"missing: {safe(m)}" for m in out.missing]
+    return [f"{bdf} is back and clean"]
 
 
 def blocked_lines(scan: Scan) -> list[str]:

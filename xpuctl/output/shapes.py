@@ -151,6 +151,10 @@ class RebindPlan(Protocol):
     def kill_holders(self) -> bool: ...
     @property
     def refused(self) -> str | None: ...
+    @property
+    def unbind(self) -> str: ...  # the driver's unbind file (a host path)
+    @property
+    def bind(self) -> str: ...
 
 
 class DriverWrite(Protocol):
