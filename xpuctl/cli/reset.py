@@ -62,6 +62,7 @@ def reset(
     Exit 0: clean afterwards. 1: problems remain. 2: usage (or no --yes without a terminal).
     """
     from xpuctl import reset as flow
+    from xpuctl.actions.cleanup import Removal
     from xpuctl.output import documents, lines
     from xpuctl.state.statedir import resolve_state_dir
 
@@ -81,12 +82,19 @@ def reset(
     request = flow.Request(tuple(device or []), port, dry_run, timeout, kill_after, device_reset,
                            kill_holders, a.environ)
 
-    def show(ev: flow.Planned | str) -> None:
-        if isinstance(ev, str):
-            emit(stream, ev)
-        elif not as_json:
-            for line in lines.reset_plan_lines(ev.plan, kill_holders, ev.advice):
-                emit(stream, line)
+    def show(ev: flow.Told) -> None:
+        if isinstance(ev, flow.Planned):
+            if not as_json:
+                for line in lines.reset_plan_lines(ev.plan, kill_holders, ev.advice):
+                    emit(stream, line)
+        elif isinstance(ev, flow.DeviceReset):
+            emit(stream, lines.device_reset_line(ev.bdf, ev.done, ev.detail))
+        elif isinstance(ev, Removal):
+            said = lines.removal_line(ev)
+            if said is not None:
+                emit(stream, said)
+        else:  # the stop of the orphans and holders
+            emit(stream, lines.event_line(ev))
 
     out = flow.run(a.host, request, resolve_state_dir(a.host, state_dir, a.environ), show,
                    approve=None if yes else _confirm)

@@ -12,7 +12,16 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from xpuctl.core.model import Finding, Scan
 from xpuctl.output.safetext import safe
-from xpuctl.output.shapes import AuditLog, DriverWrite, RebindPlan, Rebound, ResetPlan, Step, Tree
+from xpuctl.output.shapes import (
+    AuditLog,
+    DriverWrite,
+    RebindPlan,
+    Rebound,
+    Removed,
+    ResetPlan,
+    Step,
+    Tree,
+)
 
 
 def finding_lines(findings: Iterable[Finding], lead: str = "", fix: str | None = "  fix: ",
@@ -90,6 +99,19 @@ def reset_plan_lines(plan: ResetPlan, kill_holders: bool, advice: Sequence[Findi
     for n in plan.notes:
         out.append(f"note: {safe(n)}")
     return out + finding_lines(advice, fix="  ")
+
+
+def removal_line(r: Removed) -> str | None:
+    """A file reset removed, or kept and why (None: it was gone already)."""
+    if r.removed:
+        return f"removed {safe(r.path)} ({r.kind}, {r.size_bytes} bytes)"
+    if r.reason == "already gone":
+        return None
+    return f"kept {safe(r.path)}: {safe(r.reason)}"
+
+
+def device_reset_line(bdf: str, done: bool, detail: str) -> str:
+    return f"device reset {safe(bdf)}: {'done' if done else 'not done'} ({safe(detail)})"
 
 
 def reset_result_lines(findings: list[Finding], status: str) -> list[str]:
