@@ -183,7 +183,7 @@ def diagnose(
     checked = collective if isinstance(collective, CollectiveResult) else None
     if isinstance(collective, CollectiveOptions):  # first: its ranks and files are gone before the scan
         checked = check_collective(host, bdfs, env, collective, state_dir)
-    from xpuctl.ray.actors import scan_with_ray
+    from xpuctl.ray.actors import with_ray
 
     runs: tuple[RecordedRun, ...] = ()
     if state_dir and os.path.isdir(state_dir):  # the proof of a process's XPUCTL_RUN_ID
@@ -191,13 +191,11 @@ def diagnose(
 
         runs = recorded_runs(state_dir)
 
-    def deep_scanned() -> Scan:
-        assert deep is not None
-        return deep_scan(host, env, deep, port=opts.port, caller_env=caller_env, runs=runs)
-
-    scan = scan_with_ray(host, env, address=ray_address, fetch=ray_fetch,
-                         take=deep_scanned if deep is not None else None,
-                         port=opts.port, caller_env=caller_env, runs=runs)
+    if deep is not None:
+        scan = deep_scan(host, env, deep, port=opts.port, caller_env=caller_env, runs=runs)
+    else:
+        scan = take_scan(host, port=opts.port, caller_env=caller_env, runs=runs)
+    scan = with_ray(host, scan, env, address=ray_address, fetch=ray_fetch)
     from xpuctl.host.kernel import read_kernel
 
     log, dumps, kernel_issues = read_kernel(host, scan.devices)

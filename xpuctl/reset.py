@@ -217,10 +217,10 @@ def make_plan(host: Host, bdfs: tuple[str, ...], port: int | None, device_reset:
               runs: tuple[RecordedRun, ...] = ()) -> Plan:
     """`environ`: the command's (where Ray is); `runs`: the live runs' records (what proves
     an XPUCTL_RUN_ID)."""
-    from xpuctl.ray.actors import scan_with_ray
+    from xpuctl.ray.actors import with_ray
 
     # Ray actors of an orphaned driver are orphans of its tree (Ray's state ties them)
-    scan = scan_with_ray(host, environ, port=port or DEFAULT_PORT, runs=runs)
+    scan = with_ray(host, take_scan(host, port=port or DEFAULT_PORT, runs=runs), environ)
     wanted = set(bdfs)
     notes: list[str] = _embedded_notes(scan, wanted)
     scoped = _in_scope(scan, wanted, notes)

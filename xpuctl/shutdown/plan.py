@@ -26,11 +26,13 @@ def find_targets(host: Host, state_dir: str | None, name: str | None, pid: int |
         if name is not None and not any(r.name == name for r in records):
             _damaged(name, found.unread)
     bdfs = resolve_device_specs(host, specs)
-    from xpuctl.ray.actors import scan_with_ray
+    from xpuctl.host.scan import take_scan
+    from xpuctl.ray.actors import with_ray
 
     # finding trees needs no files; Ray actors on an existing cluster join their run's tree;
     # the records are what proves a process's XPUCTL_RUN_ID
-    scan = scan_with_ray(host, environ, port=port, artifacts=False, runs=recorded(records))
+    scan = with_ray(host, take_scan(host, port=port, artifacts=False, runs=recorded(records)),
+                    environ)
     return targets.find_trees(host, scan, records, name, pid, port, bdfs, all_)
 
 
