@@ -110,17 +110,28 @@ def run(host: Host, request: Request, state_dir: str | None,
     # From our own start to the first signal: start-up plus finding the trees. On the
     # critical path of every restart, and the first thing to look at when a drain began late.
     resolve_s = _since(request)
-    if on_event is not None:
-        on_event(Found(len(trees), resolve_s))
     with audit.recording(state_dir, "shutdown") as log:
-        result = ladder.stop(host, trees, timeout=request.timeout, kill_after=request.kill_after,
-                             release_timeout=request.release_timeout, on_event=on_event)
-    mark_ended(state_dir, trees, result.verdict, unclean)
-    return Outcome(trees, result.members, result, resolve_s, audit=log)
+        return _stop(host, request, state_dir, on_event, trees, unclean, resolve_s, log)
 
 
 def _since(request: Request) -> float | None:
     return time.monotonic() - request.since if request.since is not None else None
+
+
+def _stop(host: Host, request: Request, state_dir: str | None,
+          on_event: Callable[[Found | ladder.Event], None] | None, trees: list[ServerTree],
+          unclean: dict[str, str], resolve_s: float | None, log: audit.Sink,
+          signalled: dict[int, bool] | None = None,
+          tails: dict[str, LogTail] | None = None) -> Outcome:
+    """The end both ways share, inside the audit log `log`: tell `Found`, run the ladder
+    (`signalled`, `tails`: what the early way did before it), mark the records ended."""
+    if on_event is not None:
+        on_event(Found(len(trees), resolve_s))
+    result = ladder.stop(host, trees, timeout=request.timeout, kill_after=request.kill_after,
+                         release_timeout=request.release_timeout, on_event=on_event,
+                         signalled=signalled, tails=tails)
+    mark_ended(state_dir, trees, result.verdict, unclean)
+    return Outcome(trees, result.members, result, resolve_s, audit=log)
 
 
 def _run_early(host: Host, request: Request, state_dir: str | None,
@@ -147,13 +158,8 @@ def _run_early(host: Host, request: Request, state_dir: str | None,
         except NotFoundError:
             found = []  # the top is gone already and left nothing carrying its run id
         trees = [plan.with_top(t, early.top, early.never_ready) for t in found] or trees
-        if on_event is not None:
-            on_event(Found(len(trees), resolve_s))
-        result = ladder.stop(host, trees, timeout=request.timeout, kill_after=request.kill_after,
-                             release_timeout=request.release_timeout, on_event=on_event,
-                             signalled={early.top.pid: signalled}, tails=tails)
-    mark_ended(state_dir, trees, result.verdict, unclean)
-    return Outcome(trees, result.members, result, resolve_s, audit=log)
+        return _stop(host, request, state_dir, on_event, trees, unclean, resolve_s, log,
+                     signalled={early.top.pid: signalled}, tails=tails)
 
 
 def unclean_ends(trees: list[ServerTree]) -> dict[str, str]:
