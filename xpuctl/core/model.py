@@ -24,9 +24,6 @@ if TYPE_CHECKING:  # records of the parsers, held in fields; not imported by eve
 # An environment with nothing in it (a request's default, read only).
 EMPTY_ENV: Mapping[str, str] = MappingProxyType({})
 
-SEVERITIES = ("info", "warn", "fail")
-
-
 class Issue(NamedTuple):
     """Something the scan could not read, and why."""
 
@@ -186,10 +183,6 @@ class Process(NamedTuple):
     # devices it is tied to without holding them (yet): named by its ZE_AFFINITY_MASK, or
     # claimed by its proven run's record
     claims: tuple[str, ...] = ()
-
-    @property
-    def is_vllm(self) -> bool:
-        return self.role is not None
 
     @property
     def is_zombie(self) -> bool:
@@ -609,7 +602,3 @@ class FileInfo(NamedTuple):
     @property
     def is_socket(self) -> bool:
         return _stat.S_ISSOCK(self.mode)
-
-    @property
-    def is_symlink(self) -> bool:
-        return _stat.S_ISLNK(self.mode)

@@ -37,7 +37,7 @@ class Host:
 
     #: Largest file read through the host (see protocol.READ_LIMIT).
     READ_LIMIT = _protocol.READ_LIMIT
-    #: A pass over /proc may be split over a forked helper (probes/split.py). A host that
+    #: A pass over /proc may be split over a forked helper (host/split.py). A host that
     #: records its reads (snapshot) says no: the helper's reads would be lost with it.
     splittable = True
     #: Ticks per second of the start times in /proc/<pid>/stat.

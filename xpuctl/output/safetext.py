@@ -52,7 +52,6 @@ _REST = "\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800
 _UNSAFE_CLASS = "\x00-\x1f" + _REST
 _UNSAFE = f"[{_UNSAFE_CLASS}]"
 _FIELD = f"[\\\\{_UNSAFE_CLASS}]"  # a field: the backslash too (see the module doc)
-_FIELD_BUT_NEWLINE = f"[\\\\\x00-\x09\x0b-\x1f{_REST}]"
 _UNSAFE_BUT_NEWLINE = f"[\x00-\x09\x0b-\x1f{_REST}]"
 # one escape `safe` writes, or one character: a cut never splits an escape
 _SHOWN = r"\\(?:x[0-9a-f]{2}|u[0-9a-f]{4}|.)|."
@@ -121,14 +120,6 @@ def safe(text: object, limit: int = LIMIT) -> str:
     return _cut(text, limit) if len(text) > limit else text
 
 
-def safe_lines(text: object, limit: int = LIMIT) -> str:
-    """Like `safe`, but newlines stay newlines (a block of lines; each line capped)."""
-    text = _text(text)
-    if not _re(_FIELD_BUT_NEWLINE).search(text) and len(text) <= limit:
-        return text
-    return "\n".join(safe(line, limit) for line in text.split("\n"))
-
-
 def neutral(text: object) -> str:
     """Composed text (xpuctl's words and fields that went through `safe`) made one safe line:
     control characters, newlines included, shown as escapes; backslashes kept as they are."""
@@ -177,7 +168,7 @@ def console(stderr: bool = False, *, file: IO[str] | None = None, width: int | N
     Markup and emoji codes are off (also in `status()`, whose spinner would read markup
     anyway): style with `rich.text.Text` or `style=`. Every text
     segment (not rich's own control segments: cursor moves of a status line) passes through
-    `safe_lines` after layout and before rich renders its styles, so only rich's own escape
+    `neutral_lines` after layout and before rich renders its styles, so only rich's own escape
     sequences reach a terminal.
     """
     global _CONSOLE_CLASS  # noqa: PLW0603 (the rich class, built once on first use: rich is imported lazily)
