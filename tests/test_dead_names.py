@@ -4,8 +4,8 @@ is registered by its decorator: a command, a check). Found from the source, so a
 behind when its last reader goes (`Process.is_vllm`, `Fdinfo.is_drm`) fails here.
 
 Re-exports kept for another module (`host/scan.py`'s CLK_TCK) are mypy's: it is strict for
-every package (no implicit re-export); comments naming modules that are gone
-(`probes/split.py`) are tests/test_repo_paths.py's.
+every package (no implicit re-export); comments naming modules that are gone are
+tests/test_repo_paths.py's.
 """
 
 from __future__ import annotations
