@@ -80,7 +80,8 @@ def test_the_guard_and_the_exit_decide_no_code_themselves(module):
     for fn in ast.walk(tree):
         if isinstance(fn, ast.FunctionDef) and fn.name in ("group_exit_code", "leave"):
             for node in ast.walk(fn):
-                if isinstance(node, ast.Assign | ast.Return) and isinstance(node.value, ast.Constant):
+                if (isinstance(node, ast.Assign | ast.Return)
+                        and isinstance(node.value, ast.Constant)):
                     assert not isinstance(node.value.value, int), f"{module}:{node.lineno}"
 
 

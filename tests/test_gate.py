@@ -90,7 +90,8 @@ def test_mypy_is_strict_for_every_package():
     assert mypy.get("strict") is True
     assert mypy["files"] == ["xpuctl"]
     for override in mypy.get("overrides", []):
-        modules = override["module"] if isinstance(override["module"], list) else [override["module"]]
+        modules = override["module"]
+        modules = modules if isinstance(modules, list) else [modules]
         assert not [m for m in modules if m.startswith("xpuctl")], (
             "a per-package mypy override of xpuctl: every package keeps the same flags")
 
@@ -122,8 +123,9 @@ def _venv_without_optional_packages(where: Path) -> Path:
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(where)], check=True,
                    capture_output=True, timeout=120)
     python = where / "bin" / "python"
-    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                               check=True, capture_output=True, text=True, timeout=60).stdout.strip())
+    where_packages = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    site = Path(subprocess.run([str(python), "-c", where_packages], check=True,
+                               capture_output=True, text=True, timeout=60).stdout.strip())
     todo, seen = list(RUNTIME), set()
     while todo:
         name = re.sub(r"[-_.]+", "-", todo.pop()).lower()
@@ -152,7 +154,8 @@ def test_mypy_gives_the_same_verdict_without_the_optional_packages(tmp_path):
     import sys
 
     bare = _venv_without_optional_packages(tmp_path / "bare")
-    probe = "import importlib.util as u; print([m for m in ('torch', 'ray', 'typer', 'rich') if u.find_spec(m)])"
+    probe = ("import importlib.util as u; "
+             "print([m for m in ('torch', 'ray', 'typer', 'rich') if u.find_spec(m)])")
     seen = subprocess.run([str(bare), "-c", probe], capture_output=True, text=True, timeout=60)
     assert seen.stdout.strip() == "['typer', 'rich']", seen  # the hiding works
     runs = [subprocess.Popen([sys.executable, "-m", "mypy", "--cache-dir", str(tmp_path / name),

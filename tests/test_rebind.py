@@ -260,8 +260,8 @@ def test_the_rebind_flow_tells_its_steps_as_records_and_prints_nothing(
     h = clean_host(tmp_path / "h")
     driver_for(h.root)
     told: list[object] = []
-    out = rebind.run(Host(h.root, read_timeout=None), rebind.Request(("0",)), str(tmp_path / "state"),
-                     told.append)
+    host = Host(h.root, read_timeout=None)
+    out = rebind.run(host, rebind.Request(("0",)), str(tmp_path / "state"), told.append)
     assert capsys.readouterr() == ("", "")
     assert [type(ev).__name__ for ev in told] == ["Planned", "Written", "Written", "Back"]
     assert not [ev for ev in told if isinstance(ev, Event | str)]
@@ -269,8 +269,8 @@ def test_the_rebind_flow_tells_its_steps_as_records_and_prints_nothing(
         ("unbind", True), ("bind", True)]
     assert out.executed is not None and out.missing == () and out.audit is not None
     assert out.executed.back == "/dev/dri/renderD128" and out.audit.lines == 2
-    declined = rebind.run(Host(h.root, read_timeout=None), rebind.Request(("0",)),
-                          str(tmp_path / "state"), told.append, approve=lambda plan: False)
+    declined = rebind.run(host, rebind.Request(("0",)), str(tmp_path / "state"), told.append,
+                          approve=lambda plan: False)
     assert declined.declined and declined.executed is None
 
 

@@ -111,4 +111,5 @@ def test_the_check_finds_each_kind_of_dangling_path(tmp_path):
     # comments named probes/split.py, gone to host/split.py)
     (tmp_path / "xpuctl" / "probes").mkdir()
     comment = "# split over a forked helper (probes/split.py); rules in core/rules.py"
-    assert dangling(comment, tmp_path, tmp_path / "xpuctl" / "host" / "seam.py") == ["probes/split.py"]
+    seam = tmp_path / "xpuctl" / "host" / "seam.py"
+    assert dangling(comment, tmp_path, seam) == ["probes/split.py"]

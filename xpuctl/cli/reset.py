@@ -148,16 +148,19 @@ def _rebind(host: Host, request: RebindRequest, state_dir: str | None, as_json: 
     out = flow.run(host, request, state_dir, show, approve=None if yes else _confirm)
     if out.declined:
         raise typer.Exit(ExitCode.PROBLEMS)  # a "no" at the prompt: nothing was changed
-    if out.executed is None:
+    if out.executed is None:  # a dry run, or refused
         if as_json:
-            sys.stdout.write(documents.to_json(documents.rebind_plan_document(out.plan, request.dry_run)) + "\n")
-        raise typer.Exit(ExitCode.PROBLEMS if out.plan.refused and not request.dry_run else ExitCode.OK)
+            doc = documents.rebind_plan_document(out.plan, request.dry_run)
+            sys.stdout.write(documents.to_json(doc) + "\n")
+        refused = out.plan.refused and not request.dry_run
+        raise typer.Exit(ExitCode.PROBLEMS if refused else ExitCode.OK)
     assert out.audit is not None  # it ran: its audit log exists
     warning = lines.audit_warning(out.audit)
     if warning:
         emit(stream, warning)
     if as_json:
-        sys.stdout.write(documents.to_json(documents.rebind_document(out.plan, out.executed, out.audit.summary())) + "\n")
+        doc = documents.rebind_document(out.plan, out.executed, out.audit.summary())
+        sys.stdout.write(documents.to_json(doc) + "\n")
     else:
         for line in lines.rebind_result_lines(out.plan.device.bdf, out.executed):
             emit(stream, line)

@@ -316,7 +316,8 @@ def devices_document(scan: Scan, baseline: list[tuple[str, int | None, str]] | N
     return data
 
 
-def shutdown_target_dicts(trees: Sequence[Tree], members: Mapping[int, list[int]]) -> list[Document]:
+def shutdown_target_dicts(trees: Sequence[Tree],
+                          members: Mapping[int, list[int]]) -> list[Document]:
     """The servers a shutdown stops (or would stop), with the processes it waits for."""
     return [
         {

@@ -142,7 +142,8 @@ def rebind_plan_lines(plan: RebindPlan) -> list[str]:
 def driver_write_line(op: str, bdf: str, driver: str, write: DriverWrite) -> str:
     """`unbind BDF from xe: done (written)`, `bind BDF to xe: not done (why)`."""
     way = "from" if op == "unbind" else "to"
-    return f"{op} {bdf} {way} {driver}: {'done' if write.done else 'not done'} ({safe(write.detail)})"
+    done = "done" if write.done else "not done"
+    return f"{op} {bdf} {way} {driver}: {done} ({safe(write.detail)})"
 
 
 def device_back_line(bdf: str, node: str) -> str:

@@ -205,7 +205,8 @@ def _safe_console_class() -> type[Console]:
                 update(None if status is None else plain(status), spinner=spinner,
                        spinner_style=spinner_style, speed=speed)
 
-            st.update = update_plain  # type: ignore[method-assign]  # the one method patched: markup off
+            # the one method patched: markup off
+            st.update = update_plain  # type: ignore[method-assign]
             return st
 
         def _render_buffer(self, buffer: Iterable[Segment]) -> str:
