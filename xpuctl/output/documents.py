@@ -266,8 +266,11 @@ def run_dict(r: RunRow, now: float | None = None) -> Document:
     says; `health` is the record's (null: an xpuctl without the watch)
     with `healthy` and `status` as `xpuctl health` judges it at `now`."""
     health = r.health
-    out: Document = {"name": r.name, "state": r.state, "age_seconds": r.age_seconds, "pid": r.pid,
-           "port": r.port, "devices": list(r.devices), "run_id": r.run_id, "health": None}
+    out: Document = {
+        "name": r.name, "state": r.state, "age_seconds": r.age_seconds, "pid": r.pid,
+        "port": r.port, "devices": list(r.devices), "run_id": r.run_id,
+        "recorded_state": r.recorded_state, "health": None,
+    }
     if health is not None:
         from xpuctl.core.watch import judge
 
