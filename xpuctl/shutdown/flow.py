@@ -40,6 +40,13 @@ class Request(NamedTuple):
     environ: Mapping[str, str] = EMPTY_ENV  # the command's environment (where Ray is)
 
     @property
+    def names_only_a_run(self) -> bool:
+        """NAME alone: no --pid, --port, --device or --all (the run's recorded top may be
+        signalled before the full scan)."""
+        return (self.name is not None and self.pid is None and self.port is None
+                and not self.devices and not self.all_)
+
+    @property
     def names_something(self) -> bool:
         return bool(self.name is not None or self.pid is not None or self.port is not None
                     or self.devices or self.all_)
@@ -94,7 +101,9 @@ def run(host: Host, request: Request, state_dir: str | None,
     every server of the host: unless `approve` is None (--yes), it is shown the plan first,
     and nothing is sent (`declined`) when it says no."""
     check(request, host)
-    early = None if request.dry_run else plan.recorded_top(host, state_dir, request)
+    early = (plan.recorded_top(host, state_dir, request.name)
+             if request.name is not None and request.names_only_a_run and not request.dry_run
+             else None)
     if early is not None:
         return _run_early(host, request, state_dir, on_event, early)
     trees = plan.find_targets(host, state_dir, request.name, request.pid, request.port,
