@@ -484,7 +484,7 @@ def test_all_probes_start_at_once(tmp_path):
     scen["xpusmi"].update(one)
     env = {**os.environ, **standin_env(tmp_path, scen)}
     t0 = time.monotonic()
-    results = runner.run_probes(env, 60)
+    results = runner.start(env, 60).finish()
     took = time.monotonic() - t0
     secs = {r.name: r.seconds for r in results if r.available}
     assert set(secs) == {"sysman", "torch", "xpu-smi"}

@@ -75,3 +75,39 @@ def test_reset_declined_changes_nothing(tmp_path):
     assert asked == [out.plan] and out.executed is None and out.audit is None
     assert all(os.path.exists(h.root / a.path.lstrip("/")) for a in out.plan.files)
     assert not os.path.exists(os.path.join(sdir, audit.FILENAME))
+
+
+def test_reset_tells_its_steps_as_records_and_prints_nothing(tmp_path, capsys):
+    """issue 32 §4: the flow renders nothing; each step is a record the CLI renders
+    (cli/reset.py): the plan, then each file removed or kept (actions/cleanup.Removal)."""
+    from xpuctl.actions.cleanup import Removal
+
+    h = fh.orphan_host(tmp_path / "root")
+    sdir = _state_dir(tmp_path)
+    heard: list[object] = []
+    out = reset.run(Host(str(h.root)), reset.Request(), sdir, heard.append)
+    assert capsys.readouterr() == ("", "")
+    assert not [ev for ev in heard if isinstance(ev, str)]
+    assert type(heard[0]) is reset.Planned
+    removals = [ev for ev in heard if isinstance(ev, Removal)]
+    assert out.executed is not None and removals == out.executed.removed
+    assert len(heard) == 1 + len(removals)
+    assert {r.path for r in removals if r.removed} == {a.path for a in out.plan.files}
+
+
+def test_the_shutdown_flow_ends_one_way():
+    """issue 32 §4: the early way (NAME's recorded top signalled first) and the normal way
+    share one tail: one `Found`, one ladder, one marking of the records' end (flow._stop)."""
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse(Path(flow.__file__).read_text())
+
+    def calls(name: str) -> list[int]:
+        return [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Call)
+                and name in (getattr(n.func, "attr", None), getattr(n.func, "id", None))]
+
+    assert len(calls("stop")) == 1, calls("stop")  # ladder.stop
+    assert len(calls("mark_ended")) == 1, calls("mark_ended")
+    assert len(calls("Found")) == 1, calls("Found")
+    assert len(calls("_stop")) == 2, calls("_stop")  # both ways end there

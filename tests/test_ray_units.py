@@ -18,6 +18,7 @@ import fakehost
 
 from xpuctl.core.cluster import ClusterResult, node_result
 from xpuctl.core.model import Process, Scan
+from xpuctl.host.scan import take_scan
 from xpuctl.host.seam import Host
 from xpuctl.output import cluster as cluster_output
 from xpuctl.parse import roles
@@ -79,7 +80,7 @@ def test_the_scan_asks_ray_in_the_environment_it_is_given(monkeypatch):
     monkeypatch.setattr(bridge, "call", call)
     monkeypatch.setenv("RAY_ADDRESS", "10.9.9.9:1")  # this process's: never used
     given = {"RAY_ADDRESS": "10.0.0.5:6379", bridge.PYTHON_VAR: "/opt/ray/bin/python"}
-    snap = actors.scan_with_ray(Host("/"), given, take=lambda: _scan(_actor_proc(4242)))
+    snap = actors.with_ray(Host("/"), _scan(_actor_proc(4242)), given)
     assert seen == {"op": "state", "address": "10.0.0.5:6379", "python": "/opt/ray/bin/python",
                     "environ": given}
     assert snap.processes[0].role == roles.WORKER
@@ -88,8 +89,9 @@ def test_the_scan_asks_ray_in_the_environment_it_is_given(monkeypatch):
 def test_a_fake_tree_is_never_tied_through_ray(tmp_path, monkeypatch):
     monkeypatch.setattr(bridge, "call", lambda *a, **k: (_ for _ in ()).throw(AssertionError))
     host = fakehost.orphan_host(tmp_path / "h")
-    snap = actors.scan_with_ray(Host(str(host.root)), {"RAY_ADDRESS": "10.0.0.5:6379"},
-                                port=None, artifacts=False)
+    root = Host(str(host.root))
+    snap = actors.with_ray(root, take_scan(root, port=None, artifacts=False),
+                           {"RAY_ADDRESS": "10.0.0.5:6379"})
     assert snap.processes
 
 

@@ -230,6 +230,7 @@ def test_rebind_with_collective_checks_the_device_once_it_is_back(
     monkeypatch.setenv("XPUCTL_STANDIN", str(tmp_path / "scenario.json"))
     monkeypatch.setenv("PYTHONPATH", str(STANDINS))
     monkeypatch.delenv("XPUCTL_TEST_COLLECTIVE_BACKEND", raising=False)
+    (tmp_path / "state" / "runs").mkdir(parents=True)  # a state directory where runs are recorded
     result = reset(h.root, tmp_path / "state", "--device", "0", "--rebind", "--yes", "--json",
                    "--collective", "--collective-timeout", "20")
     assert result.exit_code == code, result.output
@@ -238,6 +239,39 @@ def test_rebind_with_collective_checks_the_device_once_it_is_back(
     assert (found["severity"] == "fail") == (verdict != "ok"), found
     if verdict != "ok":
         assert any(m.startswith("collective:") for m in data["missing"]), data["missing"]
+    # issue 32 §4: a check that passed proves the device clean, as doctor --collective does
+    # (state/lastrun.py's PROOFS: serve then asks no collective check after an unclean end)
+    proofs = tmp_path / "state" / "proved-clean.json"
+    proven = json.loads(proofs.read_text())["devices"] if proofs.exists() else {}
+    if verdict == "ok":
+        assert proven[BDF0]["by"] == "collective check", proven
+    else:
+        assert BDF0 not in proven, proven
+
+
+def test_the_rebind_flow_tells_its_steps_as_records_and_prints_nothing(
+        tmp_path: Path, driver_for, capsys) -> None:
+    """issue 32 §4: rebind.run is a flow like reset.run: request in, outcome out, each step
+    told through the callback as a record; the CLI renders them (cli/reset.py)."""
+    from xpuctl import rebind
+    from xpuctl.host.seam import Host
+    from xpuctl.shutdown.ladder import Event
+
+    h = clean_host(tmp_path / "h")
+    driver_for(h.root)
+    told: list[object] = []
+    host = Host(h.root, read_timeout=None)
+    out = rebind.run(host, rebind.Request(("0",)), str(tmp_path / "state"), told.append)
+    assert capsys.readouterr() == ("", "")
+    assert [type(ev).__name__ for ev in told] == ["Planned", "Written", "Written", "Back"]
+    assert not [ev for ev in told if isinstance(ev, Event | str)]
+    assert [(ev.op, ev.write.done) for ev in told if isinstance(ev, rebind.Written)] == [
+        ("unbind", True), ("bind", True)]
+    assert out.executed is not None and out.missing == () and out.audit is not None
+    assert out.executed.back == "/dev/dri/renderD128" and out.audit.lines == 2
+    declined = rebind.run(host, rebind.Request(("0",)), str(tmp_path / "state"), told.append,
+                          approve=lambda plan: False)
+    assert declined.declined and declined.executed is None
 
 
 def test_collective_without_rebind_is_a_usage_error(tmp_path: Path) -> None:

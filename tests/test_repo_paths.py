@@ -50,14 +50,17 @@ def dangling(text: str, repo: Path, page: Path | None = None) -> list[str]:
             continue  # "xpuctl/vLLM": words joined by a slash, not a path
         if not (repo / path).exists():
             found.append(path)
-    if page is not None and page.suffix == ".md":
-        # a page names modules by their path inside the package: `core/rules.py`
+    if page is not None:
+        # a page or a comment names modules by their path inside the package: `core/rules.py`
+        # is xpuctl/core/rules.py (a module gone from the package, named so in two comments, was
+        # once caught only in pages)
         packages = "|".join(sorted(p.name for p in (repo / "xpuctl").glob("*/") if p.is_dir()
                                    and p.name != "__pycache__"))
         if packages:
             for m in re.finditer(rf"{_START}(?:{packages})/[\w/]+\.py\b", text):
                 if not _PLACEHOLDER.search(m.group(0)) and not (repo / "xpuctl" / m.group(0)).exists():
                     found.append(m.group(0))
+    if page is not None and page.suffix == ".md":
         for m in _LINK.finditer(text):
             target = m.group(1)
             if re.match(r"[a-z]+:", target) or _PLACEHOLDER.search(target):
@@ -105,3 +108,11 @@ def test_the_check_finds_each_kind_of_dangling_path(tmp_path):
         "DESIGN.md", "reference/intel.md", "/work/shared/reference/ray.md", "docs/gone.md",
         "xpuctl/missing.py", "core/gone.py", "nope.md"]
     assert dangling("docs/here.md, xpuctl/ and /work/wt/x/y.py", tmp_path) == ["/work/wt/x/y.py"]
+    # a comment in code names a module by its path inside the package too (issue 32 §4: two
+    # comments named a module that had moved to host/); the name is built here, so that this
+    # file names no path that is gone
+    (tmp_path / "xpuctl" / "probes").mkdir()
+    gone = "probes/" + "split.py"
+    comment = f"# split over a forked helper ({gone}); rules in core/rules.py"
+    seam = tmp_path / "xpuctl" / "host" / "seam.py"
+    assert dangling(comment, tmp_path, seam) == [gone]

@@ -13,6 +13,7 @@ from xpuctl.core.waits import Wait
 from xpuctl.host.devices import resolve_device_specs
 from xpuctl.host.scan import DEFAULT_PORT, take_scan
 from xpuctl.host.seam import Host
+from xpuctl.parse.probes import ProbeResult
 from xpuctl.parse.procfs import parse_status_nspid
 
 if TYPE_CHECKING:  # types only: imported where used
@@ -22,7 +23,7 @@ if TYPE_CHECKING:  # types only: imported where used
 class RecordedProbes(NamedTuple):
     """Probe results kept by `xpuctl snapshot --deep`: replayed instead of running probes."""
 
-    results: tuple  # tuple[ProbeResult, ...]
+    results: tuple[ProbeResult, ...]
     probe_pids: tuple[int, ...]
     baseline: dict[str, int]
     baseline_problem: Issue | None = None
@@ -61,11 +62,17 @@ def check_collective(host: Host, bdfs: tuple[str, ...] | list[str] | None, envir
     result = collective.run_collective(host, bdfs, env, opts.timeout, opts.on_wait)
     if result.files:
         result = result._replace(files=remove_collective_files(result.files, state_dir))
+    note_proven(state_dir, result)
+    return result
+
+
+def note_proven(state_dir: str | None, result: CollectiveResult) -> None:
+    """A collective check that passed proves its devices clean in `state_dir` (doctor
+    --collective, and reset --rebind --collective once the device is back)."""
     if result.verdict == "ok" and result.ranks:
         from xpuctl.state.lastrun import note_clean
 
         note_clean(state_dir, [r.bdf for r in result.ranks], "collective check")
-    return result
 
 
 def remove_collective_files(paths: tuple[str, ...], state_dir: str | None) -> tuple[str, ...]:
@@ -179,7 +186,7 @@ def diagnose(
     checked = collective if isinstance(collective, CollectiveResult) else None
     if isinstance(collective, CollectiveOptions):  # first: its ranks and files are gone before the scan
         checked = check_collective(host, bdfs, env, collective, state_dir)
-    from xpuctl.ray.actors import scan_with_ray
+    from xpuctl.ray.actors import with_ray
 
     runs: tuple[RecordedRun, ...] = ()
     if state_dir and os.path.isdir(state_dir):  # the proof of a process's XPUCTL_RUN_ID
@@ -187,13 +194,11 @@ def diagnose(
 
         runs = recorded_runs(state_dir)
 
-    def deep_scanned() -> Scan:
-        assert deep is not None
-        return deep_scan(host, env, deep, port=opts.port, caller_env=caller_env, runs=runs)
-
-    scan = scan_with_ray(host, env, address=ray_address, fetch=ray_fetch,
-                         take=deep_scanned if deep is not None else None,
-                         port=opts.port, caller_env=caller_env, runs=runs)
+    if deep is not None:
+        scan = deep_scan(host, env, deep, port=opts.port, caller_env=caller_env, runs=runs)
+    else:
+        scan = take_scan(host, port=opts.port, caller_env=caller_env, runs=runs)
+    scan = with_ray(host, scan, env, address=ray_address, fetch=ray_fetch)
     from xpuctl.host.kernel import read_kernel
 
     log, dumps, kernel_issues = read_kernel(host, scan.devices)

@@ -1,8 +1,10 @@
 """Exit codes and the errors that carry them: the one place where failures become numbers.
 
 Every exit code is a member of `ExitCode`, with its one-line meaning in `MEANINGS`: the
-README's table, docs/serve-exits.md and the `xpuctl --help` epilog are that table (a test
-holds the README's equal to it; the epilog is made from it).
+README's table, docs/serve-exits.md and the `xpuctl --help` epilog are that table (tests
+hold the README's and docs/serve-exits.md's equal to it; the epilog is made from it).
+`exit_code` is the one mapping from what ends a command to its exit status: the command
+guard (cli/guard.py) and the process's exit (`xpuctl.cli.leave`) both ask it.
 """
 
 from __future__ import annotations
@@ -72,3 +74,36 @@ class RayError(XpuctlError):
     """Ray could not be asked; the message carries the fix."""
 
     exit_code = ExitCode.RAY
+
+
+class OutputLost(Exception):
+    """What a command wrote can no longer be written: its reader went away (`xpuctl ps |
+    head`) or the stream is closed. Not worth a message."""
+
+
+def exit_code(end: BaseException) -> int:
+    """The exit status of a command that ended with `end` (raised, or the SystemExit it
+    left with):
+
+    - SystemExit: its code; none is 0, and a text (`sys.exit("text")`, which the
+      interpreter prints) is 1, as the interpreter does;
+    - an XpuctlError: the code it carries; Ctrl-C: 130;
+    - output that cannot be written (a broken pipe, `OutputLost`) and no answer at a
+      prompt (end of input): 1;
+    - an exit that carries its code (typer.Exit, click's usage errors: 2): that code;
+    - anything else is an internal error: 70.
+    """
+    if isinstance(end, SystemExit):
+        if end.code is None:
+            return ExitCode.OK
+        return end.code if isinstance(end.code, int) else ExitCode.PROBLEMS
+    if isinstance(end, XpuctlError):
+        return end.exit_code
+    if isinstance(end, KeyboardInterrupt):
+        return ExitCode.INTERRUPTED
+    if isinstance(end, (BrokenPipeError, OutputLost, EOFError)):
+        return ExitCode.PROBLEMS
+    carried = getattr(end, "exit_code", None)
+    if isinstance(carried, int) and not isinstance(carried, bool):
+        return carried
+    return ExitCode.INTERNAL

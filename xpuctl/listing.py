@@ -6,15 +6,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from xpuctl.core.model import Process, Scan
+from xpuctl.core.model import Process, RunRow, Scan, Unread
 from xpuctl.host.seam import Host
 
 
 class ProcessListing(NamedTuple):
-    runs: list[Any]  # RunRow: xpuctl's active runs from their records (gone ones: "stale")
+    runs: list[RunRow]  # xpuctl's active runs from their records (gone ones: "stale")
     processes: list[Process]
     scan: Scan  # the scan, for the device labels
-    unread: tuple[Any, ...] = ()  # runs.Unread: the records (or directories) not read
+    unread: tuple[Unread, ...] = ()  # the records (or directories) not read
 
 
 def list_processes(host: Host, specs: list[str], show_all: bool, state_dir: str | None,
@@ -23,12 +23,13 @@ def list_processes(host: Host, specs: list[str], show_all: bool, state_dir: str 
     the devices in `specs` (a tree's members without a device stay with it). Ray actors
     holding devices are tied to their run through Ray's state (`environ`: where Ray is)."""
     from xpuctl.host.devices import resolve_device_specs
-    from xpuctl.ray.actors import scan_with_ray
+    from xpuctl.host.scan import take_scan
+    from xpuctl.ray.actors import with_ray
     from xpuctl.state.live import RunsShown, recorded_runs, runs_shown
 
     bdfs = set(resolve_device_specs(host, specs))
-    scan = scan_with_ray(host, environ, port=None, artifacts=False,
-                         runs=recorded_runs(state_dir))
+    scan = with_ray(host, take_scan(host, port=None, artifacts=False,
+                                    runs=recorded_runs(state_dir)), environ)
     procs = [
         p
         for p in scan.processes
@@ -49,9 +50,10 @@ def list_devices(host: Host, environ: dict[str, str], deep: Any, record_baseline
     `replayed`: a --deep snapshot's probes, shown as devices --deep showed them."""
     options: dict[str, Any] = {"port": None, "want_env": False, "artifacts": False}
     if deep is None and replayed is None:
-        from xpuctl.ray.actors import scan_with_ray
+        from xpuctl.host.scan import take_scan
+        from xpuctl.ray.actors import with_ray
 
-        return scan_with_ray(host, environ, **options), None
+        return with_ray(host, take_scan(host, **options), environ), None
     from xpuctl.doctor import DeepOptions, deep_scan
 
     if deep is not None and record_baseline:

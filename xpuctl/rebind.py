@@ -4,29 +4,35 @@
 plan (the device, its BDF and driver, the two writes) → refuse while anything holds the
 device (unless --kill-holders stops what the reset rules allow) → confirm → write unbind →
 wait (bounded) until its DRM nodes are gone → write bind → wait (bounded) until its render
-node is back → doctor on that device. Exit 0 when it is back and clean, 1 with what is
-missing. Only xe and i915 devices are rebound; under `--root` the writes go below the root.
+node is back → doctor on that device (with --collective, the collective check first: one that
+passes proves the device clean, as `doctor --collective` does). Only xe and i915 devices are
+rebound; under `--root` the writes go below the root.
+
+`run` is the flow (request in, outcome out, each step told through a callback as a record);
+the CLI (cli/reset.py) renders the steps and the outcome and maps it to an exit code: 0 when
+the device is back and clean, 1 with what is missing.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import NamedTuple, TypeVar
 
 from xpuctl.actions.driverbind import Write, driver_path, write_bdf
-from xpuctl.core.model import Device, Report
-from xpuctl.errors import ExitCode, UsageError
+from xpuctl.core.model import EMPTY_ENV, Device, Report
+from xpuctl.errors import UsageError
 from xpuctl.host.devices import scan_devices
 from xpuctl.host.scan import take_scan
 from xpuctl.host.seam import Host
-from xpuctl.output.lines import event_line
-from xpuctl.output.safetext import safe
 from xpuctl.reset import find_holders
-from xpuctl.shutdown.ladder import stop
+from xpuctl.shutdown.ladder import Event, stop
 from xpuctl.shutdown.targets import ServerTree, tree_from_scan
 from xpuctl.state import audit
+
+T = TypeVar("T")
 
 DRIVERS = ("xe", "i915")
 POLL = 0.05
@@ -45,6 +51,15 @@ class RebindPlan(NamedTuple):
     holders: tuple[Blocker, ...]
     trees: tuple[ServerTree, ...]  # what --kill-holders stops first
     kill_holders: bool
+
+    @property
+    def unbind(self) -> str:
+        """The file the unbind writes (a host path)."""
+        return driver_path(self.driver, "unbind")
+
+    @property
+    def bind(self) -> str:
+        return driver_path(self.driver, "bind")
 
     @property
     def refused(self) -> str | None:
@@ -109,37 +124,6 @@ def make_plan(host: Host, bdfs: tuple[str, ...], kill_holders: bool) -> RebindPl
     return RebindPlan(dev, dev.driver, dev.nodes, tuple(blockers), tuple(trees), kill_holders)
 
 
-def plan_lines(plan: RebindPlan) -> list[str]:
-    d = plan.device
-    name = f"device {d.index if d.index is not None else '-'} ({d.bdf}, driver {plan.driver})"
-    out = [f"rebind {name}:"]
-    for h in plan.holders:
-        act = "stop first" if plan.kill_holders and h.why_not is None else (h.why_not or "holds it")
-        out.append(f"  holder pid {h.pid} ({safe(h.command)}): {safe(act)}")
-    nodes = ", ".join(plan.nodes) or "none"
-    out.append(f"  write {d.bdf} > {driver_path(plan.driver, 'unbind')}")
-    out.append(f"  wait until its DRM nodes are gone ({nodes})")
-    out.append(f"  write {d.bdf} > {driver_path(plan.driver, 'bind')}")
-    out.append("  wait until its render node is back, then run doctor on it")
-    out.append("  a pending crash dump (devcoredump) of the device is lost: save it first")
-    if plan.refused and plan.device.survivability is not None:
-        out.append(f"refused: {safe(plan.refused)}")
-    elif plan.refused:
-        out.append(f"refused: {safe(plan.refused)}; stop them first, or --kill-holders")
-    return out
-
-
-def plan_dict(plan: RebindPlan) -> dict[str, Any]:
-    d = plan.device
-    return {
-        "device": d.index, "bdf": d.bdf, "driver": plan.driver, "nodes": list(plan.nodes),
-        "writes": [{"path": driver_path(plan.driver, op), "value": d.bdf} for op in ("unbind", "bind")],
-        "holders": [{"pid": h.pid, "command": h.command, "stoppable": h.why_not is None,
-                     "why_not": h.why_not} for h in plan.holders],
-        "refused": plan.refused,
-    }
-
-
 class RebindOutcome(NamedTuple):
     writes: tuple[Write, ...]
     gone: bool  # the nodes went after the unbind
@@ -157,7 +141,7 @@ def _render_node(host: Host, bdf: str) -> str | None:
     return next((d.render_node for d in devices if d.bdf == bdf and d.render_node), None)
 
 
-def _until(pred: Callable[[], Any], seconds: float) -> Any:
+def _until(pred: Callable[[], T], seconds: float) -> T:
     deadline = time.monotonic() + seconds
     while True:
         value = pred()
@@ -166,90 +150,129 @@ def _until(pred: Callable[[], Any], seconds: float) -> Any:
         time.sleep(POLL)
 
 
-def execute(host: Host, plan: RebindPlan, bind_timeout: float, kill_after: float,
-            timeout: float | None, say: Callable[[str], None], collective: float | None = None,
-            environ: dict[str, str] | None = None) -> RebindOutcome:
-    """`collective`: also run the collective check on the device once it is back (its timeout)."""
+class Request(NamedTuple):
+    """The one device to rebind and how (the command's arguments)."""
+
+    devices: tuple[str, ...] = ()  # --device specs (exactly one), resolved against the host
+    dry_run: bool = False
+    kill_holders: bool = False
+    kill_after: float = 10.0
+    timeout: float | None = None  # seconds to wait for the holders after SIGTERM
+    bind_timeout: float = 30.0  # for the nodes to go after the unbind, to come after the bind
+    collective: float | None = None  # the collective check's timeout (None: no check)
+    environ: Mapping[str, str] = EMPTY_ENV  # the command's environment (the check's ranks')
+
+
+class Planned(NamedTuple):
+    """The plan, told before anything is done."""
+
+    plan: RebindPlan
+
+
+class Written(NamedTuple):
+    """A write of the driver's unbind or bind file, done or not."""
+
+    op: str  # unbind | bind
+    bdf: str
+    driver: str
+    write: Write
+
+
+class Back(NamedTuple):
+    """The device's render node is back after the bind."""
+
+    bdf: str
+    node: str
+
+
+class Checking(NamedTuple):
+    """The collective check of the device begins (--collective)."""
+
+    bdf: str
+
+
+#: What `run` tells as it goes: the plan, the holders' stop (the ladder's steps), the
+#: writes, the device back, the check begun.
+Told = Planned | Event | Written | Back | Checking
+
+
+def execute(host: Host, plan: RebindPlan, request: Request,
+            tell: Callable[[Told], None]) -> RebindOutcome:
+    """Stop the holders --kill-holders may stop, unbind, wait, bind, wait, check."""
     from xpuctl.doctor import CollectiveOptions, diagnose
 
     bdf = plan.device.bdf
     missing: list[str] = []
+    bound = request.bind_timeout
     if plan.trees:
-        stop(host, list(plan.trees), timeout=timeout, kill_after=kill_after, release_timeout=10.0,
-             on_event=lambda ev: say(event_line(ev)))
+        stop(host, list(plan.trees), timeout=request.timeout, kill_after=request.kill_after,
+             release_timeout=10.0, on_event=tell)
         scan = take_scan(host, port=None, want_env=False, artifacts=False)
         still = sorted(set(scan.holders(bdf)) | set(scan.unknown_holders(bdf)))
         if still:
             return RebindOutcome((), False, None, (
                 f"still held by pid(s) {', '.join(map(str, still))}: not unbound",), None)
-    unbind = write_bdf(host, plan.driver, "unbind", bdf, bind_timeout)
-    say(f"unbind {bdf} from {plan.driver}: {'done' if unbind.done else 'not done'} ({safe(unbind.detail)})")
+    unbind = write_bdf(host, plan.driver, "unbind", bdf, bound)
+    tell(Written("unbind", bdf, plan.driver, unbind))
     if not unbind.done:
         return RebindOutcome((unbind,), False, None, (f"unbind: {unbind.detail}",), None)
-    _until(lambda: not _nodes_left(host, plan), bind_timeout)
+    _until(lambda: not _nodes_left(host, plan), bound)
     left = _nodes_left(host, plan)
     gone = not left
     if left:
-        missing.append(f"DRM node(s) {', '.join(left)} still there {bind_timeout:g} s after the unbind")
-    bind = write_bdf(host, plan.driver, "bind", bdf, bind_timeout)
-    say(f"bind {bdf} to {plan.driver}: {'done' if bind.done else 'not done'} ({safe(bind.detail)})")
+        missing.append(f"DRM node(s) {', '.join(left)} still there {bound:g} s after the unbind")
+    bind = write_bdf(host, plan.driver, "bind", bdf, bound)
+    tell(Written("bind", bdf, plan.driver, bind))
     if not bind.done:
         missing.append(f"bind: {bind.detail}")
         return RebindOutcome((unbind, bind), gone, None, tuple(missing), None)
-    back = _until(lambda: _render_node(host, bdf), bind_timeout)
+    back = _until(lambda: _render_node(host, bdf), bound)
     if not back:
-        missing.append(f"no render node for {bdf} {bind_timeout:g} s after the bind")
+        missing.append(f"no render node for {bdf} {bound:g} s after the bind")
         return RebindOutcome((unbind, bind), gone, None, tuple(missing), None)
-    say(f"{bdf} is back as {back}")
-    if collective is not None:
-        say(f"checking {bdf}: oneCCL init, one all_reduce and destroy (--collective)")
-    after = diagnose(host, devices=[bdf], caller_env=environ,
-                     collective=CollectiveOptions(collective) if collective is not None else None)
+    tell(Back(bdf, back))
+    if request.collective is not None:
+        tell(Checking(bdf))
+    after = diagnose(host, devices=[bdf], caller_env=dict(request.environ),
+                     collective=(CollectiveOptions(request.collective)
+                                 if request.collective is not None else None))
     missing.extend(f"{f.check}: {f.message}" for f in after.findings if f.severity == "fail")
     return RebindOutcome((unbind, bind), gone, back, tuple(missing), after)
 
 
-def outcome_dict(out: RebindOutcome) -> dict[str, Any]:
-    from xpuctl.output.documents import finding_dict
+@dataclass
+class Outcome:
+    plan: RebindPlan
+    executed: RebindOutcome | None = None  # None: a dry run, refused, or not approved
+    audit: audit.Sink | None = None  # the execution's audit log
+    declined: bool = False  # the plan was not approved: nothing was written
 
-    return {
-        "writes": [{"path": w.path, "done": w.done, "detail": w.detail} for w in out.writes],
-        "nodes_gone": out.gone, "render_node": out.back, "missing": list(out.missing),
-        "status": out.after.status if out.after else None,
-        "findings": [finding_dict(f) for f in out.after.findings] if out.after else [],
-    }
+    @property
+    def missing(self) -> tuple[str, ...]:
+        return self.executed.missing if self.executed is not None else ()
 
 
-def run(host: Host, bdfs: tuple[str, ...], *, dry_run: bool, yes: bool, kill_holders: bool,
-        kill_after: float, timeout: float | None, bind_timeout: float, collective: float | None,
-        state_dir: str | None,
-        environ: dict[str, str], as_json: bool, say: Callable[[str], None],
-        confirm: Callable[[], bool], write_json: Callable[[dict[str, Any]], object]) -> int:
-    """The whole `reset --rebind`; returns the exit code."""
-    from xpuctl.output import lines
-    from xpuctl.state.statedir import resolve_state_dir
+def run(host: Host, request: Request, state_dir: str | None, on_event: Callable[[Told], None],
+        approve: Callable[[RebindPlan], bool] | None = None) -> Outcome:
+    """Plan (`Planned`); unless it is a dry run or refused, ask `approve` (None: approved,
+    --yes), then rebind with every write and signal in the audit log of `state_dir`
+    (resolved), telling each step. A collective check that passed proves the device clean
+    there (state/lastrun.py), as `doctor --collective` does."""
+    from xpuctl.doctor import note_proven
+    from xpuctl.host.devices import resolve_device_specs
 
-    plan = make_plan(host, bdfs, kill_holders)
-    doc: dict[str, Any] = {"schema": "xpuctl.reset/1", "dry_run": dry_run, "rebind": plan_dict(plan)}
-    if not as_json:
-        for line in plan_lines(plan):
-            say(line)
-    if dry_run or plan.refused:
-        if as_json:
-            write_json(doc)
-        return int(ExitCode.PROBLEMS if plan.refused and not dry_run else ExitCode.OK)
-    if not yes and not confirm():
-        return int(ExitCode.PROBLEMS)  # a "no": nothing was changed
-    with audit.recording(resolve_state_dir(host, state_dir, environ), "reset") as log:
-        out = execute(host, plan, bind_timeout, kill_after, timeout, say, collective, environ)
-    warning = lines.audit_warning(log)
-    if warning:
-        say(warning)
-    if as_json:
-        write_json({**doc, **outcome_dict(out), "audit": log.summary()})
-    else:
-        for m in out.missing:
-            say(f"missing: {safe(m)}")
-        if not out.missing:
-            say(f"{plan.device.bdf} is back and clean")
-    return int(ExitCode.PROBLEMS if out.missing else ExitCode.OK)
+    plan = make_plan(host, resolve_device_specs(host, list(request.devices)), request.kill_holders)
+    on_event(Planned(plan))
+    out = Outcome(plan)
+    if request.dry_run or plan.refused:
+        return out
+    if approve is not None and not approve(plan):
+        out.declined = True
+        return out
+    with audit.recording(state_dir, "reset") as log:
+        out.executed = execute(host, plan, request, on_event)
+    out.audit = log
+    checked = out.executed.after.scan.collective if out.executed.after is not None else None
+    if checked is not None:
+        note_proven(state_dir, checked)
+    return out

@@ -2,7 +2,7 @@
 
 `run` is the command's flow (the CLI parses, calls it once, renders, maps the exit code):
 `make_plan`, the plan told to the caller, its approval (the prompt), `execute` inside the
-audit log.
+audit log, each of its steps told as a record (`Told`) the CLI renders.
 
 Live servers are never touched (use `xpuctl shutdown`). A device reset (PCI function reset
 through sysfs) is a last resort: root only, one named device, and only when nothing holds it.
@@ -35,9 +35,7 @@ from xpuctl.errors import UsageError
 from xpuctl.host.processes import live_stats
 from xpuctl.host.scan import DEFAULT_PORT, take_scan
 from xpuctl.host.seam import Host
-from xpuctl.output.lines import event_line
-from xpuctl.output.safetext import safe
-from xpuctl.shutdown.ladder import StopResult, skipped_lines, stop
+from xpuctl.shutdown.ladder import Event, StopResult, skipped_lines, stop
 from xpuctl.shutdown.targets import ServerTree, tree_from_scan
 from xpuctl.state import audit
 
@@ -143,6 +141,14 @@ def _why_not(p: Process, parents: dict[int, int], serving: set[int], launchers: 
     return None
 
 
+class DeviceReset(NamedTuple):
+    """A PCI function reset of one device, done or not."""
+
+    bdf: str
+    done: bool
+    detail: str
+
+
 @dataclass
 class Execution:
     """What `execute` did, and the check after it."""
@@ -150,7 +156,7 @@ class Execution:
     plan: Plan
     stopped: StopResult | None
     removed: list[Removal]
-    device_reset: list[tuple[str, bool, str]]
+    device_reset: list[DeviceReset]
     after: Report
 
 
@@ -211,10 +217,10 @@ def make_plan(host: Host, bdfs: tuple[str, ...], port: int | None, device_reset:
               runs: tuple[RecordedRun, ...] = ()) -> Plan:
     """`environ`: the command's (where Ray is); `runs`: the live runs' records (what proves
     an XPUCTL_RUN_ID)."""
-    from xpuctl.ray.actors import scan_with_ray
+    from xpuctl.ray.actors import with_ray
 
     # Ray actors of an orphaned driver are orphans of its tree (Ray's state ties them)
-    scan = scan_with_ray(host, environ, port=port or DEFAULT_PORT, runs=runs)
+    scan = with_ray(host, take_scan(host, port=port or DEFAULT_PORT, runs=runs), environ)
     wanted = set(bdfs)
     notes: list[str] = _embedded_notes(scan, wanted)
     scoped = _in_scope(scan, wanted, notes)
@@ -271,42 +277,39 @@ def execute(
     port: int | None,
     kill_after: float,
     timeout: float | None,
-    say: Callable[[str], None],
+    tell: Callable[[Told], None],
 ) -> Execution:
+    """Stop the orphans (and the holders --kill-holders may stop), remove the files, reset
+    the device; each step told (`Told`) as it is done."""
     pausepoint.reached("reset-execute")
     stopped = None
     trees = plan.orphan_trees + plan.holder_trees
     if trees:
-        stopped = stop(
-            host, trees, timeout=timeout, kill_after=kill_after, release_timeout=10.0,
-            on_event=lambda ev: say(event_line(ev)),
-        )
+        stopped = stop(host, trees, timeout=timeout, kill_after=kill_after, release_timeout=10.0,
+                       on_event=tell)
     pausepoint.reached("reset-removing")
     fresh = take_scan(host, port=port or DEFAULT_PORT, runs=plan.runs)
     removed = remove(host, plan.files + plan.pending_files, fresh)
     for r in removed:
-        if r.removed:
-            say(f"removed {safe(r.path)} ({r.kind}, {r.size_bytes} bytes)")
-        elif r.reason != "already gone":
-            say(f"kept {safe(r.path)}: {safe(r.reason)}")
-    resets: list[tuple[str, bool, str]] = []
+        tell(r)
+    resets: list[DeviceReset] = []
     for bdf in plan.device_reset:
         now = take_scan(host, port=None, want_env=False)
         holders = sorted(set(now.holders(bdf)) | set(now.unknown_holders(bdf)))
         if holders:
-            resets.append((bdf, False, f"still held by {', '.join(map(str, holders))}"))
+            resets.append(DeviceReset(bdf, False, f"still held by {', '.join(map(str, holders))}"))
             continue
         path = f"/sys/bus/pci/devices/{bdf}/reset"
         try:
             with open(host.path(path), "w") as fh:
                 fh.write("1")
-            resets.append((bdf, True, "PCI function reset"))
+            resets.append(DeviceReset(bdf, True, "PCI function reset"))
         except OSError as exc:
-            resets.append((bdf, False, exc.strerror or str(exc)))
+            resets.append(DeviceReset(bdf, False, exc.strerror or str(exc)))
         audit.record("device-reset", {"bdf": bdf, "path": path},
-                     "done" if resets[-1][1] else f"not done: {resets[-1][2]}")
-    for bdf, ok, why in resets:
-        say(f"device reset {safe(bdf)}: {'done' if ok else 'not done'} ({safe(why)})")
+                     "done" if resets[-1].done else f"not done: {resets[-1].detail}")
+    for done in resets:
+        tell(done)
     after = evaluate(
         take_scan(host, port=port or DEFAULT_PORT, runs=plan.runs),
         Options(devices=bdfs, port=port or DEFAULT_PORT, port_explicit=port is not None),
@@ -337,6 +340,11 @@ class Planned(NamedTuple):
     advice: list[Finding]
 
 
+#: What `run` tells as it goes: the plan, then the steps of its execution: the stop of the
+#: orphans and holders (the ladder's steps), each file removed or kept, each device reset.
+Told = Planned | Event | Removal | DeviceReset
+
+
 @dataclass
 class Outcome:
     plan: Plan
@@ -353,11 +361,11 @@ class Outcome:
 
 
 def run(host: Host, request: Request, state_dir: str | None,
-        on_event: Callable[[Planned | str], None],
+        on_event: Callable[[Told], None],
         approve: Callable[[Plan], bool] | None = None) -> Outcome:
     """Plan; tell it (`Planned`); unless it is a dry run or empty, ask `approve` (None: approved,
     --yes) and execute it with every signal and deletion in the audit log, telling each step
-    as a line. `state_dir` (resolved) holds the audit log and the last run's record."""
+    (`Told`). `state_dir` (resolved) holds the audit log and the last run's record."""
     from xpuctl.core.checks import last_run_findings
     from xpuctl.host.devices import resolve_device_specs
     from xpuctl.state.lastrun import last_run

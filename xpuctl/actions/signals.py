@@ -28,7 +28,7 @@ PR_SET_CHILD_SUBREAPER = 36
 def _prctl(option: int, arg: int) -> bool:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(option, ctypes.c_ulong(arg), 0, 0, 0) == 0
+        return bool(libc.prctl(option, ctypes.c_ulong(arg), 0, 0, 0) == 0)
     except (OSError, AttributeError):
         return False
 

@@ -11,14 +11,23 @@ a forked helper's reads would be lost with it.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
 
 from xpuctl.core.model import FileInfo
+from xpuctl.host.reads.protocol import BlockedRead
 from xpuctl.host.seam import Host
 from xpuctl.parse.kmsg import relevant_text
+from xpuctl.parse.net import TcpSocket
 
 #: An OSError as recorded: (errno, strerror, filename) or (None, message, None).
-ErrorRec = tuple[Any, str, Any]
+ErrorRec = tuple[int | None, str, object]
+#: A read that failed, as a table keeps it in place of its answer.
+Failed = dict[str, ErrorRec]
+
+K = TypeVar("K")
+P = ParamSpec("P")
+T = TypeVar("T")
 
 
 def error_rec(exc: OSError) -> ErrorRec:
@@ -27,7 +36,7 @@ def error_rec(exc: OSError) -> ErrorRec:
     return (exc.errno, exc.strerror or "", exc.filename)
 
 
-def raise_rec(rec: ErrorRec | list) -> None:
+def raise_rec(rec: ErrorRec | list[object]) -> None:
     """Raise the OSError a record describes: the same class (OSError picks it from errno),
     the same `strerror` and the same text."""
     errno_, text, filename = rec
@@ -49,17 +58,17 @@ class RecordingHost(Host):
         self.inner = inner
         self.contents: dict[str, bytes] = {}
         self.read_errors: dict[str, ErrorRec] = {}
-        self.lists: dict[str, list[str] | dict] = {}
-        self.links: dict[str, str | dict] = {}
-        self.lstats: dict[str, list | dict] = {}
-        self.resolved: dict[str, str | dict] = {}
+        self.lists: dict[str, list[str] | Failed] = {}
+        self.links: dict[str, str | Failed] = {}
+        self.lstats: dict[str, list[float] | Failed] = {}
+        self.resolved: dict[str, str | Failed] = {}
         self.existence: dict[str, bool] = {}
         self.rdevs: dict[str, list[int] | None] = {}
-        self.fds: dict[int, list[tuple[str, str]] | dict] = {}
-        self.sizes: dict[str, int | dict] = {}
+        self.fds: dict[int, list[tuple[str, str]] | Failed] = {}
+        self.sizes: dict[str, int | Failed] = {}
         self.taken_at: float | None = None
-        self.listeners: list | None = None  # the first scan's TCP LISTEN sockets
-        self.statvfs_seen: dict[str, list | dict] = {}  # /dev/shm's room: the manifest keeps it
+        self.listeners: list[TcpSocket] | None = None  # the first scan's TCP LISTEN sockets
+        self.statvfs_seen: dict[str, list[int] | Failed] = {}  # /dev/shm's room (the manifest)
 
     # -- what the scan sees of its own situation: the wrapped host's ---------------------
     @property
@@ -84,7 +93,7 @@ class RecordingHost(Host):
         /proc/net/unix), as the replay will, and records no other paths processes hold."""
         return False
 
-    def blocked_reads(self) -> tuple:
+    def blocked_reads(self) -> tuple[BlockedRead, ...]:
         return self.inner.blocked_reads()
 
     def now(self) -> float:
@@ -93,12 +102,12 @@ class RecordingHost(Host):
             self.taken_at = t
         return t
 
-    def found_listeners(self, sockets: list) -> None:
+    def found_listeners(self, sockets: list[TcpSocket]) -> None:
         if self.listeners is None:
             self.listeners = list(sockets)
 
     # -- reads ---------------------------------------------------------------------------
-    def _content(self, hostpath: str, read: Any, *args: Any) -> bytes:
+    def _content(self, hostpath: str, read: Callable[..., bytes], *args: object) -> bytes:
         try:
             data = read(hostpath, *args)
         except OSError as exc:
@@ -133,9 +142,10 @@ class RecordingHost(Host):
         return data
 
     @staticmethod
-    def _answer(table: dict, key: Any, call: Any, *args: Any) -> Any:
+    def _answer(table: dict[K, T | Failed], key: K, call: Callable[P, T], *args: P.args,
+                **kwargs: P.kwargs) -> T:
         try:
-            value = call(*args)
+            value = call(*args, **kwargs)
         except OSError as exc:
             table.setdefault(key, {"error": error_rec(exc)})
             raise

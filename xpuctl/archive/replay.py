@@ -135,13 +135,15 @@ class ArchiveHost(Host):
     def readlink(self, hostpath: str) -> str:
         self._inside(hostpath)
         if hostpath in self.index.links:
-            return self._replay(self.index.links, hostpath)
+            link: str = self._replay(self.index.links, hostpath)  # a str (parse/archive.py)
+            return link
         return super().readlink(hostpath)
 
     def resolve(self, hostpath: str, max_links: int = 40) -> str:
         self._inside(hostpath)
         if hostpath in self.index.resolved:
-            return self._replay(self.index.resolved, hostpath)
+            resolved: str = self._replay(self.index.resolved, hostpath)  # a str (parse/archive.py)
+            return resolved
         return super().resolve(hostpath, max_links)
 
     def lstat(self, hostpath: str) -> FileInfo:

@@ -43,29 +43,27 @@ def leave(done: SystemExit) -> NoReturn:
     Only when this is the process's last thread: the interpreter would wait for the others
     first, so then the exit is the interpreter's own. Output that can no longer be written
     (`xpuctl doctor | head -c1`: the reader went away) is dropped silently, and a run that
-    was to exit 0 exits 1 (ExitCode.PROBLEMS), as the commands do for a broken pipe (guard)."""
+    was to exit 0 exits as the commands do for a broken pipe (guard). The statuses are the
+    one mapping's (`errors.exit_code`)."""
+    from xpuctl.errors import OutputLost, exit_code
+
     threading = sys.modules.get("threading")
     if threading is not None and threading.active_count() > 1:
         raise done
-    code = done.code
-    if code is None:
-        status = 0
-    elif isinstance(code, int):
-        status = code
-    else:  # sys.exit("text"): the interpreter prints it and exits 1
+    status = exit_code(done)
+    if done.code is not None and not isinstance(done.code, int):
         from xpuctl.output.safetext import emit
 
-        emit(sys.stderr, str(code))
-        status = 1
+        emit(sys.stderr, str(done.code))  # sys.exit("text"): the interpreter prints it
     import atexit
 
     atexit._run_exitfuncs()  # what the interpreter runs first (the readers' own, finalizers)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except (OSError, ValueError):
+        except (OSError, ValueError) as exc:
             if stream is sys.stdout and status == 0:
-                status = 1
+                status = exit_code(OutputLost(str(exc)))
     os._exit(status)
 
 

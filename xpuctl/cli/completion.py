@@ -29,7 +29,7 @@ def completion(shell: Annotated[Shell, typer.Argument(help="bash, zsh or fish.")
     shim: every TAB asks xpuctl itself, so candidates (devices, runs, commands) are always
     current. Same text as completions/ in the source tree.
     """
-    from typer.completion import get_completion_script
+    from typer._completion_shared import get_completion_script
 
     sys.stdout.write(get_completion_script(prog_name="xpuctl", complete_var=COMPLETE_VAR, shell=shell.value))
     sys.stdout.write("\n")

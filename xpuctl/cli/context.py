@@ -7,17 +7,20 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from xpuctl.host.seam import Host
 from xpuctl.output.safetext import emit, safe
+
+if TYPE_CHECKING:  # rich is imported on first use
+    from rich.console import Console
 
 
 class AppContext:
     __slots__ = ("_err", "_out", "debug", "environ", "host")
 
     def __init__(self, host: Host, debug: bool = False, environ: dict[str, str] | None = None,
-                 _out: Any = None, _err: Any = None) -> None:
+                 _out: Console | None = None, _err: Console | None = None) -> None:
         self.host = host
         self.debug = debug
         self.environ = dict(os.environ) if environ is None else environ
@@ -25,7 +28,7 @@ class AppContext:
         self._err = _err
 
     @property
-    def out(self) -> Any:
+    def out(self) -> Console:
         """rich Console on stdout (created on first use: rich is slow to import). It escapes
         every text it prints and reads no markup (safetext.console)."""
         if self._out is None:
@@ -37,7 +40,7 @@ class AppContext:
         return self._out
 
     @property
-    def err(self) -> Any:
+    def err(self) -> Console:
         if self._err is None:
             from xpuctl.output.safetext import console
 

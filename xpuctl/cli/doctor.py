@@ -20,7 +20,6 @@ from xpuctl.cli.options import (
     FromOpt,
     ProbeTimeoutOpt,
     RayOpt,
-    Seconds,
     StateDirOpt,
     deep_options,
     on_cluster,
@@ -28,6 +27,7 @@ from xpuctl.cli.options import (
     parse_size,
     port_option,
 )
+from xpuctl.cli.paramtypes import Seconds
 from xpuctl.errors import ExitCode, UsageError
 
 if TYPE_CHECKING:  # types only: the countdown's module loads with --collective

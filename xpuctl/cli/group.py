@@ -139,7 +139,7 @@ class Group(TyperGroup):
         if os.environ.get(complete_var or COMPLETE_VAR):
             # typer's word order for the shims in completions/ (`complete_bash`, not click's
             # `bash_complete`): scripts in click's order would silently complete nothing
-            from typer.completion import completion_init
+            from typer._completion_classes import completion_init
 
             completion_init()
         args = ray_value_optional(list(sys.argv[1:] if args is None else args))
@@ -148,7 +148,7 @@ class Group(TyperGroup):
             windows_expand_args=windows_expand_args, **extra))
         if not standalone_mode:
             return rv
-        sys.exit(rv if isinstance(rv, int) else 0)
+        sys.exit(rv if isinstance(rv, int) else ExitCode.OK)  # a command's return value: none
 
 
 def _options(params: list[Any], skip: set[str]) -> dict[str, bool]:

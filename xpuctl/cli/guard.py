@@ -1,11 +1,12 @@
-"""Errors become exit codes here, and only here.
+"""Errors become one line on stderr here, and their exit codes come from the one mapping
+(`errors.exit_code`).
 
 Inside a command (`guard`): an `XpuctlError` prints one line on stderr and exits with its
 code; Ctrl-C exits 130 (also at a prompt: `group_exit_code`); a closed stdout
-(`xpuctl ps | head`) exits 1 quietly; anything unexpected prints one line and exits 70, unless `--debug` (or XPUCTL_DEBUG=1) asks for the
-traceback. Around the whole command line (`group_exit_code`): every usage error (an unknown
-option or command, a bad value, a missing argument) is one line on stderr and exit 2, never
-typer's boxed panel.
+(`xpuctl ps | head`) exits 1 quietly; anything unexpected prints one line and exits 70,
+unless `--debug` (or XPUCTL_DEBUG=1) asks for the traceback. Around the whole command line
+(`group_exit_code`): every usage error (an unknown option or command, a bad value, a missing
+argument) is one line on stderr and exit 2, never typer's boxed panel.
 """
 
 from __future__ import annotations
@@ -18,11 +19,10 @@ from typing import Any, TypeVar
 
 import typer
 
-from xpuctl.errors import ExitCode, UsageError, XpuctlError
+from xpuctl.errors import UsageError, XpuctlError, exit_code
 from xpuctl.output.safetext import emit, neutral, safe
 
 F = TypeVar("F", bound=Callable[..., Any])
-INTERNAL_ERROR = ExitCode.INTERNAL
 
 
 def debug_requested(ctx: Any = None) -> bool:
@@ -50,25 +50,25 @@ def guard(fn: F) -> F:
         except XpuctlError as exc:
             if debug:
                 raise
-            raise fail(str(exc), exc.exit_code) from None
-        except KeyboardInterrupt:
+            raise fail(str(exc), exit_code(exc)) from None
+        except KeyboardInterrupt as exc:
             if debug:
                 raise
             sys.stderr.write("xpuctl: interrupted\n")
-            raise typer.Exit(ExitCode.INTERRUPTED) from None
-        except BrokenPipeError:
+            raise typer.Exit(exit_code(exc)) from None
+        except BrokenPipeError as exc:
             # `xpuctl ps | head`: the reader went away; not an error worth a message
             try:
                 sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (replaces stdout until exit)
             except OSError:
                 pass
-            raise typer.Exit(ExitCode.PROBLEMS) from None
+            raise typer.Exit(exit_code(exc)) from None
         except Exception as exc:
             if debug:
                 raise
             raise fail(
                 f"internal error: {type(exc).__name__}: {exc} (run with --debug for a traceback)",
-                INTERNAL_ERROR,
+                exit_code(exc),
             ) from None
 
     return wrapper  # type: ignore[return-value]  # functools.wraps gives a _Wrapped; typer reads the signature through __wrapped__
@@ -107,18 +107,18 @@ def group_exit_code(run: Callable[[], Any]) -> Any:
         return run()
     except click_errors.NoArgsIsHelpError as exc:
         exc.show()  # bare `xpuctl`: the help (our own constant text), and exit 2
-        return int(ExitCode.USAGE)
+        return exit_code(exc)
     except click_errors.UsageError as exc:
         emit(sys.stderr, usage_line(exc))
-        return int(ExitCode.USAGE)
+        return exit_code(exc)
     except typer.Abort as exc:
         # click turns both a Ctrl-C and an end of input at a prompt into Abort; the
         # KeyboardInterrupt it replaced is still its __context__
         if isinstance(exc.__context__, KeyboardInterrupt):
             sys.stderr.write("\nxpuctl: interrupted\n")
-            return int(ExitCode.INTERRUPTED)
+            return exit_code(exc.__context__)
         sys.stderr.write("\nxpuctl: aborted (no answer)\n")
-        return int(ExitCode.PROBLEMS)
+        return exit_code(EOFError())
     except click_errors.ClickException as exc:
         emit(sys.stderr, f"xpuctl: error: {one_line(exc.format_message())}")
-        return exc.exit_code
+        return exit_code(exc)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, NoReturn
 
 import typer
 
@@ -11,21 +11,22 @@ from xpuctl.cli.context import app_context
 from xpuctl.cli.group import command_app
 from xpuctl.cli.guard import confirm, guard
 from xpuctl.cli.options import (
-    HOUR,
     CollectiveOpt,
     CollectiveTimeoutOpt,
     DeviceOpt,
     JsonOpt,
     KillAfterOpt,
-    Seconds,
     StateDirOpt,
     port_option,
 )
+from xpuctl.cli.paramtypes import Seconds
 from xpuctl.errors import ExitCode, UsageError
 from xpuctl.output.safetext import emit
+from xpuctl.parse.seconds import HOUR
 
 if TYPE_CHECKING:  # types only: the command's modules load when it runs
-    pass
+    from xpuctl.host.seam import Host
+    from xpuctl.rebind import Request as RebindRequest
 
 app = command_app()
 
@@ -61,36 +62,39 @@ def reset(
     Exit 0: clean afterwards. 1: problems remain. 2: usage (or no --yes without a terminal).
     """
     from xpuctl import reset as flow
+    from xpuctl.actions.cleanup import Removal
     from xpuctl.output import documents, lines
     from xpuctl.state.statedir import resolve_state_dir
 
     a = app_context(ctx)
     if rebind:
-        from xpuctl.host.devices import resolve_device_specs
-        from xpuctl.rebind import run as rebind_run
-
-        bdfs = resolve_device_specs(a.host, list(device or []))
         if device_reset:
             raise UsageError("--rebind and --device-reset are two different recoveries: pick one")
-        checks = collective_timeout if collective else None
-        raise typer.Exit(rebind_run(
-            a.host, bdfs, dry_run=dry_run, yes=yes, kill_holders=kill_holders,
-            kill_after=kill_after, timeout=timeout, bind_timeout=bind_timeout, collective=checks,
-            state_dir=state_dir, environ=a.environ, as_json=as_json,
-            say=lambda line: emit(sys.stderr if as_json else sys.stdout, line), confirm=_confirm,
-            write_json=lambda doc: sys.stdout.write(documents.to_json(doc) + "\n")))
+        from xpuctl import rebind as rebind_flow
+
+        _rebind(a.host, rebind_flow.Request(
+            tuple(device or []), dry_run, kill_holders, kill_after, timeout, bind_timeout,
+            collective_timeout if collective else None, a.environ),
+            resolve_state_dir(a.host, state_dir, a.environ), as_json, yes)
     if collective:
         raise UsageError("--collective checks a device after --rebind: use doctor --collective")
     stream = sys.stderr if as_json else sys.stdout
     request = flow.Request(tuple(device or []), port, dry_run, timeout, kill_after, device_reset,
                            kill_holders, a.environ)
 
-    def show(ev: flow.Planned | str) -> None:
-        if isinstance(ev, str):
-            emit(stream, ev)
-        elif not as_json:
-            for line in lines.reset_plan_lines(ev.plan, kill_holders, ev.advice):
-                emit(stream, line)
+    def show(ev: flow.Told) -> None:
+        if isinstance(ev, flow.Planned):
+            if not as_json:
+                for line in lines.reset_plan_lines(ev.plan, kill_holders, ev.advice):
+                    emit(stream, line)
+        elif isinstance(ev, flow.DeviceReset):
+            emit(stream, lines.device_reset_line(ev.bdf, ev.done, ev.detail))
+        elif isinstance(ev, Removal):
+            said = lines.removal_line(ev)
+            if said is not None:
+                emit(stream, said)
+        else:  # the stop of the orphans and holders
+            emit(stream, lines.event_line(ev))
 
     out = flow.run(a.host, request, resolve_state_dir(a.host, state_dir, a.environ), show,
                    approve=None if yes else _confirm)
@@ -117,3 +121,47 @@ def _confirm(_plan: object = None) -> bool:
     """Ask on the terminal; no terminal is a usage error, a "no" exits 1 and changes nothing
     (Ctrl-C at the prompt: 130, in the guard)."""
     return confirm("refusing to clean without confirmation: pass --yes (no terminal to ask)")
+
+
+def _rebind(host: Host, request: RebindRequest, state_dir: str | None, as_json: bool,
+            yes: bool) -> NoReturn:
+    """`reset --rebind`: the flow's steps and outcome rendered, its exit code."""
+    from xpuctl import rebind as flow
+    from xpuctl.output import documents, lines
+
+    stream = sys.stderr if as_json else sys.stdout
+
+    def show(ev: flow.Told) -> None:
+        if isinstance(ev, flow.Planned):
+            if not as_json:
+                for line in lines.rebind_plan_lines(ev.plan):
+                    emit(stream, line)
+        elif isinstance(ev, flow.Written):
+            emit(stream, lines.driver_write_line(ev.op, ev.bdf, ev.driver, ev.write))
+        elif isinstance(ev, flow.Back):
+            emit(stream, lines.device_back_line(ev.bdf, ev.node))
+        elif isinstance(ev, flow.Checking):
+            emit(stream, lines.collective_check_line(ev.bdf))
+        else:  # the holders' stop
+            emit(stream, lines.event_line(ev))
+
+    out = flow.run(host, request, state_dir, show, approve=None if yes else _confirm)
+    if out.declined:
+        raise typer.Exit(ExitCode.PROBLEMS)  # a "no" at the prompt: nothing was changed
+    if out.executed is None:  # a dry run, or refused
+        if as_json:
+            doc = documents.rebind_plan_document(out.plan, request.dry_run)
+            sys.stdout.write(documents.to_json(doc) + "\n")
+        refused = out.plan.refused and not request.dry_run
+        raise typer.Exit(ExitCode.PROBLEMS if refused else ExitCode.OK)
+    assert out.audit is not None  # it ran: its audit log exists
+    warning = lines.audit_warning(out.audit)
+    if warning:
+        emit(stream, warning)
+    if as_json:
+        doc = documents.rebind_document(out.plan, out.executed, out.audit.summary())
+        sys.stdout.write(documents.to_json(doc) + "\n")
+    else:
+        for line in lines.rebind_result_lines(out.plan.device.bdf, out.executed):
+            emit(stream, line)
+    raise typer.Exit(ExitCode.PROBLEMS if out.missing else ExitCode.OK)

@@ -12,19 +12,17 @@ from xpuctl.cli.context import app_context
 from xpuctl.cli.group import command_app
 from xpuctl.cli.guard import guard
 from xpuctl.cli.options import (
-    HOUR,
-    DeviceList,
     KillAfterOpt,
     ProbeTimeoutOpt,
-    Seconds,
     StateDirOpt,
     complete_device,
     deep_options,
     port_option,
 )
+from xpuctl.cli.paramtypes import DeviceList, Seconds
 from xpuctl.errors import UsageError
 from xpuctl.output.safetext import emit, safe
-from xpuctl.parse.seconds import DAY
+from xpuctl.parse.seconds import DAY, HOUR
 
 app = command_app()
 

@@ -15,11 +15,11 @@ from xpuctl.cli.options import (
     DeviceOpt,
     JsonOpt,
     KillAfterOpt,
-    Seconds,
     StateDirOpt,
     complete_run,
     port_option,
 )
+from xpuctl.cli.paramtypes import Seconds
 from xpuctl.errors import ExitCode
 from xpuctl.output.safetext import emit, safe
 
@@ -81,8 +81,7 @@ def shutdown(
 
     def ask(planned: flow.Planned) -> bool:
         stream = sys.stderr if as_json else sys.stdout
-        targets = documents.shutdown_target_dicts(planned.trees, planned.members)
-        for line in lines.shutdown_plan_lines(targets):
+        for line in lines.shutdown_plan_lines(planned.trees, planned.members):
             emit(stream, line)
         for line in planned.skipped:
             emit(stream, f"skipped: {safe(line)}")
@@ -101,7 +100,7 @@ def shutdown(
         if as_json:
             sys.stdout.write(documents.to_json(documents.shutdown_plan_document(targets, dry_run, out.skipped)) + "\n")
         else:
-            for line in lines.shutdown_plan_lines(targets):
+            for line in lines.shutdown_plan_lines(out.trees, out.members):
                 emit(sys.stdout, line)
             for line in out.skipped:
                 emit(sys.stdout, f"skipped: {safe(line)}")

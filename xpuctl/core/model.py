@@ -24,9 +24,6 @@ if TYPE_CHECKING:  # records of the parsers, held in fields; not imported by eve
 # An environment with nothing in it (a request's default, read only).
 EMPTY_ENV: Mapping[str, str] = MappingProxyType({})
 
-SEVERITIES = ("info", "warn", "fail")
-
-
 class Issue(NamedTuple):
     """Something the scan could not read, and why (and what to do, when the source's usual
     remedy does not apply: core/checks/inspection)."""
@@ -190,10 +187,6 @@ class Process(NamedTuple):
     claims: tuple[str, ...] = ()
 
     @property
-    def is_vllm(self) -> bool:
-        return self.role is not None
-
-    @property
     def is_zombie(self) -> bool:
         return self.state == "Z"
 
@@ -349,7 +342,7 @@ class Health(NamedTuple):
     checked_at: float  # wall-clock seconds of the watch's last check
     interval: float  # seconds between checks: a check older than three of them proves nothing
 
-    def to_dict(self) -> dict[str, object]:
+    def to_dict(self) -> dict[str, str | float | None]:
         return dict(self._asdict())
 
     @classmethod
@@ -368,6 +361,36 @@ class Health(NamedTuple):
                 return None
             numbers.append(float(n))
         return cls(state, numbers[0], reason, numbers[1], numbers[2])
+
+
+class RunRow(NamedTuple):
+    """One run for `xpuctl ps`: its record's state and its age (state/live.py)."""
+
+    name: str
+    state: str  # starting | ready | stopping | stale (the record says one of those: gone)
+    age_seconds: float | None  # since launch
+    pid: int | None
+    port: int
+    devices: tuple[str, ...]
+    run_id: str
+    recorded_state: str | None = None  # a stale run: the state its record still says
+    health: Health | None = None  # serve's watch: its last verdict and check (core/watch.py)
+
+
+class Unread(NamedTuple):
+    """A run record (or the directory of records) that could not be read: where, and why
+    (state/runs.py)."""
+
+    path: str
+    name: str | None  # the run's name from the file's name; None: the directory itself
+    why: str  # "a FIFO", "not JSON: ...", "field 'pid' is a string, not int | None", ...
+    damaged: bool  # True: what is there is no record; False: it could not be read (EACCES)
+
+    def line(self) -> str:
+        if self.name is None:
+            return f"the runs in {self.path} cannot be listed: {self.why}"
+        what = "damaged" if self.damaged else "not readable"
+        return f"run record {self.path} is {what}: {self.why}"
 
 
 class RunHealth(NamedTuple):
@@ -581,7 +604,3 @@ class FileInfo(NamedTuple):
     @property
     def is_socket(self) -> bool:
         return _stat.S_ISSOCK(self.mode)
-
-    @property
-    def is_symlink(self) -> bool:
-        return _stat.S_ISLNK(self.mode)

@@ -9,7 +9,7 @@ decided by its device and inode (a stat, made only when there are candidates), n
 link text, which names the path its process sees (another mount namespace, a bind mount).
 A process that vanishes mid-scan is skipped;
 one whose fds cannot be read is counted. On a busy host the pass is split over two
-processes (probes/split.py). Equivalent: `fuser -v /dev/dri/*`, `lsof /dev/dri/*`.
+processes (host/split.py). Equivalent: `fuser -v /dev/dri/*`, `lsof /dev/dri/*`.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from xpuctl.host.processes import (
     stat_of,
 )
 from xpuctl.host.reads.protocol import BlockedRead
-from xpuctl.host.seam import CLK_TCK, Host  # noqa: F401 (CLK_TCK: cli's own-age check)
+from xpuctl.host.seam import Host
 from xpuctl.parse.envvars import mask_indices
 from xpuctl.parse.net import TcpSocket, parse_tcp
 from xpuctl.parse.procfs import (

@@ -22,6 +22,7 @@ from xpuctl.host.reads.protocol import DEFAULT_BOUND, BlockedRead
 
 if TYPE_CHECKING:  # imported in lstat: a pass over /proc (host/ahead.py) needs no record types
     from xpuctl.core.model import FileInfo
+    from xpuctl.parse.net import TcpSocket
 
 #: Clock ticks per second of /proc/<pid>/stat start times.
 CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -36,7 +37,7 @@ class Host:
 
     #: Largest file read through the host (see protocol.READ_LIMIT).
     READ_LIMIT = _protocol.READ_LIMIT
-    #: A pass over /proc may be split over a forked helper (probes/split.py). A host that
+    #: A pass over /proc may be split over a forked helper (host/split.py). A host that
     #: records its reads (snapshot) says no: the helper's reads would be lost with it.
     splittable = True
     #: Ticks per second of the start times in /proc/<pid>/stat.
@@ -127,7 +128,7 @@ class Host:
         texts it records, as its replay will."""
         return self.proc_is_live
 
-    def found_listeners(self, sockets: list[Any]) -> None:
+    def found_listeners(self, sockets: list[TcpSocket]) -> None:
         """Told the TCP LISTEN sockets a scan found (over netlink on a live host, which is
         no file read): a recording host keeps them; this one has no use for them."""
 

@@ -6,7 +6,7 @@ tables as on one host), and the nodes' Prometheus families with a `node` label.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from xpuctl.core.cluster import ClusterResult, Family, NodeResult, Sample
 from xpuctl.output.safetext import safe
@@ -14,12 +14,14 @@ from xpuctl.output.safetext import safe
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from xpuctl.output.documents import Document
 
-def cluster_dict(result: ClusterResult) -> dict[str, Any]:
+
+def cluster_dict(result: ClusterResult) -> Document:
     """Each node's own document under the command's name, or its error."""
     nodes = []
     for n in result.nodes:
-        item: dict[str, Any] = {"node_id": n.node_id, "ip": n.ip, "hostname": n.hostname,
+        item: Document = {"node_id": n.node_id, "ip": n.ip, "hostname": n.hostname,
                                 "status": n.status, "exit_code": n.exit_code,
                                 "seconds": n.seconds}
         if n.error is not None:

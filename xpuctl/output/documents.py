@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, TypeAlias
 
 from xpuctl import __version__
 from xpuctl.core.model import (
@@ -23,18 +23,27 @@ from xpuctl.core.model import (
     Health,
     Port,
     Process,
+    RayActor,
     Report,
+    RunRow,
     RuntimeView,
     Scan,
+    Unread,
     Unreadable,
 )
+from xpuctl.output.shapes import RebindPlan, Rebound, ResetDone, ResetPlan, Stopped, Tree
 from xpuctl.parse.probes import ProbeResult, result_to_dict
 
 if TYPE_CHECKING:  # types only: the watch's judgement is imported where a run is shown
     from xpuctl.core.watch import Judged
 
+#: A value of a JSON document, as `to_json` writes it (a tuple is an array).
+Json: TypeAlias = "str | int | float | bool | Sequence[Json] | Mapping[str, Json] | None"
+#: A JSON object: a command's document, or a part of one.
+Document: TypeAlias = "dict[str, Json]"
 
-def probe_dict(r: ProbeResult) -> dict[str, Any]:
+
+def probe_dict(r: ProbeResult) -> Document:
     """A probe's summary: its stored form without the per-device answers (those are shown
     per device, under `runtime`)."""
     data = result_to_dict(r)
@@ -42,7 +51,7 @@ def probe_dict(r: ProbeResult) -> dict[str, Any]:
     return data
 
 
-def runtime_dict(v: RuntimeView | None) -> dict[str, Any] | None:
+def runtime_dict(v: RuntimeView | None) -> Document | None:
     if v is None:
         return None
     return {
@@ -58,16 +67,16 @@ def runtime_dict(v: RuntimeView | None) -> dict[str, Any] | None:
     }
 
 
-def holder_containers(scan: Scan, bdf: str) -> list[dict[str, Any]]:
+def holder_containers(scan: Scan, bdf: str) -> list[Document]:
     """Each holder of a device with its container (null when it runs in none)."""
-    out = []
+    out: list[Document] = []
     for pid in scan.holders(bdf):
         p = scan.process(pid)
         out.append({"pid": pid, "container": container_dict(p.container if p else None)})
     return out
 
 
-def device_dict(d: Device, scan: Scan) -> dict[str, Any]:
+def device_dict(d: Device, scan: Scan) -> Document:
     view = scan.deep.device(d.bdf) if scan.deep else None
     return {
         "index": d.index,
@@ -93,7 +102,7 @@ def device_dict(d: Device, scan: Scan) -> dict[str, Any]:
     }
 
 
-def kernel_dict(d: Device, scan: Scan) -> dict[str, Any]:
+def kernel_dict(d: Device, scan: Scan) -> Document:
     """What the kernel said of the device: declared wedged (and not initialised since), a
     pending crash dump."""
     event = scan.kernel.wedged(d.bdf) if scan.kernel is not None else None
@@ -105,7 +114,7 @@ def kernel_dict(d: Device, scan: Scan) -> dict[str, Any]:
     }
 
 
-def process_dict(p: Process) -> dict[str, Any]:
+def process_dict(p: Process) -> Document:
     argv, cut = p.shown_argv  # capped (docs/output.md): cut is the bytes not shown
     return {
         "pid": p.pid,
@@ -138,14 +147,14 @@ def process_dict(p: Process) -> dict[str, Any]:
     }
 
 
-def container_dict(c: Container | None) -> dict[str, Any] | None:
+def container_dict(c: Container | None) -> Document | None:
     """The container or pod a process runs in (null: none, or its cgroup names none)."""
     if c is None:
         return None
     return {"runtime": c.runtime, "id": c.id, "name": c.name, "pod": c.pod, "namespace": c.namespace}
 
 
-def ray_dict(actor: Any) -> dict[str, Any] | None:
+def ray_dict(actor: RayActor | None) -> Document | None:
     """The Ray actor a process runs (null when it is none, or Ray was not asked)."""
     if actor is None:
         return None
@@ -154,7 +163,7 @@ def ray_dict(actor: Any) -> dict[str, Any] | None:
             "driver_gone": actor.driver_gone}
 
 
-def artifact_dict(a: Artifact) -> dict[str, Any]:
+def artifact_dict(a: Artifact) -> Document:
     return {
         "path": a.path,
         "kind": a.kind,
@@ -167,7 +176,7 @@ def artifact_dict(a: Artifact) -> dict[str, Any]:
     }
 
 
-def port_dict(p: Port) -> dict[str, Any]:
+def port_dict(p: Port) -> Document:
     return {
         "port": p.port,
         "address": p.address,
@@ -184,7 +193,7 @@ def blocked_dicts(scan: Scan) -> list[dict[str, str]]:
     return [{"path": i.source, "reason": i.reason} for i in scan.blocked]
 
 
-def unreadable_dict(u: Unreadable) -> dict[str, Any]:
+def unreadable_dict(u: Unreadable) -> Document:
     return {
         "pid": u.pid,
         "command": u.command,
@@ -198,7 +207,7 @@ def unreadable_dict(u: Unreadable) -> dict[str, Any]:
     }
 
 
-def finding_dict(f: Finding) -> dict[str, Any]:
+def finding_dict(f: Finding) -> Document:
     return {
         "check": f.check,
         "severity": f.severity,
@@ -210,7 +219,7 @@ def finding_dict(f: Finding) -> dict[str, Any]:
     }
 
 
-def doctor_dict(report: Report) -> dict[str, Any]:
+def doctor_dict(report: Report) -> Document:
     scan = report.scan
     return {
         "schema": "xpuctl.doctor/1",
@@ -233,7 +242,7 @@ def doctor_dict(report: Report) -> dict[str, Any]:
     }
 
 
-def collective_dict(r: CollectiveResult) -> dict[str, Any]:
+def collective_dict(r: CollectiveResult) -> Document:
     """`doctor --collective`'s result (issue 21's shape)."""
     return {
         "verdict": r.verdict, "backend": r.backend, "world_size": r.world_size,
@@ -244,7 +253,7 @@ def collective_dict(r: CollectiveResult) -> dict[str, Any]:
     }
 
 
-def to_json(data: dict[str, Any]) -> str:
+def to_json(data: Document) -> str:
     """Exact text, printable ASCII only: non-ASCII as \\uXXXX, and a byte that was not UTF-8
     (read as a lone surrogate U+DC80-U+DCFF, "surrogateescape") as \\udcXX, which a reader
     turns back into the byte (README, "JSON output"). Never raw bytes, never a crash."""
@@ -252,15 +261,15 @@ def to_json(data: dict[str, Any]) -> str:
 
 
 
-def run_dict(r: Any, now: float | None = None) -> dict[str, Any]:
+def run_dict(r: RunRow, now: float | None = None) -> Document:
     """One run of `ps --json`; a stale one (state "stale") also says what its record still
     says; `health` is the record's (null: an xpuctl without the watch)
     with `healthy` and `status` as `xpuctl health` judges it at `now`."""
-    health = getattr(r, "health", None)
-    out: dict[str, Any] = {
+    health = r.health
+    out: Document = {
         "name": r.name, "state": r.state, "age_seconds": r.age_seconds, "pid": r.pid,
         "port": r.port, "devices": list(r.devices), "run_id": r.run_id,
-        "recorded_state": getattr(r, "recorded_state", None), "health": None,
+        "recorded_state": r.recorded_state, "health": None,
     }
     if health is not None:
         from xpuctl.core.watch import judge
@@ -271,7 +280,7 @@ def run_dict(r: Any, now: float | None = None) -> dict[str, Any]:
 
 
 def health_document(name: str, state: str, health: Health | None, seen: Judged,
-                    now: float) -> dict[str, Any]:
+                    now: float) -> Document:
     """`xpuctl health --json`: one object; `health` is the record's field (null: an xpuctl
     without the watch), `seen` how it is judged at `now`."""
     return {"schema": "xpuctl.health/1", "name": name, "healthy": seen.healthy,
@@ -281,13 +290,13 @@ def health_document(name: str, state: str, health: Health | None, seen: Judged,
             if health is not None else None}
 
 
-def unread_run_dict(u: Any) -> dict[str, Any]:
+def unread_run_dict(u: Unread) -> Document:
     """A run record (or directory of records, `name` null) that could not be read."""
     return {"path": u.path, "name": u.name, "damaged": u.damaged, "why": u.why}
 
 
-def ps_document(runs: list[Any], processes: list[Process], scan: Scan | None = None,
-                unread: Sequence[Any] = ()) -> dict[str, Any]:
+def ps_document(runs: Sequence[RunRow], processes: Sequence[Process], scan: Scan | None = None,
+                unread: Sequence[Unread] = ()) -> Document:
     """`ps --json`; `scan`: the scan, for what it could not read; `unread`: the run records
     that could not be read."""
     return {"schema": "xpuctl.ps/1", "runs": [run_dict(r) for r in runs],
@@ -297,9 +306,9 @@ def ps_document(runs: list[Any], processes: list[Process], scan: Scan | None = N
             "blocked_reads": blocked_dicts(scan) if scan else []}
 
 
-def devices_document(scan: Scan, baseline: list[tuple[str, int | None, str]] | None) -> dict[str, Any]:
+def devices_document(scan: Scan, baseline: list[tuple[str, int | None, str]] | None) -> Document:
     """`devices --json`; `baseline` is what --record-baseline recorded (None: not asked)."""
-    data: dict[str, Any] = {"schema": "xpuctl.devices/1",
+    data: Document = {"schema": "xpuctl.devices/1",
                             "devices": [device_dict(d, scan) for d in scan.devices],
                             "unreadable_processes": [unreadable_dict(u) for u in scan.unreadable_processes],
                             "blocked_reads": blocked_dicts(scan)}
@@ -310,7 +319,8 @@ def devices_document(scan: Scan, baseline: list[tuple[str, int | None, str]] | N
     return data
 
 
-def shutdown_target_dicts(trees: list[Any], members: dict[int, list[int]]) -> list[dict[str, Any]]:
+def shutdown_target_dicts(trees: Sequence[Tree],
+                          members: Mapping[int, list[int]]) -> list[Document]:
     """The servers a shutdown stops (or would stop), with the processes it waits for."""
     return [
         {
@@ -328,15 +338,15 @@ def shutdown_target_dicts(trees: list[Any], members: dict[int, list[int]]) -> li
     ]
 
 
-def shutdown_plan_document(targets: list[dict[str, Any]], dry_run: bool,
-                           skipped: Sequence[str] = ()) -> dict[str, Any]:
+def shutdown_plan_document(targets: Sequence[Document], dry_run: bool,
+                           skipped: Sequence[str] = ()) -> Document:
     """`skipped`: what a read that did not answer kept out of the plan (ladder.skipped_lines)."""
     return {"schema": "xpuctl.shutdown/1", "dry_run": dry_run, "targets": targets, "events": [],
             "verdict": "planned" if targets else "nothing", "skipped": list(skipped)}
 
 
-def shutdown_document(targets: list[dict[str, Any]], result: Any, resolve_seconds: float | None,
-                      audit: dict[str, Any]) -> dict[str, Any]:
+def shutdown_document(targets: Sequence[Document], result: Stopped,
+                      resolve_seconds: float | None, audit: Document) -> Document:
     return {
         "schema": "xpuctl.shutdown/1",
         "dry_run": False,
@@ -353,7 +363,7 @@ def shutdown_document(targets: list[dict[str, Any]], result: Any, resolve_second
     }
 
 
-def reset_plan_dict(plan: Any, kill_holders: bool, advice: list[Finding]) -> dict[str, Any]:
+def reset_plan_dict(plan: ResetPlan, kill_holders: bool, advice: Sequence[Finding]) -> Document:
     return {
         "orphans": [{"top": t.top.pid, "devices": list(t.devices)} for t in plan.orphan_trees],
         "orphan_pids": plan.orphan_pids,
@@ -369,11 +379,11 @@ def reset_plan_dict(plan: Any, kill_holders: bool, advice: list[Finding]) -> dic
     }
 
 
-def reset_plan_document(plan: dict[str, Any], dry_run: bool) -> dict[str, Any]:
+def reset_plan_document(plan: Document, dry_run: bool) -> Document:
     return {"schema": "xpuctl.reset/1", "dry_run": dry_run, "plan": plan}
 
 
-def reset_document(plan: dict[str, Any], outcome: Any, audit: dict[str, Any]) -> dict[str, Any]:
+def reset_document(plan: Document, outcome: ResetDone, audit: Document) -> Document:
     return {
         "schema": "xpuctl.reset/1",
         "dry_run": False,
@@ -384,5 +394,33 @@ def reset_document(plan: dict[str, Any], outcome: Any, audit: dict[str, Any]) ->
         "device_reset": [{"bdf": b, "done": ok, "detail": why} for b, ok, why in outcome.device_reset],
         "status": outcome.after.status,
         "findings": [finding_dict(f) for f in outcome.after.findings],
+        "audit": audit,
+    }
+
+
+def rebind_plan_dict(plan: RebindPlan) -> Document:
+    d = plan.device
+    return {
+        "device": d.index, "bdf": d.bdf, "driver": plan.driver, "nodes": list(plan.nodes),
+        "writes": [{"path": path, "value": d.bdf} for path in (plan.unbind, plan.bind)],
+        "holders": [{"pid": h.pid, "command": h.command, "stoppable": h.why_not is None,
+                     "why_not": h.why_not} for h in plan.holders],
+        "refused": plan.refused,
+    }
+
+
+def rebind_plan_document(plan: RebindPlan, dry_run: bool) -> Document:
+    """`reset --rebind --json` when nothing was written: a dry run, or refused."""
+    return {"schema": "xpuctl.reset/1", "dry_run": dry_run, "rebind": rebind_plan_dict(plan)}
+
+
+def rebind_document(plan: RebindPlan, out: Rebound, audit: Document) -> Document:
+    """`reset --rebind --json` after the writes: the plan, what was done, the check after."""
+    return {
+        **rebind_plan_document(plan, False),
+        "writes": [{"path": w.path, "done": w.done, "detail": w.detail} for w in out.writes],
+        "nodes_gone": out.gone, "render_node": out.back, "missing": list(out.missing),
+        "status": out.after.status if out.after else None,
+        "findings": [finding_dict(f) for f in out.after.findings] if out.after else [],
         "audit": audit,
     }

@@ -8,13 +8,22 @@ Host text in them is escaped with `safe`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
 
 from xpuctl.core import waits
 from xpuctl.core.model import Finding, Scan
 from xpuctl.core.waits import Wait
 from xpuctl.output.safetext import safe
+from xpuctl.output.shapes import (
+    AuditLog,
+    DriverWrite,
+    RebindPlan,
+    Rebound,
+    Removed,
+    ResetPlan,
+    Step,
+    Tree,
+)
 
 
 def finding_lines(findings: Iterable[Finding], lead: str = "", fix: str | None = "  fix: ",
@@ -31,7 +40,7 @@ def finding_lines(findings: Iterable[Finding], lead: str = "", fix: str | None =
     return out
 
 
-def event_line(ev: Any) -> str:
+def event_line(ev: Step) -> str:
     """One step of a stop's timeline: seconds since it began, the phase, what happened."""
     return f"{ev.t:7.2f}s  {ev.phase:<18} {safe(ev.detail)}"
 
@@ -109,27 +118,28 @@ def next_line(devices: Iterable[str], port: int | None, verdict: str) -> str:
     return f"xpuctl: next step: {safe(next_command(devices, port, verdict))}"
 
 
-def audit_warning(log: Any) -> str | None:
+def audit_warning(log: AuditLog) -> str | None:
     """The audit log could not be written: say so (the action itself went ahead), unless a
     warning that covers it was given (`told`)."""
-    if not log.lost or getattr(log, "told", False):
+    if not log.lost or log.told:
         return None
     return f"xpuctl: warning: audit log {safe(log.path)}: {log.lost} line(s) not written ({safe(log.error)})"
 
 
-def shutdown_plan_lines(targets: list[dict[str, Any]]) -> list[str]:
-    """`shutdown --dry-run` (and a shutdown that finds nothing)."""
-    if not targets:
+def shutdown_plan_lines(trees: Sequence[Tree], members: Mapping[int, list[int]]) -> list[str]:
+    """`shutdown --dry-run` (and a shutdown that finds nothing); `members`: each tree's
+    processes by its top's pid."""
+    if not trees:
         return ["nothing to stop"]
     return [
-        f"would stop {safe(t['name'])}: SIGTERM {t['role']} {t['top']}"
-        f"{' (orphaned)' if t['orphan'] else ''}, then wait for {len(t['processes'])} process(es) "
-        f"{t['processes']}, devices {safe(', '.join(t['devices'])) or '-'}, port {t['port'] or '-'}"
-        for t in targets
+        f"would stop {safe(t.name)}: SIGTERM {t.role} {t.top.pid}"
+        f"{' (orphaned)' if t.orphan else ''}, then wait for {len(members[t.top.pid])} process(es) "
+        f"{members[t.top.pid]}, devices {safe(', '.join(t.devices)) or '-'}, port {t.port or '-'}"
+        for t in trees
     ]
 
 
-def reset_plan_lines(plan: Any, kill_holders: bool, advice: list[Finding]) -> list[str]:
+def reset_plan_lines(plan: ResetPlan, kill_holders: bool, advice: Sequence[Finding]) -> list[str]:
     """What reset will do (or would, with --dry-run), then the relaunch advice."""
     out = ["nothing to clean"] if plan.empty else []
     for t in plan.orphan_trees:
@@ -156,8 +166,64 @@ def reset_plan_lines(plan: Any, kill_holders: bool, advice: list[Finding]) -> li
     return out + finding_lines(advice, fix="  ")
 
 
+def removal_line(r: Removed) -> str | None:
+    """A file reset removed, or kept and why (None: it was gone already)."""
+    if r.removed:
+        return f"removed {safe(r.path)} ({r.kind}, {r.size_bytes} bytes)"
+    if r.reason == "already gone":
+        return None
+    return f"kept {safe(r.path)}: {safe(r.reason)}"
+
+
+def device_reset_line(bdf: str, done: bool, detail: str) -> str:
+    return f"device reset {safe(bdf)}: {'done' if done else 'not done'} ({safe(detail)})"
+
+
 def reset_result_lines(findings: list[Finding], status: str) -> list[str]:
     return [f"still failing: {f.check}: {safe(f.message)}" for f in findings] + [f"status: {status}"]
+
+
+def rebind_plan_lines(plan: RebindPlan) -> list[str]:
+    """What `reset --rebind` will do (or would, with --dry-run), or why it refuses."""
+    d = plan.device
+    name = f"device {d.index if d.index is not None else '-'} ({d.bdf}, driver {plan.driver})"
+    out = [f"rebind {name}:"]
+    for h in plan.holders:
+        act = "stop first" if plan.kill_holders and h.why_not is None else (h.why_not or "holds it")
+        out.append(f"  holder pid {h.pid} ({safe(h.command)}): {safe(act)}")
+    nodes = ", ".join(plan.nodes) or "none"
+    out.append(f"  write {d.bdf} > {plan.unbind}")
+    out.append(f"  wait until its DRM nodes are gone ({nodes})")
+    out.append(f"  write {d.bdf} > {plan.bind}")
+    out.append("  wait until its render node is back, then run doctor on it")
+    out.append("  a pending crash dump (devcoredump) of the device is lost: save it first")
+    if plan.refused and plan.device.survivability is not None:
+        out.append(f"refused: {safe(plan.refused)}")
+    elif plan.refused:
+        out.append(f"refused: {safe(plan.refused)}; stop them first, or --kill-holders")
+    return out
+
+
+def driver_write_line(op: str, bdf: str, driver: str, write: DriverWrite) -> str:
+    """`unbind BDF from xe: done (written)`, `bind BDF to xe: not done (why)`."""
+    way = "from" if op == "unbind" else "to"
+    done = "done" if write.done else "not done"
+    return f"{op} {bdf} {way} {driver}: {done} ({safe(write.detail)})"
+
+
+def device_back_line(bdf: str, node: str) -> str:
+    return f"{bdf} is back as {safe(node)}"
+
+
+def collective_check_line(bdf: str) -> str:
+    return f"checking {bdf}: oneCCL init, one all_reduce and destroy (--collective)"
+
+
+def rebind_result_lines(bdf: str, out: Rebound) -> list[str]:
+    """What is missing after the rebind, or that the device is back and clean."""
+    if out.missing:
+        return [f"missing: {safe(m)}" for m in out.missing]
+    return [f"{bdf} is back and clean"]
 
 
 def blocked_lines(scan: Scan) -> list[str]:

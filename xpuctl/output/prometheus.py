@@ -6,7 +6,7 @@ Label values go through `safetext.prom_label`; sample values are exact (`sample_
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Mapping, Sequence
 
 from xpuctl import __version__
 from xpuctl.core.checks import CHECKS
@@ -29,7 +29,8 @@ def sample_value(value: float) -> str:
     return repr(v)
 
 
-Samples = list[tuple[dict[str, Any], float]]
+#: (labels, value) of each sample; a label value is written as str() gives it
+Samples = Sequence[tuple[Mapping[str, object], float]]
 # (name, help, samples): every family is a gauge; `families` types them
 _Family = tuple[str, str, Samples]
 STATUSES = ("clean", "busy", "dirty", "unknown")
@@ -130,7 +131,7 @@ def _device_families(scan: Scan) -> list[_Family]:
 def _holder_samples(scan: Scan, devs: list[Device]) -> Samples:
     """One sample per device and container holding it (no pid label: one series per process
     would grow without bound), so an alert names what an operator can act on."""
-    out: Samples = []
+    out: list[tuple[Mapping[str, object], float]] = []
     for d in devs:
         counts: dict[tuple[str, str, str, str], int] = {}
         for pid in scan.holders(d.bdf):
@@ -159,7 +160,7 @@ def _run_families(scan: Scan) -> list[_Family]:
     a run without a recorded health (an xpuctl without the watch) has no sample."""
     from xpuctl.core.watch import judge
 
-    samples: Samples = []
+    samples: list[tuple[Mapping[str, object], float]] = []
     for run in scan.runs:
         seen = judge(run.state, run.health, scan.taken_at)
         if seen.status != "unknown":

@@ -38,7 +38,12 @@ that skipped `safe` still cannot reach a terminal raw; only its backslashes stay
 from __future__ import annotations
 
 import re
-from typing import IO, Any
+from collections.abc import Iterable
+from typing import IO, TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:  # rich is imported on first use (console): JSON and completion never need it
+    from rich.console import Console, RenderableType
+    from rich.segment import Segment
 
 LIMIT = 4096
 
@@ -47,7 +52,6 @@ _REST = "\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800
 _UNSAFE_CLASS = "\x00-\x1f" + _REST
 _UNSAFE = f"[{_UNSAFE_CLASS}]"
 _FIELD = f"[\\\\{_UNSAFE_CLASS}]"  # a field: the backslash too (see the module doc)
-_FIELD_BUT_NEWLINE = f"[\\\\\x00-\x09\x0b-\x1f{_REST}]"
 _UNSAFE_BUT_NEWLINE = f"[\x00-\x09\x0b-\x1f{_REST}]"
 # one escape `safe` writes, or one character: a cut never splits an escape
 _SHOWN = r"\\(?:x[0-9a-f]{2}|u[0-9a-f]{4}|.)|."
@@ -116,14 +120,6 @@ def safe(text: object, limit: int = LIMIT) -> str:
     return _cut(text, limit) if len(text) > limit else text
 
 
-def safe_lines(text: object, limit: int = LIMIT) -> str:
-    """Like `safe`, but newlines stay newlines (a block of lines; each line capped)."""
-    text = _text(text)
-    if not _re(_FIELD_BUT_NEWLINE).search(text) and len(text) <= limit:
-        return text
-    return "\n".join(safe(line, limit) for line in text.split("\n"))
-
-
 def neutral(text: object) -> str:
     """Composed text (xpuctl's words and fields that went through `safe`) made one safe line:
     control characters, newlines included, shown as escapes; backslashes kept as they are."""
@@ -159,55 +155,74 @@ def passthrough(stream: IO[bytes], data: bytes) -> None:
 
 # -- rich ----------------------------------------------------------------------------------
 
-_CONSOLE_CLASS: Any = None
+_CONSOLE_CLASS: type[Console] | None = None
+
+ColorSystem = Literal["auto", "standard", "256", "truecolor", "windows"]
 
 
-def console(stderr: bool = False, **kwargs: Any) -> Any:
+def console(stderr: bool = False, *, file: IO[str] | None = None, width: int | None = None,
+            soft_wrap: bool = False, force_terminal: bool | None = None,
+            color_system: ColorSystem | None = "auto") -> Console:
     """A rich Console for human output that cannot print host text raw (see the module doc).
 
     Markup and emoji codes are off (also in `status()`, whose spinner would read markup
     anyway): style with `rich.text.Text` or `style=`. Every text
     segment (not rich's own control segments: cursor moves of a status line) passes through
-    `safe_lines` after layout and before rich renders its styles, so only rich's own escape
+    `neutral_lines` after layout and before rich renders its styles, so only rich's own escape
     sequences reach a terminal.
     """
     global _CONSOLE_CLASS  # noqa: PLW0603 (the rich class, built once on first use: rich is imported lazily)
     if _CONSOLE_CLASS is None:
-        from rich.console import Console
-        from rich.segment import Segment
-        from rich.text import Text
+        _CONSOLE_CLASS = _safe_console_class()
+    return _CONSOLE_CLASS(stderr=stderr, file=file, width=width, soft_wrap=soft_wrap,
+                          force_terminal=force_terminal, color_system=color_system,
+                          markup=False, emoji=False, highlight=False)
 
-        def plain(text: Any) -> Any:
-            return Text(text) if isinstance(text, str) else text
 
-        class SafeConsole(Console):
-            def status(self, status: Any, *args: Any, **kwargs: Any) -> Any:
-                # rich's Spinner reads a str status as markup whatever the console says
-                st = super().status(plain(status), *args, **kwargs)
-                update = st.update
-                st.update = (  # type: ignore[method-assign]  # the one method patched: markup off
-                    lambda status=None, **kw: update(plain(status), **kw)
-                )
-                return st
+def _safe_console_class() -> type[Console]:
+    from rich.console import Console
+    from rich.segment import Segment
+    from rich.status import Status
+    from rich.style import StyleType
+    from rich.text import Text
 
-            def _render_buffer(self, buffer: Any) -> str:
-                buffer = list(buffer)
-                unsafe = _re(_UNSAFE_BUT_NEWLINE)
-                if unsafe.search("".join(s.text for s in buffer if not s.control)):
-                    buffer = [
-                        seg if seg.control or not unsafe.search(seg.text)
-                        else Segment(neutral_lines(seg.text), seg.style, seg.control)
-                        for seg in buffer
-                    ]
-                return super()._render_buffer(buffer)
+    def plain(text: RenderableType) -> RenderableType:
+        return Text(text) if isinstance(text, str) else text
 
-        if not hasattr(Console, "_render_buffer"):  # pragma: no cover - guarded by a test too
-            raise RuntimeError("rich.Console._render_buffer is gone: update xpuctl.output.safetext")
-        _CONSOLE_CLASS = SafeConsole
-    kwargs.setdefault("markup", False)
-    kwargs.setdefault("emoji", False)
-    kwargs.setdefault("highlight", False)
-    return _CONSOLE_CLASS(stderr=stderr, **kwargs)
+    class SafeConsole(Console):
+        def status(self, status: RenderableType, *, spinner: str = "dots",
+                   spinner_style: StyleType = "status.spinner", speed: float = 1.0,
+                   refresh_per_second: float = 12.5) -> Status:
+            # rich's Spinner reads a str status as markup whatever the console says
+            st = super().status(plain(status), spinner=spinner,
+                                spinner_style=spinner_style, speed=speed,
+                                refresh_per_second=refresh_per_second)
+            update = st.update
+
+            def update_plain(status: RenderableType | None = None, *, spinner: str | None = None,
+                             spinner_style: StyleType | None = None,
+                             speed: float | None = None) -> None:
+                update(None if status is None else plain(status), spinner=spinner,
+                       spinner_style=spinner_style, speed=speed)
+
+            # the one method patched: markup off
+            st.update = update_plain  # type: ignore[method-assign]
+            return st
+
+        def _render_buffer(self, buffer: Iterable[Segment]) -> str:
+            buffer = list(buffer)
+            unsafe = _re(_UNSAFE_BUT_NEWLINE)
+            if unsafe.search("".join(s.text for s in buffer if not s.control)):
+                buffer = [
+                    seg if seg.control or not unsafe.search(seg.text)
+                    else Segment(neutral_lines(seg.text), seg.style, seg.control)
+                    for seg in buffer
+                ]
+            return super()._render_buffer(buffer)
+
+    if not hasattr(Console, "_render_buffer"):  # pragma: no cover - guarded by a test too
+        raise RuntimeError("rich.Console._render_buffer is gone: update xpuctl.output.safetext")
+    return SafeConsole
 
 
 # -- Prometheus ----------------------------------------------------------------------------

@@ -10,15 +10,18 @@ the widest one.
 from __future__ import annotations
 
 import textwrap
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
-from xpuctl.core.model import Finding, Report, Scan
+from xpuctl.core.model import Finding, Report, RunRow, Scan, Version
 from xpuctl.output.safetext import safe
 from xpuctl.output.units import human_age, human_bytes
 from xpuctl.parse.procfs import ARGV_SHOWN_BYTES
 
 if TYPE_CHECKING:
-    from rich.console import Console
+    from rich.console import Console, ConsoleOptions, RenderResult
+    from rich.table import Table
+    from rich.text import Text
 
 #: a command as Process.command gives it (capped), escaped (at worst \xNN a byte), its mark
 COMMAND_SHOWN = 4 * ARGV_SHOWN_BYTES + 64
@@ -45,7 +48,7 @@ def _used_cell(scan: Scan, bdf: str) -> str:
         extra.append("from the i915 clients sysfs")
     return human_bytes(used) + (f" ({', '.join(extra)})" if extra else "")
 
-def _cell(value: object) -> Any:
+def _cell(value: object) -> Text:
     """A table cell holding host text: escaped (safetext.safe), never read as markup."""
     from rich.text import Text
 
@@ -60,7 +63,7 @@ def _dev_label(scan: Scan, bdf: str) -> str:
     return str(d.index)
 
 
-def _holders_cell(scan: Scan, holders: tuple[int, ...]) -> Any:
+def _holders_cell(scan: Scan, holders: tuple[int, ...]) -> Text:
     """The holders' pids, those in a container followed by its pod and name:
     `3010, 3020 (serving/llama-0/vllm), 4000`."""
     groups: dict[str | None, list[int]] = {}
@@ -71,7 +74,7 @@ def _holders_cell(scan: Scan, holders: tuple[int, ...]) -> Any:
     return _cell(", ".join(parts) or "-")
 
 
-def devices_table(scan: Scan) -> Any:
+def devices_table(scan: Scan) -> _Fitted:
     """The devices, one row each, fitted to the console's width when printed (_Fitted)."""
     from rich.table import Table
     from rich.text import Text
@@ -122,12 +125,12 @@ class _Fitted:
     """A table whose columns are narrowed in SHRINK_ORDER to fit the console's width, when it
     is printed (rich alone would narrow every column, "#" and the BDF too)."""
 
-    def __init__(self, table: Any, names: tuple[str, ...], natural: list[int]) -> None:
+    def __init__(self, table: Table, names: tuple[str, ...], natural: list[int]) -> None:
         self.table = table
         self.names = names
         self.natural = natural
 
-    def __rich_console__(self, console: Any, options: Any) -> Any:
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         widths = list(self.natural)
         # a cell's padding (one column each side) and one border between and around columns
         excess = sum(widths) + 3 * len(widths) + 1 - options.max_width
@@ -144,7 +147,7 @@ class _Fitted:
         yield self.table
 
 
-def _one_line(cell: object) -> Any:
+def _one_line(cell: object) -> Text:
     """A cell kept on one line and cut with "…" when its column is narrower (a Text cell
     keeps its style; a str is plain text, never markup)."""
     from rich.text import Text
@@ -155,7 +158,7 @@ def _one_line(cell: object) -> Any:
     return text
 
 
-def probes_line(scan: Scan) -> Any:
+def probes_line(scan: Scan) -> Text | None:
     """One line naming each deep probe and whether it answered (a rich Text, no markup)."""
     if scan.deep is None:
         return None
@@ -179,14 +182,14 @@ def probes_line(scan: Scan) -> Any:
     return line
 
 
-def versions_line(versions: Any) -> str:
+def versions_line(versions: Iterable[Version]) -> str:
     """`versions: kernel 6.8.0-45-generic, xe 6.8.0-45-generic, ..., ray ? (not installed …)`."""
     parts = [f"{v.name} {safe(v.version, 64)}" if v.version else f"{v.name} ? ({safe(v.why, 120)})"
              for v in versions]
     return "versions: " + ", ".join(parts)
 
 
-def processes_table(scan: Scan, title: str = "Processes", width: int = 120) -> Any:
+def processes_table(scan: Scan, title: str = "Processes", width: int = 120) -> Text:
     """A ps-style listing (rich's Table squeezes short columns when a command is long)."""
     from rich.text import Text
 
@@ -270,15 +273,14 @@ def _cut(text: str, width: int, keep: str = "") -> str:
     return text[: max(0, width - 1)] + "…"
 
 
-def _health_cell(r: Any, now: float) -> str:
+def _health_cell(r: RunRow, now: float) -> str:
     """What the watch says of a run, as `xpuctl health` judges it ("-": nothing recorded)."""
-    health = getattr(r, "health", None)
-    if health is None:
+    if r.health is None:
         return "-"
     from xpuctl.core.watch import judge
 
-    return judge(r.state, health, now).status
-def ports_table(scan: Scan) -> Any:
+    return judge(r.state, r.health, now).status
+def ports_table(scan: Scan) -> Text:
     """The listeners doctor tied to something: the serving port, vLLM's, oneCCL's KVS."""
     from rich.text import Text
 
@@ -302,7 +304,7 @@ def ports_table(scan: Scan) -> Any:
     return out
 
 
-def runs_table(rows: list[Any]) -> Any:
+def runs_table(rows: Sequence[RunRow]) -> Text:
     """xpuctl's runs (from their records): name, state, age, pid, port, devices, health."""
     import time
 
@@ -337,7 +339,7 @@ def _heading(console: Console, title: str) -> None:
     console.print(Text(title, style="bold"))
 
 
-def findings_table(findings: tuple[Finding, ...] | list[Finding]) -> Any:
+def findings_table(findings: Sequence[Finding]) -> _Findings:
     """Severity, check id, then the message; a long message wraps under itself (a hanging
     indent), and the remedy follows on its own line in the same column. Host text is
     escaped (safe) and printed as plain text, never as rich markup. Laid out at the width
@@ -349,7 +351,7 @@ class _Findings:
     def __init__(self, findings: tuple[Finding, ...]) -> None:
         self.findings = findings
 
-    def __rich_console__(self, console: Any, options: Any) -> Any:
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         from rich.text import Text
 
         check_w = max((len(f.check) for f in self.findings), default=0)
@@ -369,7 +371,7 @@ class _Findings:
             yield line
 
 
-def _hanging(out: Any, text: str, room: int, indent: int, style: str | None = None) -> None:
+def _hanging(out: Text, text: str, room: int, indent: int, style: str | None = None) -> None:
     """`text` wrapped to `room` columns, every line after the first indented by `indent`."""
     lines = textwrap.wrap(text, room, break_long_words=True, break_on_hyphens=False) or [""]
     out.append(("\n" + " " * indent).join(lines), style=style)

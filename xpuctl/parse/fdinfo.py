@@ -56,10 +56,6 @@ class Fdinfo(NamedTuple):
     shared_bytes: int | None = None  # drm-shared-<device region>: part of memory_bytes
     resident_bytes: int | None = None  # drm-resident-<device region>
 
-    @property
-    def is_drm(self) -> bool:
-        return self.driver is not None
-
 
 def parse_fdinfo(text: str) -> Fdinfo:
     pairs = _pairs(text)

@@ -13,7 +13,6 @@ import math
 import re
 from typing import NamedTuple
 
-MINUTE = 60.0
 HOUR = 3600.0
 DAY = 24 * HOUR
 WEEK = 7 * DAY

@@ -273,7 +273,3 @@ def start(environ: dict[str, str], timeout: float = DEFAULT_TIMEOUT,
             j.proc.wait()
         raise
     return Running(jobs, missing, timeout, since)
-
-
-def run_probes(environ: dict[str, str], timeout: float = DEFAULT_TIMEOUT) -> tuple[ProbeResult, ...]:
-    return start(environ, timeout).finish()

@@ -7,8 +7,9 @@ process holds a device and the process tree did not tie it (a run's own local Ra
 through the tree, for free). When Ray cannot be asked, the scan stays as it was and says so
 once (an inspection finding with the fix).
 
-`tie` is pure (a Scan and Ray's state in, a Scan out); `attach` asks Ray; `scan_with_ray` is
-the one scan with Ray every command takes.
+`tie` is pure (a Scan and Ray's state in, a Scan out); `fetcher` is how Ray's state is read
+(from a child Python that has ray); `attach` asks it when a scan needs it. `with_ray` is the
+one way every command ties a scan it took: `with_ray(host, take_scan(host, ...), environ)`.
 """
 
 from __future__ import annotations
@@ -137,21 +138,13 @@ def alive_on(host: Host) -> Callable[[int], bool]:
     return alive
 
 
-def scan_with_ray(host: Host, environ: Mapping[str, str], *, address: str | None = None,
-                  fetch: StateFetch | None = None, take: Callable[[], Scan] | None = None,
-                  **options: Any) -> Scan:
-    """The one "scan, then tie Ray actors": `take_scan(host, **options)` (or `take()`, a
-    scan the caller takes its own way), with the Ray actors that hold devices tied to their
-    run through Ray's state. `environ` is the command's own environment (the context's, or a
-    Ray node's): where Ray is (RAY_ADDRESS, XPUCTL_RAY_PYTHON, the token). `address`: `--ray
+def with_ray(host: Host, scan: Scan, environ: Mapping[str, str], *,
+             address: str | None = None, fetch: StateFetch | None = None) -> Scan:
+    """`scan` (taken on `host`) with the Ray actors that hold devices tied to their run
+    through Ray's state. `environ` is the command's own environment (the context's, or a Ray
+    node's): where Ray is (RAY_ADDRESS, XPUCTL_RAY_PYTHON, the token). `address`: `--ray
     ADDRESS`; `fetch`: Ray's state another way (a Ray node's own connection). A fake tree's
     or an archive's pids are not the cluster's: Ray is asked for a live /proc only."""
-    if take is None:
-        from xpuctl.host.scan import take_scan
-
-        scan = take_scan(host, **options)
-    else:
-        scan = take()
     if not host.proc_is_live:
         return scan
     return attach(scan, fetch or fetcher(host, environ, address), alive_on(host))

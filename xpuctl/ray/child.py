@@ -65,7 +65,7 @@ def resolve(address: str) -> str:
     target = resolved.split("://", 1)[-1].rstrip("/")
     check_listening(target)
     _check_gcs(resolved)
-    return resolved
+    return str(resolved)
 
 
 def check_listening(target: str) -> None:
@@ -108,7 +108,7 @@ def _check_gcs(address: str) -> None:
 
 
 def _gcs_read(address: str) -> None:
-    from ray._raylet import GcsClient  # type: ignore[attr-defined]  # a Cython module: no stubs list it
+    from ray._raylet import GcsClient
 
     try:
         GcsClient(address=address).internal_kv_get(b"__xpuctl__", None, timeout=3)

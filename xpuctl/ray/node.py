@@ -42,9 +42,11 @@ def _doctor(host: Any, environ: dict[str, str], options: dict[str, Any]) -> tupl
 
 
 def _scan(host: Any, environ: dict[str, str]) -> Any:
-    from xpuctl.ray.actors import scan_with_ray
+    from xpuctl.host.scan import take_scan
+    from xpuctl.ray.actors import with_ray
 
-    return scan_with_ray(host, environ, fetch=_state, port=None, want_env=False, artifacts=False)
+    return with_ray(host, take_scan(host, port=None, want_env=False, artifacts=False), environ,
+                    fetch=_state)
 
 
 def _ps(host: Any, environ: dict[str, str], options: dict[str, Any]) -> dict[str, Any]:

@@ -74,7 +74,8 @@ def _supervise_child(host: Host, opts: ServeOptions, plan: LaunchPlan, rec: RunR
         notifier = _handed_over(go, front, environ)
         code = RunSupervisor(host, opts, plan, rec, state_dir, sink, foreground=False,
                              notifier=notifier).run()
-        warning = audit_warning(audit.active()) if audit.active() is not None else None
+        audit_log = audit.active()
+        warning = audit_warning(audit_log) if audit_log is not None else None
         if warning:  # nobody sees our stderr: the run log says it
             log(warning)
         sink.end(f"exit {code}")

@@ -25,7 +25,8 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from types import FrameType
+from typing import IO, TYPE_CHECKING
 
 from xpuctl.actions.signals import (
     EXITED,
@@ -59,8 +60,10 @@ from xpuctl.state.runs import (
     update_record,
 )
 
-if TYPE_CHECKING:  # types only: the log's parser is imported where a diagnosis needs it
+if TYPE_CHECKING:  # types only: the log's parser and the ladder are imported where used
     from xpuctl.parse.vllmlog import LogSignature
+    from xpuctl.shutdown.ladder import Event, StopResult
+    from xpuctl.shutdown.targets import ServerTree
 
 READY_POLL = 0.1  # seconds between readiness probes
 READY_PROBE_TIMEOUT = 0.3  # one probe of /health (and /v1/models)
@@ -81,7 +84,7 @@ class _Pump(threading.Thread):
     """Copy vLLM's output to the log file, keeping the last lines, and hand each line to
     `on_line` (the start-up tracker) and `echo` (foreground: the terminal)."""
 
-    def __init__(self, stream, log_fd: int | None, on_line: Callable[[str], None],
+    def __init__(self, stream: IO[bytes], log_fd: int | None, on_line: Callable[[str], None],
                  echo: Callable[[str], None] | None) -> None:
         super().__init__(daemon=True, name="xpuctl-log")
         self.stream = stream
@@ -133,7 +136,7 @@ class RunSupervisor:
         self.view = view
         self.foreground = foreground
         self.signals = 0
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
         self.pump: _Pump | None = None
         self.t0 = time.monotonic()
         self.tracker = progress.Tracker(self.t0)
@@ -157,7 +160,7 @@ class RunSupervisor:
     def say(self, msg: str) -> None:
         self.view.say(msg)
 
-    def _set(self, **changes) -> None:
+    def _set(self, **changes: object) -> None:
         """Note `changes` in the run record. A record that cannot be written (a full or
         read-only disk, a state directory deleted or replaced) stops nothing: the run is
         supervised and stopped as on a writable one, and the fault is said once."""
@@ -199,7 +202,7 @@ class RunSupervisor:
         if self.foreground and self.pump is not None:
             self.pump.write(msg.encode("utf-8", "backslashreplace") + b"\n")
 
-    def _on_signal(self, signum, frame) -> None:
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self.signals += 1
         if self.signals >= 2:
             raise _Interrupted()
@@ -234,6 +237,7 @@ class RunSupervisor:
         self.observer = Observer(self.host, self.plan.bind, self.plan.port, self.plan.bdfs,
                                  self.lines, probe_timeout(self.opts.health_interval,
                                                            self.notify.watchdog))
+        assert self.proc.stdout is not None  # stdout=PIPE
         self.pump = _Pump(self.proc.stdout, log_fd, self._on_line,
                           self.view.echo if self.foreground else None)
         self.pump.start()
@@ -295,7 +299,7 @@ class RunSupervisor:
         asked is a note, never a failed start)."""
         from xpuctl.errors import RayError
         from xpuctl.ray.launch import run_nodes
-        from xpuctl.shutdown.ladder import members
+        from xpuctl.shutdown.targets import members
 
         if not self.rec.ray_cluster:
             return
@@ -449,7 +453,7 @@ class RunSupervisor:
             self.proc.returncode = code  # we reaped it, not Popen
         return code
 
-    def _tree(self):
+    def _tree(self) -> ServerTree:
         from xpuctl.shutdown.targets import ServerTree
 
         assert self.proc is not None
@@ -460,7 +464,7 @@ class RunSupervisor:
                     log_path=self.rec.log_path, record=self.rec, known=[top],
                     never_ready=not self.ready)
 
-    def _show(self, ev) -> None:
+    def _show(self, ev: Event) -> None:
         """One step of a stop's timeline. vLLM's own lines (`vllm` steps, read from its log)
         are left out in the foreground: its output is echoed there already."""
         if self.foreground and ev.phase == "vllm":
@@ -471,7 +475,7 @@ class RunSupervisor:
         """After a failure: the one command to run next (output.lines.next_line)."""
         self.say(next_line(self.plan.bdfs, self.plan.port, verdict))
 
-    def stop_tree(self, why: str):
+    def stop_tree(self, why: str) -> StopResult:
         """The ladder on our own tree. A server that never became ready has nothing to
         drain: the tree gets the teardown budget only (ServerTree.never_ready)."""
         from xpuctl.shutdown.ladder import stop
@@ -539,7 +543,7 @@ class RunSupervisor:
         self.end(f"failed {int(ExitCode.NOT_READY)}")
         return ExitCode.NOT_READY
 
-    def _after_stop(self, result) -> int:
+    def _after_stop(self, result: StopResult) -> int:
         """A stop that was asked for: 0 once the release is proven (also after a SIGKILL,
         and during start-up), 1 when something was left."""
         code = self.exit_code()

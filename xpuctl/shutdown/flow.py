@@ -41,6 +41,13 @@ class Request(NamedTuple):
     environ: Mapping[str, str] = EMPTY_ENV  # the command's environment (where Ray is)
 
     @property
+    def names_only_a_run(self) -> bool:
+        """NAME alone: no --pid, --port, --device or --all (the run's recorded top may be
+        signalled before the full scan)."""
+        return (self.name is not None and self.pid is None and self.port is None
+                and not self.devices and not self.all_)
+
+    @property
     def names_something(self) -> bool:
         return bool(self.name is not None or self.pid is not None or self.port is not None
                     or self.devices or self.all_)
@@ -97,7 +104,9 @@ def run(host: Host, request: Request, state_dir: str | None,
     every server of the host: unless `approve` is None (--yes), it is shown the plan first,
     and nothing is sent (`declined`) when it says no."""
     check(request, host)
-    early = None if request.dry_run else plan.recorded_top(host, state_dir, request)
+    early = (plan.recorded_top(host, state_dir, request.name)
+             if request.name is not None and request.names_only_a_run and not request.dry_run
+             else None)
     if early is not None:
         return _run_early(host, request, state_dir, on_event, early, on_wait)
     trees = plan.find_targets(host, state_dir, request.name, request.pid, request.port,
@@ -113,18 +122,30 @@ def run(host: Host, request: Request, state_dir: str | None,
     # From our own start to the first signal: start-up plus finding the trees. On the
     # critical path of every restart, and the first thing to look at when a drain began late.
     resolve_s = _since(request)
-    if on_event is not None:
-        on_event(Found(len(trees), resolve_s))
     with audit.recording(state_dir, "shutdown") as log:
-        result = ladder.stop(host, trees, timeout=request.timeout, kill_after=request.kill_after,
-                             release_timeout=request.release_timeout, on_event=on_event,
-                             on_wait=on_wait)
-    mark_ended(state_dir, trees, result.verdict, unclean)
-    return Outcome(trees, result.members, result, resolve_s, audit=log)
+        return _stop(host, request, state_dir, on_event, trees, unclean, resolve_s, log,
+                     on_wait=on_wait)
 
 
 def _since(request: Request) -> float | None:
     return time.monotonic() - request.since if request.since is not None else None
+
+
+def _stop(host: Host, request: Request, state_dir: str | None,
+          on_event: Callable[[Found | ladder.Event], None] | None, trees: list[ServerTree],
+          unclean: dict[str, str], resolve_s: float | None, log: audit.Sink,
+          signalled: dict[int, bool] | None = None,
+          tails: dict[str, LogTail] | None = None,
+          on_wait: Callable[[Wait | None], None] | None = None) -> Outcome:
+    """The end both ways share, inside the audit log `log`: tell `Found`, run the ladder
+    (`signalled`, `tails`: what the early way did before it), mark the records ended."""
+    if on_event is not None:
+        on_event(Found(len(trees), resolve_s))
+    result = ladder.stop(host, trees, timeout=request.timeout, kill_after=request.kill_after,
+                         release_timeout=request.release_timeout, on_event=on_event,
+                         signalled=signalled, tails=tails, on_wait=on_wait)
+    mark_ended(state_dir, trees, result.verdict, unclean)
+    return Outcome(trees, result.members, result, resolve_s, audit=log)
 
 
 def _run_early(host: Host, request: Request, state_dir: str | None,
@@ -152,14 +173,8 @@ def _run_early(host: Host, request: Request, state_dir: str | None,
         except NotFoundError:
             found = []  # the top is gone already and left nothing carrying its run id
         trees = [plan.with_top(t, early.top, early.never_ready) for t in found] or trees
-        if on_event is not None:
-            on_event(Found(len(trees), resolve_s))
-        result = ladder.stop(host, trees, timeout=request.timeout, kill_after=request.kill_after,
-                             release_timeout=request.release_timeout, on_event=on_event,
-                             signalled={early.top.pid: signalled}, tails=tails,
-                             on_wait=on_wait)
-    mark_ended(state_dir, trees, result.verdict, unclean)
-    return Outcome(trees, result.members, result, resolve_s, audit=log)
+        return _stop(host, request, state_dir, on_event, trees, unclean, resolve_s, log,
+                     signalled={early.top.pid: signalled}, tails=tails, on_wait=on_wait)
 
 
 def unclean_ends(trees: list[ServerTree]) -> dict[str, str]:

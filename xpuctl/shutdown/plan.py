@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING
 
 from xpuctl.host.seam import Host
 
+if TYPE_CHECKING:  # types only: the modules load where used (a dry run needs no signals)
+    from xpuctl.actions.signals import Target
+    from xpuctl.core.model import Unread
+    from xpuctl.shutdown.targets import ServerTree
+
 
 def find_targets(host: Host, state_dir: str | None, name: str | None, pid: int | None, port: int | None,
-                 specs: list[str], all_: bool, environ: Mapping[str, str]) -> list[Any]:
+                 specs: list[str], all_: bool, environ: Mapping[str, str]) -> list[ServerTree]:
     """The trees to stop (NotFoundError, exit 3, when NAME, --pid or --port match nothing).
     `environ`: the command's (where Ray is)."""
     from xpuctl.host.devices import resolve_device_specs
@@ -26,15 +31,17 @@ def find_targets(host: Host, state_dir: str | None, name: str | None, pid: int |
         if name is not None and not any(r.name == name for r in records):
             _damaged(name, found.unread)
     bdfs = resolve_device_specs(host, specs)
-    from xpuctl.ray.actors import scan_with_ray
+    from xpuctl.host.scan import take_scan
+    from xpuctl.ray.actors import with_ray
 
     # finding trees needs no files; Ray actors on an existing cluster join their run's tree;
     # the records are what proves a process's XPUCTL_RUN_ID
-    scan = scan_with_ray(host, environ, port=port, artifacts=False, runs=recorded(records))
+    scan = with_ray(host, take_scan(host, port=port, artifacts=False, runs=recorded(records)),
+                    environ)
     return targets.find_trees(host, scan, records, name, pid, port, bdfs, all_)
 
 
-def _damaged(name: str, unread: list[Any]) -> None:
+def _damaged(name: str, unread: list[Unread]) -> None:
     """NAME has no record that could be read, but its file (or the directory of records) is
     there: DamagedRecordError (exit 1), never "no such run" (exit 3): the run may live."""
     from xpuctl.output.safetext import safe
@@ -47,7 +54,7 @@ def _damaged(name: str, unread: list[Any]) -> None:
                                  "--pid or --port")
 
 
-def planned_members(host: Host, trees: list[Any]) -> dict[int, list[int]]:
+def planned_members(host: Host, trees: list[ServerTree]) -> dict[int, list[int]]:
     """Each tree's processes, by its top pid, as they are now."""
     from xpuctl.shutdown import targets
 
@@ -55,22 +62,20 @@ def planned_members(host: Host, trees: list[Any]) -> dict[int, list[int]]:
 
 
 
-def recorded_top(host: Host, state_dir: str | None, request: Any) -> Any:
-    """The tree of a request that names only a run (NAME) whose record still ties it to the
-    process serve launched: its top, identified by pid and start ticks (one read of its
+def recorded_top(host: Host, state_dir: str | None, name: str) -> ServerTree | None:
+    """The tree of the run NAME (a request that names only it) whose record still ties it to
+    the process serve launched: its top, identified by pid and start ticks (one read of its
     stat), with the record's budgets; None when the request must take the full scan first
-    (no record, no recorded identity, the top gone or someone else's, --pid, --port,
-    --device, --all, or a run on an existing Ray cluster, whose actors are listed before
-    any signal)."""
+    (no record, no recorded identity, the top gone or someone else's, or a run on an
+    existing Ray cluster, whose actors are listed before any signal)."""
     from xpuctl.actions.signals import target_of
     from xpuctl.parse.roles import API_SERVER
     from xpuctl.shutdown import targets
     from xpuctl.state import runs
 
-    if (request.name is None or request.pid is not None or request.port is not None
-            or request.devices or request.all_ or not state_dir or not os.path.isdir(state_dir)):
+    if not state_dir or not os.path.isdir(state_dir):
         return None
-    rec = runs.read_record(state_dir, request.name)
+    rec = runs.read_record(state_dir, name)
     if (rec is None or rec.state not in runs.ACTIVE_STATES or not rec.pid
             or rec.start_ticks is None or getattr(rec, "ray_cluster", None) not in (None, "local")):
         return None
@@ -82,7 +87,7 @@ def recorded_top(host: Host, state_dir: str | None, request: Any) -> Any:
     return tree
 
 
-def with_top(tree: Any, top: Any, never_ready: bool) -> Any:
+def with_top(tree: ServerTree, top: Target, never_ready: bool) -> ServerTree:
     """A tree found after its recorded top was signalled keeps that top (what the ladder
     waits on and watches first), and the record's budget as it was before "stopping"."""
     if tree.top.pid != top.pid:

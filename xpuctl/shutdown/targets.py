@@ -119,7 +119,8 @@ def members(host: Host, tree: ServerTree) -> list[Target]:
     only for processes started since the run began, and the cmdline only for members (as a
     label): both reads take the target's mmap lock, which a process stuck in the kernel
     can hold for good, and an unrelated stuck process must not hang a shutdown."""
-    return host.call(_members, tree, os.getpid())
+    found: list[Target] = host.call(_members, tree, os.getpid())
+    return found
 
 
 def _members(host: Host, tree: ServerTree, me: int) -> list[Target]:
@@ -169,7 +170,8 @@ def _run_start_ticks(tree: ServerTree) -> int:
 def topmost(host: Host, targets: list[Target]) -> list[Target]:
     """Targets whose parent is not among the targets (alive ones only): one call to the
     host's reader."""
-    return host.call(_topmost, targets)
+    found: list[Target] = host.call(_topmost, targets)
+    return found
 
 
 def _topmost(host: Host, targets: list[Target]) -> list[Target]:

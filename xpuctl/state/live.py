@@ -14,7 +14,7 @@ import stat
 import time
 from typing import NamedTuple
 
-from xpuctl.core.model import Health, RecordedRun, RecordIssue, RunHealth
+from xpuctl.core.model import RecordedRun, RecordIssue, RunHealth, RunRow, Unread
 from xpuctl.errors import UsageError
 from xpuctl.host.processes import same_process
 from xpuctl.host.seam import Host
@@ -22,7 +22,6 @@ from xpuctl.state.regular import kind_of
 from xpuctl.state.runs import (
     ACTIVE_STATES,
     RunRecord,
-    Unread,
     ensure_state_dir,
     list_records,
     read_runs,
@@ -53,20 +52,6 @@ def recorded(records: list[RunRecord]) -> tuple[RecordedRun, ...]:
                     tuple(str(d) for d in r.devices or ()))
         for r in records if r.state in ACTIVE_STATES and isinstance(r.run_id, str) and r.run_id
     )
-
-
-class RunRow(NamedTuple):
-    """One run for `xpuctl ps`: its record's state and its age."""
-
-    name: str
-    state: str  # starting | ready | stopping | stale (the record says one of those: gone)
-    age_seconds: float | None  # since launch
-    pid: int | None
-    port: int
-    devices: tuple[str, ...]
-    run_id: str
-    recorded_state: str | None = None  # a stale run: the state its record still says
-    health: Health | None = None  # serve's watch: its last verdict and check (core/watch.py)
 
 
 def run_alive(host: Host, rec: RunRecord) -> bool:

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
-from xpuctl.core.model import Health
+from xpuctl.core.model import Health, Unread
 from xpuctl.errors import LockedError, UsageError, XpuctlError
 from xpuctl.output.safetext import safe
 from xpuctl.state import atomic
@@ -292,21 +292,6 @@ def update_record(state_dir: str, rec: RunRecord, *, pinned: PinnedRuns | None =
         return disk
     finally:
         os.close(fd)
-
-
-class Unread(NamedTuple):
-    """A record (or the directory of records) that could not be read: where, and why."""
-
-    path: str
-    name: str | None  # the run's name from the file's name; None: the directory itself
-    why: str  # "a FIFO", "not JSON: ...", "field 'pid' is a string, not int | None", ...
-    damaged: bool  # True: what is there is no record; False: it could not be read (EACCES)
-
-    def line(self) -> str:
-        if self.name is None:
-            return f"the runs in {self.path} cannot be listed: {self.why}"
-        what = "damaged" if self.damaged else "not readable"
-        return f"run record {self.path} is {what}: {self.why}"
 
 
 class DamagedRecordError(XpuctlError):
