@@ -19,6 +19,7 @@ import threading
 import pytest
 from proctools import (
     holders,
+    is_gone,
     proc_token,  # noqa: F401  (fixture)
     standin_root,  # noqa: F401  (fixture)
     token_env,
@@ -189,13 +190,14 @@ def test_no_split_while_other_threads_run(monkeypatch):
 
 def test_fdscan_survives_the_pipe():
     st = processes.ProcStat("python3", "S", 1, 10, 10, 4, 123456)
-    scan = processes.FdTable()
+    scan = processes.FdTable("/tmp/r")
     scan.procs[10] = processes.RawProcess(10, st, ["vllm", "serve", "caf\udcc3"], "api-server", None)
     scan.procs[11] = processes.RawProcess(11, st._replace(state="D"), None, None, None, False)
-    scan.drm_fds.append((10, "5", "/dev/dri/renderD128"))
+    scan.kept.append((10, "5", "/tmp/r/dev/dri/renderD128"))
+    scan.kept.append((11, "7", "/tmp/odd \udcff name"))
     scan.dmabuf_fds.append((10, "6"))
     scan.sockets[777] = [10, 11]
-    scan.files["/tmp/odd \udcff name"] = [11]
+    scan.paths.append((11, "7"))
     scan.unreadable.append(11)
     scan.malformed.append(12)
     back = processes.FdTable.loads(scan.dumps())
@@ -204,10 +206,13 @@ def test_fdscan_survives_the_pipe():
         11: (st._replace(state="D"), None, None, None, False),
     }
     assert isinstance(back.procs[10].stat, processes.ProcStat)
+    back._classify()  # what the links are, for the root the pass was made for
+    assert back.root == "/tmp/r"
     assert back.drm_fds == [(10, "5", "/dev/dri/renderD128")]
     assert back.dmabuf_fds == [(10, "6")]
     assert back.sockets == {777: [10, 11]}
     assert back.files == {"/tmp/odd \udcff name": [11]}
+    assert back.paths == [(11, "7")]
     assert (back.unreadable, back.malformed) == ([11], [12])
 
 
@@ -329,6 +334,46 @@ def test_in_two_without_fork_or_helper_still_covers_everything(monkeypatch):
     parts = Sp.in_two(list, items, garbled, marshal.loads)
     assert sorted(functools.reduce(operator.iadd, parts, [])) == items
     assert set(children_left()) <= before
+
+
+_ORPHANED = r"""
+import marshal, os, sys, time
+from xpuctl.host import split as Sp
+Sp.SPLIT_ABOVE = 0
+Sp.can_split = lambda: True
+me, mark = os.getpid(), sys.argv[1]
+
+def work(xs):
+    out = []
+    for x in xs:
+        if os.getpid() != me and not os.path.exists(mark):
+            with open(mark + ".tmp", "w") as f:
+                f.write(str(os.getpid()))
+            os.rename(mark + ".tmp", mark)
+        time.sleep(0.02)  # 2000 items: 40 s of work
+        out.append(x)
+    return out
+
+Sp.in_two(work, list(range(2000)), marshal.dumps, marshal.loads)
+"""
+
+
+def test_the_helper_stops_once_the_process_that_forked_it_is_gone(tmp_path, proc_token):
+    """A reader killed mid-pass (a head start ended, a read that blocked) leaves no helper
+    working on for nobody: it takes no chunk once its parent is gone."""
+    mark = tmp_path / "helper"
+    p = subprocess.Popen([PY, "-c", _ORPHANED, str(mark)], env=token_env(proc_token),
+                         stdin=subprocess.DEVNULL)
+    try:
+        assert wait_for(mark.exists, 60)
+        helper = int(mark.read_text())
+        p.kill()
+        p.wait()
+        # a chunk is 16 items, 0.3 s; the rest of the work would take 40 s
+        assert wait_for(lambda: is_gone(helper), 15)
+    finally:
+        p.kill()
+        p.wait()
 
 
 def test_helper_runs_no_signal_handler_of_the_caller(monkeypatch, tmp_path):

@@ -174,16 +174,15 @@ def _main(
     ] = False,
 ) -> None:
     from xpuctl.cli.context import AppContext
+    from xpuctl.cli.headstart import for_command
     from xpuctl.host.seam import Host
 
+    for_command(ctx.invoked_subcommand)  # doctor's head start: only doctor may claim it
     if isinstance(ctx.obj, AppContext):
         return
     if root is not None and not os.path.isdir(root):
         raise fail(f"--root {root}: not a directory", ExitCode.USAGE)
-    from xpuctl.cli.headstart import claim
-
-    host = Host(root or "/", read_timeout=read_timeout, reads=claim(root or "/", read_timeout))
-    ctx.obj = AppContext(host=host, debug=debug)
+    ctx.obj = AppContext(host=Host(root or "/", read_timeout=read_timeout), debug=debug)
 
 
 def main() -> None:

@@ -3,8 +3,9 @@
 For `cli.headstart`: a doctor's pass begins a few milliseconds into the process, before the
 command line is parsed and before this process imports the scan. Only `reads.caller` is
 needed here, and in the reader only the pass (host/processes.py), not the rest of the scan.
-The pass is kept in the reader (`Host.keep_ahead`) under `key`, which `take_scan` looks up
-with the pids it skips."""
+The pass is kept in the reader (`processes.keep_pass`), and the scan that can use it takes it
+(`processes.taken_pass`): one of the same /proc, skipping the same pids, whose root's fds the
+pass kept (`processes.pass_serves`)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,6 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from xpuctl.host.reads.caller import Reader
-    from xpuctl.host.seam import Host
-
-
-def key(host: Host, skip: frozenset[int]) -> tuple[str, str, frozenset[int]]:
-    """What a pass is kept under: the root it read and the pids it left out."""
-    return ("pass", host.root, skip)
 
 
 def start_pass(reader: Reader, root: str) -> None:
@@ -30,7 +25,7 @@ def start_pass(reader: Reader, root: str) -> None:
 def _pass(reads: Any, root: str, caller: int) -> None:
     """In the reader (`reads`: its side of the reads): the pass take_scan would make there
     for `caller`, skipping what it skips (processes.own_pids)."""
-    from xpuctl.host.processes import own_pids, scan_processes
+    from xpuctl.host.processes import keep_pass, own_pids, scan_processes
     from xpuctl.host.seam import Host
 
     host = Host(root, reads=reads)
@@ -39,7 +34,7 @@ def _pass(reads: Any, root: str, caller: int) -> None:
     # pass's split helper is scanning, it costs that scan nothing
     started = host.now()
     fds = scan_processes(host, skip, meanwhile=_import_the_scan)
-    host.keep_ahead(key(host, skip), (started, fds))
+    keep_pass(host, skip, started, fds)
 
 
 def _import_the_scan() -> None:

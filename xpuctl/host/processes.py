@@ -53,13 +53,22 @@ class RawProcess:
 
 class FdTable:
     """The open files of every process, as the pass over /proc found them (not a Scan: the
-    scan is built from it)."""
+    scan is built from it).
 
-    __slots__ = ("dmabuf_fds", "drm_fds", "files", "malformed", "paths", "paths_for", "procs",
-                 "sockets", "unreadable")
+    The pass keeps the text of every fd link under /dev/dri, /dev/shm and /tmp, and under the
+    root it was made for (`root`, `dirs`): what those fds are, a DRM node (`drm_fds`) or a
+    file to judge (`files`), is read from the text for that root (`_classify`). So a pass
+    can serve a scan of another root that reads the same /proc when it kept every fd that
+    root's pass would keep (`for_root`)."""
 
-    def __init__(self) -> None:
+    __slots__ = ("dirs", "dmabuf_fds", "drm_fds", "files", "kept", "malformed", "paths",
+                 "paths_for", "procs", "root", "sockets", "unreadable")
+
+    def __init__(self, root: str = "") -> None:
+        self.root = root  # the Host's root the pass was made for ("" for /)
+        self.dirs = kept_dirs(root)  # the links kept whole: under these
         self.procs: dict[int, RawProcess] = {}
+        self.kept: list[tuple[int, str, str]] = []  # (pid, fd, link text) under `dirs`
         self.drm_fds: list[tuple[int, str, str]] = []  # (pid, fd, host path)
         self.dmabuf_fds: list[tuple[int, str]] = []  # (pid, fd)
         self.sockets: dict[int, list[int]] = {}  # inode -> pids
@@ -74,36 +83,103 @@ class FdTable:
 
     def merge(self, other: FdTable) -> None:
         self.procs.update(other.procs)
-        self.drm_fds.extend(other.drm_fds)
+        self.kept.extend(other.kept)
         self.dmabuf_fds.extend(other.dmabuf_fds)
         for inode, owners in other.sockets.items():
             self.sockets.setdefault(inode, []).extend(owners)
-        for path, owners in other.files.items():
-            self.files.setdefault(path, []).extend(owners)
         self.paths.extend(other.paths)
         if other.paths_for != self.paths_for:  # parts of one pass agree; else trust neither
             self.paths, self.paths_for = [], None
         self.unreadable.extend(other.unreadable)
         self.malformed.extend(other.malformed)
 
+    def _classify(self) -> None:
+        """`drm_fds` and `files` from the kept links, for `root`: a link under the root is
+        cut to its host path; any other is a host path as it is (seam.Host.to_host)."""
+        root, cut = self.root, len(self.root)
+        drm: list[tuple[int, str, str]] = []
+        files: dict[str, list[int]] = {}
+        for pid, fd, link in self.kept:
+            if root and link.startswith(root) and link[cut:cut + 1] == "/":
+                link = link[cut:]
+            if link.startswith("/dev/dri/"):
+                drm.append((pid, fd, link))
+            elif link.startswith(("/dev/shm/", "/tmp/")):
+                files.setdefault(link, []).append(pid)
+        self.drm_fds, self.files = drm, files
+
+    def for_root(self, root: str) -> FdTable | None:
+        """This pass as a pass of the same /proc made for `root` would be (a Host's root:
+        "" for /), or None when it did not keep every fd such a pass keeps. Its fds kept by
+        number are a matter of its own root's files: for another root none are kept
+        (liveness reads them when a file asks)."""
+        if root == self.root:
+            return self
+        if not all(d.startswith(self.dirs) for d in kept_dirs(root)):
+            return None
+        out = FdTable(root)
+        for name in ("procs", "kept", "dmabuf_fds", "sockets", "unreadable", "malformed"):
+            setattr(out, name, getattr(self, name))
+        out._classify()
+        return out
+
     def dumps(self) -> bytes:
         """Plain containers for `marshal` (the helper's half of a split pass)."""
         procs = [(p.pid, tuple(p.stat), p.cmdline, p.role, p.rank, p.fds_readable,
                   p.cmdline_bytes) for p in self.procs.values()]
-        return marshal.dumps((procs, self.drm_fds, self.dmabuf_fds, self.sockets, self.files,
+        return marshal.dumps((self.root, procs, self.kept, self.dmabuf_fds, self.sockets,
                               self.paths, self.paths_for, self.unreadable, self.malformed))
 
     @classmethod
     def loads(cls, data: bytes) -> FdTable:
-        (procs, drm, dmabuf, sockets, files, paths, paths_for, unreadable,
+        (root, procs, kept, dmabuf, sockets, paths, paths_for, unreadable,
          malformed) = marshal.loads(data)
-        out = cls()
+        out = cls(root)
         for pid, st, argv, role, rank, readable, nbytes in procs:
             out.procs[pid] = RawProcess(pid, ProcStat(*st), argv, role, rank, readable, nbytes)
-        out.drm_fds, out.dmabuf_fds = drm, dmabuf  # marshal keeps tuples tuples
-        out.sockets, out.files, out.paths, out.paths_for = sockets, files, paths, paths_for
+        out.kept, out.dmabuf_fds = kept, dmabuf  # marshal keeps tuples tuples
+        out.sockets, out.paths, out.paths_for = sockets, paths, paths_for
         out.unreadable, out.malformed = unreadable, malformed
         return out
+
+
+#: Where the files a scan looks at live: fds whose link is under one of these (cut to the
+#: root's) are kept whole by the pass (FdTable.kept).
+_DIRS = ("/dev/dri/", "/dev/shm/", "/tmp/")
+
+
+def kept_dirs(root: str) -> tuple[str, ...]:
+    """The link prefixes a pass made for `root` keeps whole: the host's own and the root's."""
+    return _DIRS + tuple(root + d for d in _DIRS) if root else _DIRS
+
+
+def pass_serves(made_for: str, host: Host) -> bool:
+    """Can a pass made for the root `made_for` (a Host's root: "" for /) serve a scan of
+    `host`? When both read the same /proc and the pass kept every fd that host's pass keeps
+    (FdTable.for_root)."""
+    same = os.path.realpath(made_for + "/proc") == os.path.realpath(host.path("/proc"))
+    return same and all(d.startswith(kept_dirs(made_for)) for d in kept_dirs(host.root))
+
+
+def _pass_key(host: Host, skip: frozenset[int]) -> tuple[str, str, frozenset[int]]:
+    """What a pass made ahead is kept under: the /proc it read, the pids it left out."""
+    return ("pass", os.path.realpath(host.path("/proc")), skip)
+
+
+def keep_pass(host: Host, skip: frozenset[int], started: float, fds: FdTable) -> None:
+    """In a reader: keep a pass made ahead of the scan that will take it (host/ahead.py)."""
+    host.keep_ahead(_pass_key(host, skip), (started, fds))
+
+
+def taken_pass(host: Host, skip: frozenset[int]) -> tuple[float, FdTable] | None:
+    """(when it began, the pass) of the pass kept ahead for a scan of `host` that skips
+    `skip`, as that scan's own pass would be, once; None when there is none that can serve."""
+    ahead = host.take_ahead(_pass_key(host, skip))
+    if ahead is None:
+        return None
+    started, fds = ahead
+    mine = fds.for_root(host.root)
+    return None if mine is None else (started, mine)
 
 
 def own_pids(host: Host, also: frozenset[int] = frozenset()) -> frozenset[int]:
@@ -225,9 +301,10 @@ def fill_cmdline(host: Host, proc: RawProcess) -> list[str]:
     return proc.cmdline
 
 
-#: Link texts worth a second look; every other fd (pipes, eventfds, /dev/null, libraries,
-#: logs) is dropped inside `Host.fd_links` with one startswith per fd.
-_KEEP = ("/dev/dri/", "/dev/shm/", "/tmp/", "/dmabuf:", "socket:[", "anon_inode:dmabuf")
+#: Link texts worth a second look besides those under FdTable.dirs; every other fd (pipes,
+#: eventfds, /dev/null, libraries, logs) is dropped inside `Host.fd_links` with one startswith
+#: per fd.
+_KEEP = ("/dmabuf:", "socket:[", "anon_inode:dmabuf")
 #: On the kernel's /proc also every path ("/"): a file seen through another mount namespace
 #: or a bind mount shows that path. Not kept by number (FdTable.paths): pseudo files and the
 #: char devices every process holds, which are never a file in /dev/shm or /tmp.
@@ -239,16 +316,15 @@ _NOT_FILES = ("/dev/null", "/dev/pts/", "/dev/tty", "/dev/urandom", "/dev/random
 def _scan_some(host: Host, pids: Iterable[int], skip: frozenset[int], out: FdTable,
                names: tuple[str, ...] | None) -> None:
     procs = out.procs
-    drm = out.drm_fds
+    kept = out.kept
     dmabuf = out.dmabuf_fds
     sockets = out.sockets
-    files = out.files
     root = host.root
     cut = len(root)
     out.paths_for = names  # the fds matched with files by identity (FdTable.paths)
     by_number = names is not None
-    keep = _KEEP + ((root + "/dev/", root + "/tmp/") if root else ())
-    keep += ("/",) if names == () else ()
+    dirs = out.dirs
+    keep = dirs + _KEEP + (("/",) if names == () else ())
     ends = tuple("/" + name for name in names or ())
     paths = out.paths
     fd_links = host.fd_links
@@ -277,18 +353,13 @@ def _scan_some(host: Host, pids: Iterable[int], skip: frozenset[int], out: FdTab
         for fd, link in links:
             c = link[:1]
             if c == "/":
-                if root and link.startswith(root) and link[cut : cut + 1] == "/":
-                    link = link[cut:]
-                if by_number and not link.startswith(_NOT_FILES) and (
-                        not ends or link.endswith(ends)):
-                    paths.append((pid, fd))
-                if link.startswith("/dev/"):
-                    if link.startswith("/dev/dri/"):
-                        drm.append((pid, fd, link))
-                    elif link.startswith("/dev/shm/"):
-                        files.setdefault(link, []).append(pid)
-                elif link.startswith("/tmp/"):
-                    files.setdefault(link, []).append(pid)
+                if by_number:
+                    shown = link[cut:] if root and link.startswith(root) and \
+                        link[cut:cut + 1] == "/" else link
+                    if not shown.startswith(_NOT_FILES) and (not ends or shown.endswith(ends)):
+                        paths.append((pid, fd))
+                if link.startswith(dirs):
+                    kept.append((pid, fd, link))
                 elif link.startswith("/dmabuf:"):
                     dmabuf.append((pid, fd))
             elif c == "s":
@@ -314,14 +385,16 @@ def scan_processes(host: Host, skip_pids: frozenset[int] = frozenset(),
     names = _held_file_names(host) if files and host.identity_checked else None
 
     def work(some: Iterable[int]) -> FdTable:
-        part = FdTable()
+        part = FdTable(host.root)
         _scan_some(host, some, skip_pids, part, names)
         return part
 
-    out, *rest = in_two(work, pids, FdTable.dumps, FdTable.loads, split=host.splittable and host.reader is None,
-                         in_helper=host.in_split_helper, meanwhile=meanwhile)
+    out, *rest = in_two(work, pids, FdTable.dumps, FdTable.loads,
+                        split=host.splittable and host.reader is None,
+                        in_helper=host.in_split_helper, meanwhile=meanwhile)
     for part in rest:
         out.merge(part)
+    out._classify()
     return out
 
 

@@ -19,7 +19,6 @@ from xpuctl.core.model import (
 from xpuctl.core.oneccl import KVS, kvs_port
 from xpuctl.core.rules import CCL_USED, Facts, Starter, judge, match, named_pid
 from xpuctl.core.trees import Member, resolve
-from xpuctl.host.ahead import key
 from xpuctl.host.containers import ContainerLookup
 from xpuctl.host.devices import scan_devices
 from xpuctl.host.drm import dmabufs_held, drm_clients
@@ -32,6 +31,7 @@ from xpuctl.host.processes import (
     read_optional,
     scan_processes,
     stat_of,
+    taken_pass,
 )
 from xpuctl.host.reads.protocol import BlockedRead
 from xpuctl.host.seam import CLK_TCK, Host  # noqa: F401 (CLK_TCK: cli's own-age check)
@@ -53,9 +53,9 @@ DEFAULT_PORT = 8000
 
 def _pass(host: Host, skip: frozenset[int], files: bool) -> tuple[float, FdTable]:
     """(when it was taken, the pass over /proc): the one started ahead, else a new one."""
-    ahead = host.take_ahead(key(host, skip))
+    ahead = taken_pass(host, skip)
     if ahead is not None:
-        return ahead  # type: ignore[no-any-return]
+        return ahead
     return host.now(), scan_processes(host, skip, files=files)
 
 
