@@ -336,6 +336,50 @@ def test_in_two_without_fork_or_helper_still_covers_everything(monkeypatch):
     assert set(children_left()) <= before
 
 
+_SOCKETS = r"""
+import os, socket, sys, time
+pair = socket.socketpair()
+listener = socket.socket()
+listener.bind(("127.0.0.1", 0))
+listener.listen()
+print(os.fstat(pair[0].fileno()).st_ino, os.fstat(pair[1].fileno()).st_ino,
+      os.fstat(listener.fileno()).st_ino, flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_pass_keeps_the_sockets_of_listeners_only(standin_root, proc_token):
+    """Of a process's sockets the pass keeps those whose inode a TCP listener has (a port's
+    owners: the listeners are read first), unless a socket file in /dev/shm or /tmp may be
+    judged by what is bound to it: then every one (liveness.Holdings.bound)."""
+    r = standin_root
+    p = subprocess.Popen([PY, "-c", _SOCKETS], env=token_env(proc_token), stdout=subprocess.PIPE,
+                         stdin=subprocess.DEVNULL)
+    try:
+        assert p.stdout is not None
+        a, b, listener = map(int, p.stdout.readline().split())
+        fds = processes.scan_processes(Host(r.root, read_timeout=None))
+        assert fds.sockets.get(listener) == [p.pid]
+        assert a not in fds.sockets and b not in fds.sockets
+        assert listener in {s.inode for s in fds.listeners or ()}
+        assert fds.sockets_for is not None and listener in fds.sockets_for
+        # a socket file a rule knows (vLLM's ZMQ sockets): every socket is kept
+        import socket
+        import uuid
+
+        bound = socket.socket(socket.AF_UNIX)
+        try:
+            bound.bind(os.path.join(r.root, "tmp", str(uuid.uuid4())))
+            fds = processes.scan_processes(Host(r.root, read_timeout=None))
+            assert fds.sockets_for is None
+            assert {a, b, listener} <= set(fds.sockets)
+        finally:
+            bound.close()
+    finally:
+        p.kill()
+        p.wait()
+
+
 _ORPHANED = r"""
 import marshal, os, sys, time
 from xpuctl.host import split as Sp

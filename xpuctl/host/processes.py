@@ -18,12 +18,16 @@ import marshal
 import os
 import stat as _stat
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from xpuctl.host.seam import Host
 from xpuctl.host.split import in_two
 from xpuctl.parse import redact
 from xpuctl.parse.procfs import ProcStat, parse_cmdline, parse_stat
 from xpuctl.parse.roles import classify
+
+if TYPE_CHECKING:
+    from xpuctl.parse.net import TcpSocket
 
 _GONE = (FileNotFoundError, ProcessLookupError)
 #: The most of a command line read and kept; a longer one is counted (ARGV_COUNT_BYTES at
@@ -61,8 +65,8 @@ class FdTable:
     can serve a scan of another root that reads the same /proc when it kept every fd that
     root's pass would keep (`for_root`)."""
 
-    __slots__ = ("dirs", "dmabuf_fds", "drm_fds", "files", "kept", "malformed", "paths",
-                 "paths_for", "procs", "root", "sockets", "unreadable")
+    __slots__ = ("dirs", "dmabuf_fds", "drm_fds", "files", "kept", "listeners", "malformed",
+                 "paths", "paths_for", "procs", "root", "sockets", "sockets_for", "unreadable")
 
     def __init__(self, root: str = "") -> None:
         self.root = root  # the Host's root the pass was made for ("" for /)
@@ -72,6 +76,10 @@ class FdTable:
         self.drm_fds: list[tuple[int, str, str]] = []  # (pid, fd, host path)
         self.dmabuf_fds: list[tuple[int, str]] = []  # (pid, fd)
         self.sockets: dict[int, list[int]] = {}  # inode -> pids
+        #: None: every socket is in `sockets`; else only these inodes (the TCP listeners)
+        self.sockets_for: frozenset[int] | None = None
+        #: the TCP listeners the pass kept the sockets of (None: not read by the pass)
+        self.listeners: list[TcpSocket] | None = None
         self.files: dict[str, list[int]] = {}  # /dev/shm|/tmp path -> pids
         # (pid, fd) of the fds that may lead to a file to judge, on the kernel's /proc (see
         # module): `paths_for` None, none kept; (), every fd that may lead to a file; else
@@ -118,7 +126,8 @@ class FdTable:
         if not all(d.startswith(self.dirs) for d in kept_dirs(root)):
             return None
         out = FdTable(root)
-        for name in ("procs", "kept", "dmabuf_fds", "sockets", "unreadable", "malformed"):
+        for name in ("procs", "kept", "dmabuf_fds", "sockets", "sockets_for", "listeners",
+                     "unreadable", "malformed"):
             setattr(out, name, getattr(self, name))
         out._classify()
         return out
@@ -314,7 +323,7 @@ _NOT_FILES = ("/dev/null", "/dev/pts/", "/dev/tty", "/dev/urandom", "/dev/random
 
 
 def _scan_some(host: Host, pids: Iterable[int], skip: frozenset[int], out: FdTable,
-               names: tuple[str, ...] | None) -> None:
+               names: tuple[str, ...] | None, sockets_for: frozenset[str] | None) -> None:
     procs = out.procs
     kept = out.kept
     dmabuf = out.dmabuf_fds
@@ -363,10 +372,11 @@ def _scan_some(host: Host, pids: Iterable[int], skip: frozenset[int], out: FdTab
                 elif link.startswith("/dmabuf:"):
                     dmabuf.append((pid, fd))
             elif c == "s":
-                try:
-                    sockets.setdefault(int(link[8:-1]), []).append(pid)
-                except ValueError:
-                    pass
+                if sockets_for is None or link in sockets_for:
+                    try:
+                        sockets.setdefault(int(link[8:-1]), []).append(pid)
+                    except ValueError:
+                        pass
             else:
                 dmabuf.append((pid, fd))  # anon_inode:dmabuf
 
@@ -377,16 +387,26 @@ def scan_processes(host: Host, skip_pids: frozenset[int] = frozenset(),
     (before the pass when it is not split): work that need not wait for the pass. `files`:
     the scan judges files in /dev/shm and /tmp; then, when files are matched by identity and
     some file there may be judged by who holds it, every fd that may lead to a file is kept
-    (`FdTable.paths`; a pass without them costs less, and `file_fds` reads them later)."""
+    (`FdTable.paths`; a pass without them costs less, and `file_fds` reads them later).
+
+    The TCP listeners are read first (`FdTable.listeners`): of the sockets only theirs are
+    kept, a port's owners (`FdTable.sockets_for`), unless a socket file there may be judged
+    by what is bound to it (every socket is kept then: liveness.Holdings.bound)."""
+    from xpuctl.host.sockdiag import listening_sockets
+
     try:
         pids = list_pids(host)
     except OSError:
         pids = []
-    names = _held_file_names(host) if files and host.identity_checked else None
+    names, socket_files = _files_to_judge(host) if files and host.identity_checked else (
+        None, False)
+    listeners = listening_sockets(host)
+    inodes = None if socket_files else frozenset(s.inode for s in listeners)
+    wanted = None if inodes is None else frozenset(f"socket:[{i}]" for i in inodes)
 
     def work(some: Iterable[int]) -> FdTable:
         part = FdTable(host.root)
-        _scan_some(host, some, skip_pids, part, names)
+        _scan_some(host, some, skip_pids, part, names, wanted)
         return part
 
     out, *rest = in_two(work, pids, FdTable.dumps, FdTable.loads,
@@ -394,37 +414,47 @@ def scan_processes(host: Host, skip_pids: frozenset[int] = frozenset(),
                         in_helper=host.in_split_helper, meanwhile=meanwhile)
     for part in rest:
         out.merge(part)
+    out.listeners, out.sockets_for = listeners, inodes
     out._classify()
     return out
 
 
-def _held_file_names(host: Host) -> tuple[str, ...] | None:
-    """Which fds the pass keeps by number (`FdTable.paths_for`): None when no file in
-    /dev/shm or /tmp may be judged by who holds it; else the names of those files, when each
-    has one link: an fd on such a file, opened through whatever mount or namespace, names it
-    by that one dentry, so its link ends with "/" + the name (a rename renames the link
-    too); else () for every fd that may lead to a file (a second name could be anywhere)."""
-    from xpuctl.core.rules import may_be_held
+def _files_to_judge(host: Host) -> tuple[tuple[str, ...] | None, bool]:
+    """(which fds the pass keeps by number, whether a socket file may be judged).
+
+    The fds kept by number (`FdTable.paths_for`): None when no regular file in /dev/shm or
+    /tmp may be judged by who holds it; else the names of those files, when each has one
+    link: an fd on such a file, opened through whatever mount or namespace, names it by that
+    one dentry, so its link ends with "/" + the name (a rename renames the link too); else
+    () for every fd that may lead to a file (a second name could be anywhere)."""
+    from xpuctl.core.rules import match
 
     found: list[str] = []
+    every = sockets = False
     for directory in ("/dev/shm", "/tmp"):
         try:
             names = host.listdir(directory)
         except OSError:
             continue
         for name in names:
-            if not may_be_held(directory, name):
-                continue
+            m = match(directory, name)
+            if m is None or m[0] == "cache":
+                continue  # not ours to judge, or judged by age alone
             try:
                 st = os.lstat(host.path(f"{directory}/{name}"))
             except OSError:
                 continue  # gone: nothing to judge
-            if not _stat.S_ISREG(st.st_mode):
-                continue  # a socket is judged by what is bound to it
-            if st.st_nlink != 1:
-                return ()
-            found.append(name)
-    return tuple(sorted(set(found))) if found else None
+            if _stat.S_ISSOCK(st.st_mode):
+                sockets = True  # judged by what is bound to it
+            elif m[1] or not _stat.S_ISREG(st.st_mode):
+                continue
+            elif st.st_nlink != 1:
+                every = True
+            else:
+                found.append(name)
+    if every:
+        return (), sockets
+    return (tuple(sorted(set(found))) if found else None), sockets
 
 
 def file_fds(host: Host, pids: Iterable[int]) -> tuple[list[tuple[int, str]], list[int]]:
