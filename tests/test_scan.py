@@ -10,8 +10,10 @@ the plain pass finds, and fall back to scanning everything itself when the helpe
 from __future__ import annotations
 
 import functools
+import json
 import operator
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -29,6 +31,7 @@ from proctools import (
 from xpuctl.host import processes
 from xpuctl.host import split as Sp
 from xpuctl.host.seam import Host
+from xpuctl.parse.procfs import parse_stat
 
 PY = sys.executable
 
@@ -334,6 +337,66 @@ def test_in_two_without_fork_or_helper_still_covers_everything(monkeypatch):
     parts = Sp.in_two(list, items, garbled, marshal.loads)
     assert sorted(functools.reduce(operator.iadd, parts, [])) == items
     assert set(children_left()) <= before
+
+
+# /proc/2/stat of this machine's kthreadd (proc(5): field 9 is the flags; PF_KTHREAD is
+# 0x00200000 in include/linux/sched.h): 2129984 = 0x208040
+KTHREADD_STAT = (b"2 (kthreadd) S 0 0 0 0 -1 2129984 0 0 0 0 0 0 0 0 20 0 1 0 25 0 0 "
+                 b"18446744073709551615 0 0 0 0 0 0 0 2147483647 0 1 0 0 0 1 0 0 0 0 0 0 0 0 0 0 "
+                 b"0 0 0\n")
+
+
+def _kthreads() -> set[int]:
+    out = set()
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat", "rb") as f:
+                    st = parse_stat(f.read())
+            except OSError:
+                continue
+            if st is not None and st.kthread:
+                out.add(int(d))
+    return out
+
+
+def test_the_pass_reads_no_fds_of_kernel_threads(monkeypatch):
+    """A kernel thread (PF_KTHREAD in its stat's flags) has no fds: the pass does not open
+    its fd directory (a listing, the fd count being 0), and a process that may not look into
+    it (EACCES for anyone but root) does not count it unreadable."""
+    st = parse_stat(KTHREADD_STAT)
+    assert st is not None and st.kthread and st.comm == "kthreadd"
+    assert parse_stat(KTHREADD_STAT.replace(b" 2129984 ", b" 4194304 ")).kthread is False
+    kthreads = _kthreads()
+    if not kthreads:
+        pytest.skip("no kernel thread visible here (a PID namespace of its own)")
+    looked: list[int] = []
+    real = Host.fd_links_ending
+
+    def spy(self, pid, keep, ends):
+        looked.append(pid)
+        return real(self, pid, keep, ends)
+
+    monkeypatch.setattr(Host, "fd_links_ending", spy)
+    fds = processes.scan_processes(Host("/", read_timeout=None))
+    seen = {pid for pid in kthreads if pid in fds.procs}
+    assert seen and all(fds.procs[pid].stat.kthread for pid in seen)
+    assert looked and not seen & set(looked)
+    assert not seen & set(fds.unreadable)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs a command as nobody (setpriv): needs root")
+def test_a_command_that_may_not_look_into_kernel_threads_does_not_count_them(standin_root):
+    if shutil.which("setpriv") is None:
+        pytest.skip("no setpriv (util-linux)")
+    os.chmod(standin_root.root, 0o755)
+    out = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", PY, "-m",
+                          "xpuctl", "--root", standin_root.root, "doctor", "--json"],
+                         capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+                         cwd="/")
+    unreadable = {u["pid"] for u in json.loads(out.stdout)["unreadable_processes"]}
+    assert os.getpid() in unreadable  # root's processes are not nobody's to look into
+    assert not unreadable & _kthreads()
 
 
 _SOCKETS = r"""

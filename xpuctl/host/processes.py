@@ -348,8 +348,8 @@ def _scan_some(host: Host, pids: Iterable[int], skip: frozenset[int], out: FdTab
                 out.malformed.append(pid)
             continue
         procs[pid] = proc
-        if proc.stat.state == "Z":
-            continue  # a zombie holds nothing: its fds are closed
+        if proc.stat.state == "Z" or proc.stat.kthread:
+            continue  # a zombie holds nothing (its fds are closed), a kernel thread no fd
         try:
             links = host.fd_links_ending(pid, keep, ends) if ends else fd_links(pid, keep)
         except _GONE:
