@@ -79,8 +79,8 @@ def _blocked_head_start(tmp_path) -> int:
     os.mkfifo(stat)
     headstart.begin(["doctor"], {"XPUCTL_ROOT": str(h.root)})
     early = headstart._early
-    assert early is not None and early.reader.pid is not None
-    return early.reader.pid
+    assert early is not None and early[1].pid is not None
+    return early[1].pid
 
 
 # -- the command decides ------------------------------------------------------------------------
@@ -127,7 +127,7 @@ def test_doctor_claims_the_head_start_and_its_scan_takes_the_pass(tmp_path):
     headstart.begin(["doctor"], env)
     early = headstart._early
     assert early is not None
-    host = Host(h.root, reads=early.reader)
+    host = Host(h.root, reads=early[1])
     assert host.call(_wait_kept, os.getpid())  # the pass is done
     h.add_process(4242, 1, ["python3", "-m", "vllm.entrypoints.openai.api_server"], uid=1000,
                   comm="python3", start_ticks=h.ticks(100), fds={3: "/dev/dri/renderD128"})
@@ -147,15 +147,15 @@ def test_claim_gives_the_reader_only_to_a_host_its_pass_can_serve(tmp_path):
     early = headstart._early
     assert early is not None
     claimed = headstart.claim(Host(h.root))
-    assert claimed.reader is early.reader and headstart._early is None
-    assert headstart.claim(Host(h.root)).reader is not early.reader  # once
-    early.reader.close()
+    assert claimed.reader is early[1] and headstart._early is None
+    assert headstart.claim(Host(h.root)).reader is not early[1]  # once
+    early[1].close()
 
     for host in (Host(h.root, read_timeout=1.0), Host(other.root), Host(h.root, read_timeout=None)):
         headstart.begin(["doctor"], env)
         early = headstart._early
         assert early is not None
-        pid = early.reader.pid
+        pid = early[1].pid
         assert headstart.claim(host) is host  # another bound, another /proc, no reader: ended
         assert headstart._early is None
         assert proctools.wait_for(lambda p=pid: proctools.is_gone(p), 10)

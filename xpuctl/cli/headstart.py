@@ -24,23 +24,20 @@ head start nobody decided on (help, a usage error) is killed at exit.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+
     from xpuctl.host.reads.caller import Reader
     from xpuctl.host.seam import Host
 
 #: The command that gets a head start: the only word of the command line read here.
 COMMAND = "doctor"
 
-
-class _Early(NamedTuple):
-    root: str  # the root the pass was posted for, as a Host's root ("" for /)
-    reader: Reader
-
-
-_early: _Early | None = None
+#: (the root the pass was posted for, as a Host's root: "" for /; its reader). A plain
+#: tuple: this runs before the fork that starts the reader, where every millisecond counts.
+_early: tuple[str, Reader] | None = None
 
 
 def plan(argv: Sequence[str], environ: Mapping[str, str]) -> tuple[str, float] | None:
@@ -78,7 +75,7 @@ def begin(argv: Sequence[str], environ: Mapping[str, str]) -> None:
     except OSError:
         return  # no reader now (fork refused): the scan starts one when it reads
     absolute = os.path.abspath(root)
-    _early = _Early("" if absolute == "/" else absolute.rstrip("/"), reader)
+    _early = ("" if absolute == "/" else absolute.rstrip("/"), reader)
 
 
 def end() -> None:
@@ -86,7 +83,7 @@ def end() -> None:
     global _early
     early, _early = _early, None
     if early is not None:
-        early.reader.close()
+        early[1].close()
 
 
 def for_command(name: str | None) -> None:
@@ -106,9 +103,10 @@ def claim(host: Host) -> Host:
     from xpuctl.host.processes import pass_serves
     from xpuctl.host.seam import Host
 
+    made_for, early_reader = early
     reader = host.reader
     if (type(host) is Host and reader is not None and reader.pid is None
-            and reader.bound == early.reader.bound and pass_serves(early.root, host)):
-        return Host(host.origin, reads=early.reader)
-    early.reader.close()
+            and reader.bound == early_reader.bound and pass_serves(made_for, host)):
+        return Host(host.origin, reads=early_reader)
+    early_reader.close()
     return host
