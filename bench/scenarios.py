@@ -57,6 +57,9 @@ class Ctx:
 
 
 STALE_SHM = "/dev/shm/psm_b3nch5ta1e"  # matches the psm_* rule; nobody has it open or mapped
+#: doctor without its head start (cli/headstart.py): the group's entry, not the installed one
+WITHOUT_HEAD_START = ("import sys; from xpuctl.cli.group import main; sys.argv[0] = 'xpuctl'; "
+                      "main()")
 
 
 def scan_cmds(c: Ctx, root: str, node: str, expected: list[int], min_fds: int) -> list[Cmd]:
@@ -76,6 +79,9 @@ def scan_cmds(c: Ctx, root: str, node: str, expected: list[int], min_fds: int) -
         Cmd("doctor_stale", "  same, one stale file in R/dev/shm (extra)",
             [c.xpuctl, "--root", root, "doctor", "--json"], c.env, (0, 1),
             check_doctor_stale(expected, STALE_SHM), make_stale, remove_stale),
+        Cmd("doctor_nohead", "  same, no head start: the group alone (extra)",
+            [c.py, "-c", WITHOUT_HEAD_START, "--root", root, "doctor", "--json"], c.env, (0, 1),
+            check_doctor(expected)),
         Cmd("fuser", "fuser R/dev/dri/renderD128", ["fuser", node], c.env,
             (0,) if expected else (1,), check_fuser(expected)),
         Cmd("lsof", "lsof -w R/dev/dri/renderD128", ["lsof", "-w", node], c.env,
