@@ -20,7 +20,9 @@ import stat as _stat
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
+from xpuctl.core.rules import match
 from xpuctl.host.seam import Host
+from xpuctl.host.sockdiag import listening_sockets
 from xpuctl.host.split import in_two
 from xpuctl.parse import redact
 from xpuctl.parse.procfs import ProcStat, parse_cmdline, parse_stat
@@ -392,8 +394,6 @@ def scan_processes(host: Host, skip_pids: frozenset[int] = frozenset(),
     The TCP listeners are read first (`FdTable.listeners`): of the sockets only theirs are
     kept, a port's owners (`FdTable.sockets_for`), unless a socket file there may be judged
     by what is bound to it (every socket is kept then: liveness.Holdings.bound)."""
-    from xpuctl.host.sockdiag import listening_sockets
-
     try:
         pids = list_pids(host)
     except OSError:
@@ -427,8 +427,6 @@ def _files_to_judge(host: Host) -> tuple[tuple[str, ...] | None, bool]:
     link: an fd on such a file, opened through whatever mount or namespace, names it by that
     one dentry, so its link ends with "/" + the name (a rename renames the link too); else
     () for every fd that may lead to a file (a second name could be anywhere)."""
-    from xpuctl.core.rules import match
-
     found: list[str] = []
     every = sockets = False
     for directory in ("/dev/shm", "/tmp"):
