@@ -40,4 +40,5 @@ def _pass(reads: Any, root: str, caller: int) -> None:
 
 
 def _import_the_scan() -> None:
-    import xpuctl.host.scan  # noqa: F401
+    import xpuctl.host.scan
+    import xpuctl.parse.kmsg  # noqa: F401 (doctor reads the kernel log next)
