@@ -342,6 +342,9 @@ def test_a_pass_read_for_another_root_is_the_pass_of_this_one(standin_root, proc
     whole = processes.scan_processes(Host("/", read_timeout=None))
     served = whole.for_root(Host(r.root).root)
     assert served is not None and served.root == own.root
+    # its fds kept by number are still those of the names it kept them for (liveness uses
+    # them only when they cover the files it judges)
+    assert (served.paths, served.paths_for) == (whole.paths, whole.paths_for)
     for fds in (own, served):
         assert sorted(x for x in fds.drm_fds if x[0] in mine) == [
             (p.pid, "3", "/dev/dri/renderD128"), (p.pid, "4", "/dev/dri/renderD129")]

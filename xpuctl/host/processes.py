@@ -121,15 +121,15 @@ class FdTable:
     def for_root(self, root: str) -> FdTable | None:
         """This pass as a pass of the same /proc made for `root` would be (a Host's root:
         "" for /), or None when it did not keep every fd such a pass keeps. Its fds kept by
-        number are a matter of its own root's files: for another root none are kept
-        (liveness reads them when a file asks)."""
+        number stay those of the names it kept them for (`paths_for`): liveness uses them
+        only when they cover the files it judges, and reads the fds again otherwise."""
         if root == self.root:
             return self
         if not all(d.startswith(self.dirs) for d in kept_dirs(root)):
             return None
         out = FdTable(root)
         for name in ("procs", "kept", "dmabuf_fds", "sockets", "sockets_for", "listeners",
-                     "unreadable", "malformed"):
+                     "paths", "paths_for", "unreadable", "malformed"):
             setattr(out, name, getattr(self, name))
         out._classify()
         return out
