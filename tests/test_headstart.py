@@ -164,16 +164,41 @@ def test_claim_gives_the_reader_only_to_a_host_its_pass_can_serve(tmp_path):
 def test_a_pass_serves_the_hosts_that_read_its_proc_and_whose_files_it_kept(tmp_path):
     fake = fh.clean_host(tmp_path / "fake")
     with proctools.StandInRoot() as standin:  # under /tmp, its proc the kernel's
-        assert processes.pass_serves("", Host(standin.root))
-        assert processes.pass_serves(Host(standin.root).root, Host("/"))
+        assert processes.pass_serves("", Host(standin.root, read_timeout=None))
+        # the pass of R kept what the files of / need only when / has none to judge now
+        live = Host("/", read_timeout=None)
+        assert processes.pass_serves(Host(standin.root).root, live) == (
+            processes._files_to_judge(live) == (None, False))
         assert not processes.pass_serves("", Host(fake.root))  # another /proc
         assert not processes.pass_serves(Host(fake.root).root, Host("/"))
         elsewhere = tmp_path / "elsewhere"
         os.makedirs(elsewhere)
         os.symlink("/proc", elsewhere / "proc")
         # a root the pass of / did not keep the files of (links under it are not kept whole)
-        assert processes.pass_serves("", Host(elsewhere)) == str(elsewhere).startswith(
+        assert processes.pass_serves("", Host(elsewhere, read_timeout=None)) == str(elsewhere).startswith(
             ("/tmp/", "/dev/shm/"))
+
+
+def test_a_pass_of_another_root_serves_only_when_it_kept_what_that_roots_files_need():
+    """`xpuctl --root R doctor` under a head start posted for / (issue 32 §1: the head start
+    reads no option): a file to judge in R/dev/shm that / does not have would make the scan
+    read every fd again (liveness.Holdings._stat_fds); a pass of R's own costs less."""
+    with proctools.StandInRoot() as standin:
+        root = Host(standin.root, read_timeout=None)
+        assert processes._files_to_judge(root) == (None, False)
+        assert processes.pass_serves("", root)  # R has no file to judge: nothing is missed
+        name = "psm_0123abcd"  # a psm_* file: judged by who holds it (core/rules.py)
+        with open(os.path.join(standin.root, "dev/shm", name), "w"):
+            pass
+        assert processes._files_to_judge(root) == ((name,), False)
+        assert not processes.pass_serves("", root)
+        # a pass that kept every fd that may lead to a file serves it; one of other names not
+        assert processes._covers((), True, (name,), False)
+        assert not processes._covers(("psm_other",), True, (name,), False)
+        assert processes._covers((name, "psm_other"), True, (name,), False)
+        # a socket file is judged by what is bound to it: every socket must have been kept
+        assert not processes._covers((), True, None, True)
+        assert processes._covers(None, False, None, True)
 
 
 # -- the reader's side --------------------------------------------------------------------------

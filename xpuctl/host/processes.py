@@ -9,7 +9,7 @@ decided by its device and inode (a stat, made only when there are candidates), n
 link text, which names the path its process sees (another mount namespace, a bind mount).
 A process that vanishes mid-scan is skipped;
 one whose fds cannot be read is counted. On a busy host the pass is split over two
-processes (probes/split.py). Equivalent: `fuser -v /dev/dri/*`, `lsof /dev/dri/*`.
+processes (host/split.py). Equivalent: `fuser -v /dev/dri/*`, `lsof /dev/dri/*`.
 """
 
 from __future__ import annotations
@@ -167,9 +167,19 @@ def kept_dirs(root: str) -> tuple[str, ...]:
 def pass_serves(made_for: str, host: Host) -> bool:
     """Can a pass made for the root `made_for` (a Host's root: "" for /) serve a scan of
     `host`? When both read the same /proc and the pass kept every fd that host's pass keeps
-    (FdTable.for_root)."""
+    (FdTable.for_root), and, for another root, what that root's files need (`_keeps_for`:
+    asked in `host`'s reader, which then reads the scan when the answer is no)."""
     same = os.path.realpath(made_for + "/proc") == os.path.realpath(host.path("/proc"))
-    return same and all(d.startswith(kept_dirs(made_for)) for d in kept_dirs(host.root))
+    if not (same and all(d.startswith(kept_dirs(made_for)) for d in kept_dirs(host.root))):
+        return False
+    return made_for == host.root or not host.identity_checked or bool(
+        host.call(_serves_files_of, made_for))
+
+
+def _serves_files_of(host: Host, made_for: str) -> bool:
+    """Would a pass made for `made_for` keep what the files of `host` need? (in a reader)"""
+    names, socket_files = _files_to_judge(Host(made_for or "/", read_timeout=None))
+    return _covers(names, not socket_files, *_files_to_judge(host))
 
 
 def _pass_key(host: Host, skip: frozenset[int]) -> tuple[str, str, frozenset[int]]:
@@ -182,15 +192,41 @@ def keep_pass(host: Host, skip: frozenset[int], started: float, fds: FdTable) ->
     host.keep_ahead(_pass_key(host, skip), (started, fds))
 
 
-def taken_pass(host: Host, skip: frozenset[int]) -> tuple[float, FdTable] | None:
+def taken_pass(host: Host, skip: frozenset[int], files: bool = True) -> tuple[float, FdTable] | None:
     """(when it began, the pass) of the pass kept ahead for a scan of `host` that skips
-    `skip`, as that scan's own pass would be, once; None when there is none that can serve."""
+    `skip`, as that scan's own pass would be, once; None when there is none that can serve.
+
+    A pass made for another root judged that root's /dev/shm and /tmp when it chose which
+    fds to keep by number and which sockets (`_files_to_judge`): it serves only when it kept
+    what this root's files need (`_keeps_for`). Else a pass of this root's own costs less
+    than reading every fd again for its files (liveness.Holdings._stat_fds)."""
     ahead = host.take_ahead(_pass_key(host, skip))
     if ahead is None:
         return None
     started, fds = ahead
     mine = fds.for_root(host.root)
-    return None if mine is None else (started, mine)
+    if mine is None or (mine is not fds and files and host.identity_checked
+                        and not _keeps_for(mine, *_files_to_judge(host))):
+        return None
+    return started, mine
+
+
+def _keeps_for(fds: FdTable, names: tuple[str, ...] | None, socket_files: bool) -> bool:
+    """Did this pass keep the fds its scan's files need (`names`, `socket_files`: from
+    `_files_to_judge`)?"""
+    return _covers(fds.paths_for, fds.sockets_for is not None, names, socket_files)
+
+
+def _covers(kept: tuple[str, ...] | None, listeners_only: bool,
+            names: tuple[str, ...] | None, socket_files: bool) -> bool:
+    """Does a pass that kept the fds by number of `kept` (FdTable.paths_for: () all that may
+    lead to a file, None none), and the sockets of TCP listeners only or every socket, keep
+    what is needed to judge the files `names` (the same form) and socket files, if any?"""
+    if socket_files and listeners_only:
+        return False
+    if names is None or kept == ():
+        return True
+    return kept is not None and names != () and set(names) <= set(kept)
 
 
 def own_pids(host: Host, also: frozenset[int] = frozenset()) -> frozenset[int]:
