@@ -10,7 +10,8 @@ with Python's `time.perf_counter` (wall clock), rounds interleaved in rotating o
   scan      N idle processes with K open fds each (10 of them hold a stand-in render node
             under a root R whose `proc` links to /proc): `xpuctl --root R doctor --json`,
             `fuser` and `lsof -w` on the node, and a bare Python loop (bench/floor.py) as
-            the floor. N = 0 (idle) and every --sizes value.
+            the floor; doctor also without its head start (the group alone). N = 0 (idle)
+            and every --sizes value.
   start     `xpuctl --version`, a completion request, `xpuctl doctor --json` on the idle
             host, against `python -c "import typer"` and `python -c pass`.
   memory    peak RSS of doctor (`/usr/bin/time -v`) at every N.
@@ -65,14 +66,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="xpuctl performance benchmark (see bench/README.md)")
     p.add_argument("--rounds", type=int, default=5, help="timed rounds for scan and shutdown (default 5)")
     p.add_argument("--start-rounds", type=int, help="timed rounds for start-up commands (default 3 x --rounds)")
-    p.add_argument("--sizes", default="250,1000,4000",
-                   help="process counts N (default 250,1000,4000; N=0 is always run)")
+    p.add_argument("--sizes", default="1000,2000,4000",
+                   help="process counts N (default 1000,2000,4000; N=0 is always run)")
     p.add_argument("--fds", type=int, default=35, help="open fds per process, 0-2 included (default 35)")
     p.add_argument("--holder-mode", choices=("exec", "fork"), default="exec",
                    help="holders exec `sleep infinity` (default, ~0.2 MiB each) "
                         "or stay forked Python copies (~0.6 MiB)")
     p.add_argument("--rss-runs", type=int, default=3, help="runs under /usr/bin/time -v per N (default 3)")
-    p.add_argument("--quick", action="store_true", help="smoke run: 3 rounds, sizes 250,1000")
+    p.add_argument("--quick", action="store_true", help="smoke run: 3 rounds, sizes 1000,2000")
     p.add_argument("--only", default="scan,start,shutdown", help="scenarios to run (comma list)")
     p.add_argument("--profile", action="store_true", help="also cProfile + importtime doctor at the N nearest 1000")
     p.add_argument("--xpuctl", help="the xpuctl executable (default: next to this Python, else on PATH)")
@@ -88,7 +89,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if a.quick:
         a.rounds = min(a.rounds, 3)
         if a.sizes == p.get_default("sizes"):
-            a.sizes = "250,1000"
+            a.sizes = "1000,2000"
     a.sizes = sorted({int(x) for x in a.sizes.split(",") if x.strip() and int(x) > 0})
     a.start_rounds = a.start_rounds or 3 * a.rounds
     a.only = {x.strip() for x in a.only.split(",") if x.strip()}

@@ -127,3 +127,63 @@ def test_the_checker_sees_a_violation(tmp_path):
     rank, _pkg = owner("xpuctl.core.checks")
     bad = [t for _, t, _ in imports(tree, "xpuctl.core.checks") if owner(t)[0] > rank]
     assert bad == ["xpuctl.cli.group", "xpuctl.cli.group.app"] or bad == ["xpuctl.cli.group"]
+
+
+def import_graph(mods: list[tuple[Path, str, ast.AST]]) -> dict[str, set[str]]:
+    """module -> the xpuctl modules it imports, at any depth (lazy imports included)."""
+    names = {name for _, name, _ in mods}
+    return {name: {t for _, t, _ in imports(tree, name) if t in names and t != name}
+            for _, name, tree in mods}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every import circle: the strongly connected components of more than one module
+    (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circle():
+    """No module imports, at any depth and however lazily, a module that imports it back
+    (issue 32 §1: host/ahead.py and host/scan.py were one)."""
+    found = cycles(import_graph(modules()))
+    assert not found, "import circles:\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+def test_the_circle_checker_sees_a_lazy_circle():
+    a = ast.parse("from xpuctl.host.scan import take_scan\n")
+    b = ast.parse("def f():\n    from xpuctl.host.ahead import start_pass\n")
+    c = ast.parse("import xpuctl.errors\n")
+    graph = import_graph([(SRC / "host/ahead.py", "xpuctl.host.ahead", a),
+                          (SRC / "host/scan.py", "xpuctl.host.scan", b),
+                          (SRC / "errors.py", "xpuctl.errors", c)])
+    assert cycles(graph) == [["xpuctl.host.ahead", "xpuctl.host.scan"]]

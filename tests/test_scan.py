@@ -10,8 +10,10 @@ the plain pass finds, and fall back to scanning everything itself when the helpe
 from __future__ import annotations
 
 import functools
+import json
 import operator
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -19,6 +21,7 @@ import threading
 import pytest
 from proctools import (
     holders,
+    is_gone,
     proc_token,  # noqa: F401  (fixture)
     standin_root,  # noqa: F401  (fixture)
     token_env,
@@ -28,6 +31,7 @@ from proctools import (
 from xpuctl.host import processes
 from xpuctl.host import split as Sp
 from xpuctl.host.seam import Host
+from xpuctl.parse.procfs import parse_stat
 
 PY = sys.executable
 
@@ -189,13 +193,14 @@ def test_no_split_while_other_threads_run(monkeypatch):
 
 def test_fdscan_survives_the_pipe():
     st = processes.ProcStat("python3", "S", 1, 10, 10, 4, 123456)
-    scan = processes.FdTable()
+    scan = processes.FdTable("/tmp/r")
     scan.procs[10] = processes.RawProcess(10, st, ["vllm", "serve", "caf\udcc3"], "api-server", None)
     scan.procs[11] = processes.RawProcess(11, st._replace(state="D"), None, None, None, False)
-    scan.drm_fds.append((10, "5", "/dev/dri/renderD128"))
+    scan.kept.append((10, "5", "/tmp/r/dev/dri/renderD128"))
+    scan.kept.append((11, "7", "/tmp/odd \udcff name"))
     scan.dmabuf_fds.append((10, "6"))
     scan.sockets[777] = [10, 11]
-    scan.files["/tmp/odd \udcff name"] = [11]
+    scan.paths.append((11, "7"))
     scan.unreadable.append(11)
     scan.malformed.append(12)
     back = processes.FdTable.loads(scan.dumps())
@@ -204,10 +209,13 @@ def test_fdscan_survives_the_pipe():
         11: (st._replace(state="D"), None, None, None, False),
     }
     assert isinstance(back.procs[10].stat, processes.ProcStat)
+    back._classify()  # what the links are, for the root the pass was made for
+    assert back.root == "/tmp/r"
     assert back.drm_fds == [(10, "5", "/dev/dri/renderD128")]
     assert back.dmabuf_fds == [(10, "6")]
     assert back.sockets == {777: [10, 11]}
     assert back.files == {"/tmp/odd \udcff name": [11]}
+    assert back.paths == [(11, "7")]
     assert (back.unreadable, back.malformed) == ([11], [12])
 
 
@@ -329,6 +337,150 @@ def test_in_two_without_fork_or_helper_still_covers_everything(monkeypatch):
     parts = Sp.in_two(list, items, garbled, marshal.loads)
     assert sorted(functools.reduce(operator.iadd, parts, [])) == items
     assert set(children_left()) <= before
+
+
+# /proc/2/stat of this machine's kthreadd (proc(5): field 9 is the flags; PF_KTHREAD is
+# 0x00200000 in include/linux/sched.h): 2129984 = 0x208040
+KTHREADD_STAT = (b"2 (kthreadd) S 0 0 0 0 -1 2129984 0 0 0 0 0 0 0 0 20 0 1 0 25 0 0 "
+                 b"18446744073709551615 0 0 0 0 0 0 0 2147483647 0 1 0 0 0 1 0 0 0 0 0 0 0 0 0 0 "
+                 b"0 0 0\n")
+
+
+def _kthreads() -> set[int]:
+    out = set()
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat", "rb") as f:
+                    st = parse_stat(f.read())
+            except OSError:
+                continue
+            if st is not None and st.kthread:
+                out.add(int(d))
+    return out
+
+
+def test_the_pass_reads_no_fds_of_kernel_threads(monkeypatch):
+    """A kernel thread (PF_KTHREAD in its stat's flags) has no fds: the pass does not open
+    its fd directory (a listing, the fd count being 0), and a process that may not look into
+    it (EACCES for anyone but root) does not count it unreadable."""
+    st = parse_stat(KTHREADD_STAT)
+    assert st is not None and st.kthread and st.comm == "kthreadd"
+    assert parse_stat(KTHREADD_STAT.replace(b" 2129984 ", b" 4194304 ")).kthread is False
+    kthreads = _kthreads()
+    if not kthreads:
+        pytest.skip("no kernel thread visible here (a PID namespace of its own)")
+    looked: list[int] = []
+    real = Host.fd_links_ending
+
+    def spy(self, pid, keep, ends):
+        looked.append(pid)
+        return real(self, pid, keep, ends)
+
+    monkeypatch.setattr(Host, "fd_links_ending", spy)
+    fds = processes.scan_processes(Host("/", read_timeout=None))
+    seen = {pid for pid in kthreads if pid in fds.procs}
+    assert seen and all(fds.procs[pid].stat.kthread for pid in seen)
+    assert looked and not seen & set(looked)
+    assert not seen & set(fds.unreadable)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs a command as nobody (setpriv): needs root")
+def test_a_command_that_may_not_look_into_kernel_threads_does_not_count_them(standin_root):
+    if shutil.which("setpriv") is None:
+        pytest.skip("no setpriv (util-linux)")
+    os.chmod(standin_root.root, 0o755)
+    out = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", PY, "-m",
+                          "xpuctl", "--root", standin_root.root, "doctor", "--json"],
+                         capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+                         cwd="/")
+    unreadable = {u["pid"] for u in json.loads(out.stdout)["unreadable_processes"]}
+    assert os.getpid() in unreadable  # root's processes are not nobody's to look into
+    assert not unreadable & _kthreads()
+
+
+_SOCKETS = r"""
+import os, socket, sys, time
+pair = socket.socketpair()
+listener = socket.socket()
+listener.bind(("127.0.0.1", 0))
+listener.listen()
+print(os.fstat(pair[0].fileno()).st_ino, os.fstat(pair[1].fileno()).st_ino,
+      os.fstat(listener.fileno()).st_ino, flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_pass_keeps_the_sockets_of_listeners_only(standin_root, proc_token):
+    """Of a process's sockets the pass keeps those whose inode a TCP listener has (a port's
+    owners: the listeners are read first), unless a socket file in /dev/shm or /tmp may be
+    judged by what is bound to it: then every one (liveness.Holdings.bound)."""
+    r = standin_root
+    p = subprocess.Popen([PY, "-c", _SOCKETS], env=token_env(proc_token), stdout=subprocess.PIPE,
+                         stdin=subprocess.DEVNULL)
+    try:
+        assert p.stdout is not None
+        a, b, listener = map(int, p.stdout.readline().split())
+        fds = processes.scan_processes(Host(r.root, read_timeout=None))
+        assert fds.sockets.get(listener) == [p.pid]
+        assert a not in fds.sockets and b not in fds.sockets
+        assert listener in {s.inode for s in fds.listeners or ()}
+        assert fds.sockets_for is not None and listener in fds.sockets_for
+        # a socket file a rule knows (vLLM's ZMQ sockets): every socket is kept
+        import socket
+        import uuid
+
+        bound = socket.socket(socket.AF_UNIX)
+        try:
+            bound.bind(os.path.join(r.root, "tmp", str(uuid.uuid4())))
+            fds = processes.scan_processes(Host(r.root, read_timeout=None))
+            assert fds.sockets_for is None
+            assert {a, b, listener} <= set(fds.sockets)
+        finally:
+            bound.close()
+    finally:
+        p.kill()
+        p.wait()
+
+
+_ORPHANED = r"""
+import marshal, os, sys, time
+from xpuctl.host import split as Sp
+Sp.SPLIT_ABOVE = 0
+Sp.can_split = lambda: True
+me, mark = os.getpid(), sys.argv[1]
+
+def work(xs):
+    out = []
+    for x in xs:
+        if os.getpid() != me and not os.path.exists(mark):
+            with open(mark + ".tmp", "w") as f:
+                f.write(str(os.getpid()))
+            os.rename(mark + ".tmp", mark)
+        time.sleep(0.02)  # 2000 items: 40 s of work
+        out.append(x)
+    return out
+
+Sp.in_two(work, list(range(2000)), marshal.dumps, marshal.loads)
+"""
+
+
+def test_the_helper_stops_once_the_process_that_forked_it_is_gone(tmp_path, proc_token):
+    """A reader killed mid-pass (a head start ended, a read that blocked) leaves no helper
+    working on for nobody: it takes no chunk once its parent is gone."""
+    mark = tmp_path / "helper"
+    p = subprocess.Popen([PY, "-c", _ORPHANED, str(mark)], env=token_env(proc_token),
+                         stdin=subprocess.DEVNULL)
+    try:
+        assert wait_for(mark.exists, 60)
+        helper = int(mark.read_text())
+        p.kill()
+        p.wait()
+        # a chunk is 16 items, 0.3 s; the rest of the work would take 40 s
+        assert wait_for(lambda: is_gone(helper), 15)
+    finally:
+        p.kill()
+        p.wait()
 
 
 def test_helper_runs_no_signal_handler_of_the_caller(monkeypatch, tmp_path):

@@ -94,11 +94,13 @@ def test_read_timeout_from_the_environment_goes_through_the_same_type():
 
 
 def test_read_timeout_head_start_takes_only_what_the_group_takes():
+    """doctor's head start reads the bound from the environment (it reads no option); what
+    the group refuses there, it refuses too (cli/headstart.py)."""
     from xpuctl.cli import headstart
 
     for value in ("nan", "1e308", "7200", "1_0"):
-        assert headstart.plan(["--read-timeout", value, "doctor"], {}) is None, value
-    assert headstart.plan(["--read-timeout", "0.5", "doctor"], {}) == ("/", 0.5)
+        assert headstart.plan(["doctor"], {"XPUCTL_READ_TIMEOUT": value}) is None, value
+    assert headstart.plan(["doctor"], {"XPUCTL_READ_TIMEOUT": "0.5"}) == ("/", 0.5)
 
 
 def test_good_values_and_defaults():

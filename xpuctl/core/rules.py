@@ -28,7 +28,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, NamedTuple
 
-if TYPE_CHECKING:  # the pass over /proc asks `may_be_held` and needs no record types
+if TYPE_CHECKING:  # the pass over /proc asks `match` and needs no record types
     from xpuctl.core.model import FileInfo
 
 _UUID = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
@@ -88,14 +88,6 @@ def match(directory: str, name: str) -> tuple[str, bool] | None:
         if d == directory and pattern.match(name):
             return kind, socket_only
     return None
-
-
-def may_be_held(directory: str, name: str) -> bool:
-    """Could a file of this name be judged by who holds it open (a known name, not a cache,
-    not a socket-only kind)? The pass over /proc keeps every fd that may lead to a file only
-    when some such file exists (host/processes.py)."""
-    m = match(directory, name)
-    return m is not None and m[0] != "cache" and not m[1]
 
 
 def named_pid(kind: str, name: str) -> int | None:

@@ -1,24 +1,24 @@
 """The pass over /proc, started in a reader before the scan that will take it.
 
 For `cli.headstart`: a doctor's pass begins a few milliseconds into the process, before the
-command line is parsed and before this process imports the scan. Only `reads.caller` is
-needed here, and in the reader only the pass (host/processes.py), not the rest of the scan.
-The pass is kept in the reader (`Host.keep_ahead`) under `key`, which `take_scan` looks up
-with the pids it skips."""
+command line is parsed and before this process imports the scan. Only `reads.caller` and the
+pass (host/processes.py) are imported here, before the reader is forked: the reader finds
+them imported, and this process needs them for its scan anyway; the rest of the scan's
+code is imported in the reader while the pass's split helper scans.
+The pass is kept in the reader (`processes.keep_pass`), and the scan that can use it takes it
+(`processes.taken_pass`): one of the same /proc, skipping the same pids, whose root's fds the
+pass kept (`processes.pass_serves`)."""
 
 from __future__ import annotations
 
 import os
 from typing import TYPE_CHECKING, Any
 
+from xpuctl.host.processes import keep_pass, own_pids, scan_processes
+from xpuctl.host.seam import Host
+
 if TYPE_CHECKING:
     from xpuctl.host.reads.caller import Reader
-    from xpuctl.host.seam import Host
-
-
-def key(host: Host, skip: frozenset[int]) -> tuple[str, str, frozenset[int]]:
-    """What a pass is kept under: the root it read and the pids it left out."""
-    return ("pass", host.root, skip)
 
 
 def start_pass(reader: Reader, root: str) -> None:
@@ -30,17 +30,15 @@ def start_pass(reader: Reader, root: str) -> None:
 def _pass(reads: Any, root: str, caller: int) -> None:
     """In the reader (`reads`: its side of the reads): the pass take_scan would make there
     for `caller`, skipping what it skips (processes.own_pids)."""
-    from xpuctl.host.processes import own_pids, scan_processes
-    from xpuctl.host.seam import Host
-
     host = Host(root, reads=reads)
     skip = own_pids(host, frozenset({caller}))
     # the scan that takes the pass needs the rest of the scan's code: imported while the
     # pass's split helper is scanning, it costs that scan nothing
     started = host.now()
     fds = scan_processes(host, skip, meanwhile=_import_the_scan)
-    host.keep_ahead(key(host, skip), (started, fds))
+    keep_pass(host, skip, started, fds)
 
 
 def _import_the_scan() -> None:
-    import xpuctl.host.scan  # noqa: F401
+    import xpuctl.host.scan
+    import xpuctl.parse.kmsg  # noqa: F401 (doctor reads the kernel log next)

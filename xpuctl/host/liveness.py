@@ -250,7 +250,7 @@ class Holdings:
                     if (p := self.fds.procs.get(pid)) is not None and p.stat.state != "Z"]
         else:  # a file the pass did not know of when it began: read the fds now
             pids = [pid for pid, p in self.fds.procs.items()
-                    if p.stat.state != "Z" and p.fds_readable]
+                    if p.stat.state != "Z" and not p.stat.kthread and p.fds_readable]
             live, denied = self.host.call(file_fds, pids)
             self._fd_denied.extend(denied)
         parts = in_two(self._stat_some, live, marshal.dumps, marshal.loads,
@@ -290,7 +290,8 @@ class Holdings:
 
     def _mapped(self) -> _Maps:
         if self._maps is None:
-            pids = [pid for pid, proc in self.fds.procs.items() if proc.stat.state != "Z"]
+            pids = [pid for pid, proc in self.fds.procs.items()
+                    if proc.stat.state != "Z" and not proc.stat.kthread]  # no mappings
             first, *rest = in_two(self._maps_of, pids, marshal.dumps, marshal.loads,
                                   split=self.host.splittable and self.host.reader is None,
                                   in_helper=self.host.in_split_helper)

@@ -18,12 +18,18 @@ import marshal
 import os
 import stat as _stat
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
+from xpuctl.core.rules import match
 from xpuctl.host.seam import Host
+from xpuctl.host.sockdiag import listening_sockets
 from xpuctl.host.split import in_two
 from xpuctl.parse import redact
 from xpuctl.parse.procfs import ProcStat, parse_cmdline, parse_stat
 from xpuctl.parse.roles import classify
+
+if TYPE_CHECKING:
+    from xpuctl.parse.net import TcpSocket
 
 _GONE = (FileNotFoundError, ProcessLookupError)
 #: The most of a command line read and kept; a longer one is counted (ARGV_COUNT_BYTES at
@@ -53,16 +59,29 @@ class RawProcess:
 
 class FdTable:
     """The open files of every process, as the pass over /proc found them (not a Scan: the
-    scan is built from it)."""
+    scan is built from it).
 
-    __slots__ = ("dmabuf_fds", "drm_fds", "files", "malformed", "paths", "paths_for", "procs",
-                 "sockets", "unreadable")
+    The pass keeps the text of every fd link under /dev/dri, /dev/shm and /tmp, and under the
+    root it was made for (`root`, `dirs`): what those fds are, a DRM node (`drm_fds`) or a
+    file to judge (`files`), is read from the text for that root (`_classify`). So a pass
+    can serve a scan of another root that reads the same /proc when it kept every fd that
+    root's pass would keep (`for_root`)."""
 
-    def __init__(self) -> None:
+    __slots__ = ("dirs", "dmabuf_fds", "drm_fds", "files", "kept", "listeners", "malformed",
+                 "paths", "paths_for", "procs", "root", "sockets", "sockets_for", "unreadable")
+
+    def __init__(self, root: str = "") -> None:
+        self.root = root  # the Host's root the pass was made for ("" for /)
+        self.dirs = kept_dirs(root)  # the links kept whole: under these
         self.procs: dict[int, RawProcess] = {}
+        self.kept: list[tuple[int, str, str]] = []  # (pid, fd, link text) under `dirs`
         self.drm_fds: list[tuple[int, str, str]] = []  # (pid, fd, host path)
         self.dmabuf_fds: list[tuple[int, str]] = []  # (pid, fd)
         self.sockets: dict[int, list[int]] = {}  # inode -> pids
+        #: None: every socket is in `sockets`; else only these inodes (the TCP listeners)
+        self.sockets_for: frozenset[int] | None = None
+        #: the TCP listeners the pass kept the sockets of (None: not read by the pass)
+        self.listeners: list[TcpSocket] | None = None
         self.files: dict[str, list[int]] = {}  # /dev/shm|/tmp path -> pids
         # (pid, fd) of the fds that may lead to a file to judge, on the kernel's /proc (see
         # module): `paths_for` None, none kept; (), every fd that may lead to a file; else
@@ -74,36 +93,140 @@ class FdTable:
 
     def merge(self, other: FdTable) -> None:
         self.procs.update(other.procs)
-        self.drm_fds.extend(other.drm_fds)
+        self.kept.extend(other.kept)
         self.dmabuf_fds.extend(other.dmabuf_fds)
         for inode, owners in other.sockets.items():
             self.sockets.setdefault(inode, []).extend(owners)
-        for path, owners in other.files.items():
-            self.files.setdefault(path, []).extend(owners)
         self.paths.extend(other.paths)
         if other.paths_for != self.paths_for:  # parts of one pass agree; else trust neither
             self.paths, self.paths_for = [], None
         self.unreadable.extend(other.unreadable)
         self.malformed.extend(other.malformed)
 
+    def _classify(self) -> None:
+        """`drm_fds` and `files` from the kept links, for `root`: a link under the root is
+        cut to its host path; any other is a host path as it is (seam.Host.to_host)."""
+        root, cut = self.root, len(self.root)
+        drm: list[tuple[int, str, str]] = []
+        files: dict[str, list[int]] = {}
+        for pid, fd, link in self.kept:
+            if root and link.startswith(root) and link[cut:cut + 1] == "/":
+                link = link[cut:]
+            if link.startswith("/dev/dri/"):
+                drm.append((pid, fd, link))
+            elif link.startswith(("/dev/shm/", "/tmp/")):
+                files.setdefault(link, []).append(pid)
+        self.drm_fds, self.files = drm, files
+
+    def for_root(self, root: str) -> FdTable | None:
+        """This pass as a pass of the same /proc made for `root` would be (a Host's root:
+        "" for /), or None when it did not keep every fd such a pass keeps. Its fds kept by
+        number stay those of the names it kept them for (`paths_for`): liveness uses them
+        only when they cover the files it judges, and reads the fds again otherwise."""
+        if root == self.root:
+            return self
+        if not all(d.startswith(self.dirs) for d in kept_dirs(root)):
+            return None
+        out = FdTable(root)
+        for name in ("procs", "kept", "dmabuf_fds", "sockets", "sockets_for", "listeners",
+                     "paths", "paths_for", "unreadable", "malformed"):
+            setattr(out, name, getattr(self, name))
+        out._classify()
+        return out
+
     def dumps(self) -> bytes:
         """Plain containers for `marshal` (the helper's half of a split pass)."""
         procs = [(p.pid, tuple(p.stat), p.cmdline, p.role, p.rank, p.fds_readable,
                   p.cmdline_bytes) for p in self.procs.values()]
-        return marshal.dumps((procs, self.drm_fds, self.dmabuf_fds, self.sockets, self.files,
+        return marshal.dumps((self.root, procs, self.kept, self.dmabuf_fds, self.sockets,
                               self.paths, self.paths_for, self.unreadable, self.malformed))
 
     @classmethod
     def loads(cls, data: bytes) -> FdTable:
-        (procs, drm, dmabuf, sockets, files, paths, paths_for, unreadable,
+        (root, procs, kept, dmabuf, sockets, paths, paths_for, unreadable,
          malformed) = marshal.loads(data)
-        out = cls()
+        out = cls(root)
         for pid, st, argv, role, rank, readable, nbytes in procs:
             out.procs[pid] = RawProcess(pid, ProcStat(*st), argv, role, rank, readable, nbytes)
-        out.drm_fds, out.dmabuf_fds = drm, dmabuf  # marshal keeps tuples tuples
-        out.sockets, out.files, out.paths, out.paths_for = sockets, files, paths, paths_for
+        out.kept, out.dmabuf_fds = kept, dmabuf  # marshal keeps tuples tuples
+        out.sockets, out.paths, out.paths_for = sockets, paths, paths_for
         out.unreadable, out.malformed = unreadable, malformed
         return out
+
+
+#: Where the files a scan looks at live: fds whose link is under one of these (cut to the
+#: root's) are kept whole by the pass (FdTable.kept).
+_DIRS = ("/dev/dri/", "/dev/shm/", "/tmp/")
+
+
+def kept_dirs(root: str) -> tuple[str, ...]:
+    """The link prefixes a pass made for `root` keeps whole: the host's own and the root's."""
+    return _DIRS + tuple(root + d for d in _DIRS) if root else _DIRS
+
+
+def pass_serves(made_for: str, host: Host) -> bool:
+    """Can a pass made for the root `made_for` (a Host's root: "" for /) serve a scan of
+    `host`? When both read the same /proc and the pass kept every fd that host's pass keeps
+    (FdTable.for_root), and, for another root, what that root's files need (`_keeps_for`:
+    asked in `host`'s reader, which then reads the scan when the answer is no)."""
+    same = os.path.realpath(made_for + "/proc") == os.path.realpath(host.path("/proc"))
+    if not (same and all(d.startswith(kept_dirs(made_for)) for d in kept_dirs(host.root))):
+        return False
+    return made_for == host.root or not host.identity_checked or bool(
+        host.call(_serves_files_of, made_for))
+
+
+def _serves_files_of(host: Host, made_for: str) -> bool:
+    """Would a pass made for `made_for` keep what the files of `host` need? (in a reader)"""
+    names, socket_files = _files_to_judge(Host(made_for or "/", read_timeout=None))
+    return _covers(names, not socket_files, *_files_to_judge(host))
+
+
+def _pass_key(host: Host, skip: frozenset[int]) -> tuple[str, str, frozenset[int]]:
+    """What a pass made ahead is kept under: the /proc it read, the pids it left out."""
+    return ("pass", os.path.realpath(host.path("/proc")), skip)
+
+
+def keep_pass(host: Host, skip: frozenset[int], started: float, fds: FdTable) -> None:
+    """In a reader: keep a pass made ahead of the scan that will take it (host/ahead.py)."""
+    host.keep_ahead(_pass_key(host, skip), (started, fds))
+
+
+def taken_pass(host: Host, skip: frozenset[int], files: bool = True) -> tuple[float, FdTable] | None:
+    """(when it began, the pass) of the pass kept ahead for a scan of `host` that skips
+    `skip`, as that scan's own pass would be, once; None when there is none that can serve.
+
+    A pass made for another root judged that root's /dev/shm and /tmp when it chose which
+    fds to keep by number and which sockets (`_files_to_judge`): it serves only when it kept
+    what this root's files need (`_keeps_for`). Else a pass of this root's own costs less
+    than reading every fd again for its files (liveness.Holdings._stat_fds)."""
+    ahead = host.take_ahead(_pass_key(host, skip))
+    if ahead is None:
+        return None
+    started, fds = ahead
+    mine = fds.for_root(host.root)
+    if mine is None or (mine is not fds and files and host.identity_checked
+                        and not _keeps_for(mine, *_files_to_judge(host))):
+        return None
+    return started, mine
+
+
+def _keeps_for(fds: FdTable, names: tuple[str, ...] | None, socket_files: bool) -> bool:
+    """Did this pass keep the fds its scan's files need (`names`, `socket_files`: from
+    `_files_to_judge`)?"""
+    return _covers(fds.paths_for, fds.sockets_for is not None, names, socket_files)
+
+
+def _covers(kept: tuple[str, ...] | None, listeners_only: bool,
+            names: tuple[str, ...] | None, socket_files: bool) -> bool:
+    """Does a pass that kept the fds by number of `kept` (FdTable.paths_for: () all that may
+    lead to a file, None none), and the sockets of TCP listeners only or every socket, keep
+    what is needed to judge the files `names` (the same form) and socket files, if any?"""
+    if socket_files and listeners_only:
+        return False
+    if names is None or kept == ():
+        return True
+    return kept is not None and names != () and set(names) <= set(kept)
 
 
 def own_pids(host: Host, also: frozenset[int] = frozenset()) -> frozenset[int]:
@@ -225,9 +348,10 @@ def fill_cmdline(host: Host, proc: RawProcess) -> list[str]:
     return proc.cmdline
 
 
-#: Link texts worth a second look; every other fd (pipes, eventfds, /dev/null, libraries,
-#: logs) is dropped inside `Host.fd_links` with one startswith per fd.
-_KEEP = ("/dev/dri/", "/dev/shm/", "/tmp/", "/dmabuf:", "socket:[", "anon_inode:dmabuf")
+#: Link texts worth a second look besides those under FdTable.dirs; every other fd (pipes,
+#: eventfds, /dev/null, libraries, logs) is dropped inside `Host.fd_links` with one startswith
+#: per fd.
+_KEEP = ("/dmabuf:", "socket:[", "anon_inode:dmabuf")
 #: On the kernel's /proc also every path ("/"): a file seen through another mount namespace
 #: or a bind mount shows that path. Not kept by number (FdTable.paths): pseudo files and the
 #: char devices every process holds, which are never a file in /dev/shm or /tmp.
@@ -237,18 +361,17 @@ _NOT_FILES = ("/dev/null", "/dev/pts/", "/dev/tty", "/dev/urandom", "/dev/random
 
 
 def _scan_some(host: Host, pids: Iterable[int], skip: frozenset[int], out: FdTable,
-               names: tuple[str, ...] | None) -> None:
+               names: tuple[str, ...] | None, sockets_for: frozenset[str] | None) -> None:
     procs = out.procs
-    drm = out.drm_fds
+    kept = out.kept
     dmabuf = out.dmabuf_fds
     sockets = out.sockets
-    files = out.files
     root = host.root
     cut = len(root)
     out.paths_for = names  # the fds matched with files by identity (FdTable.paths)
     by_number = names is not None
-    keep = _KEEP + ((root + "/dev/", root + "/tmp/") if root else ())
-    keep += ("/",) if names == () else ()
+    dirs = out.dirs
+    keep = dirs + _KEEP + (("/",) if names == () else ())
     ends = tuple("/" + name for name in names or ())
     paths = out.paths
     fd_links = host.fd_links
@@ -263,8 +386,8 @@ def _scan_some(host: Host, pids: Iterable[int], skip: frozenset[int], out: FdTab
                 out.malformed.append(pid)
             continue
         procs[pid] = proc
-        if proc.stat.state == "Z":
-            continue  # a zombie holds nothing: its fds are closed
+        if proc.stat.state == "Z" or proc.stat.kthread:
+            continue  # a zombie holds nothing (its fds are closed), a kernel thread no fd
         try:
             links = host.fd_links_ending(pid, keep, ends) if ends else fd_links(pid, keep)
         except _GONE:
@@ -277,25 +400,21 @@ def _scan_some(host: Host, pids: Iterable[int], skip: frozenset[int], out: FdTab
         for fd, link in links:
             c = link[:1]
             if c == "/":
-                if root and link.startswith(root) and link[cut : cut + 1] == "/":
-                    link = link[cut:]
-                if by_number and not link.startswith(_NOT_FILES) and (
-                        not ends or link.endswith(ends)):
-                    paths.append((pid, fd))
-                if link.startswith("/dev/"):
-                    if link.startswith("/dev/dri/"):
-                        drm.append((pid, fd, link))
-                    elif link.startswith("/dev/shm/"):
-                        files.setdefault(link, []).append(pid)
-                elif link.startswith("/tmp/"):
-                    files.setdefault(link, []).append(pid)
+                if by_number:
+                    shown = link[cut:] if root and link.startswith(root) and \
+                        link[cut:cut + 1] == "/" else link
+                    if not shown.startswith(_NOT_FILES) and (not ends or shown.endswith(ends)):
+                        paths.append((pid, fd))
+                if link.startswith(dirs):
+                    kept.append((pid, fd, link))
                 elif link.startswith("/dmabuf:"):
                     dmabuf.append((pid, fd))
             elif c == "s":
-                try:
-                    sockets.setdefault(int(link[8:-1]), []).append(pid)
-                except ValueError:
-                    pass
+                if sockets_for is None or link in sockets_for:
+                    try:
+                        sockets.setdefault(int(link[8:-1]), []).append(pid)
+                    except ValueError:
+                        pass
             else:
                 dmabuf.append((pid, fd))  # anon_inode:dmabuf
 
@@ -306,52 +425,70 @@ def scan_processes(host: Host, skip_pids: frozenset[int] = frozenset(),
     (before the pass when it is not split): work that need not wait for the pass. `files`:
     the scan judges files in /dev/shm and /tmp; then, when files are matched by identity and
     some file there may be judged by who holds it, every fd that may lead to a file is kept
-    (`FdTable.paths`; a pass without them costs less, and `file_fds` reads them later)."""
+    (`FdTable.paths`; a pass without them costs less, and `file_fds` reads them later).
+
+    The TCP listeners are read first (`FdTable.listeners`): of the sockets only theirs are
+    kept, a port's owners (`FdTable.sockets_for`), unless a socket file there may be judged
+    by what is bound to it (every socket is kept then: liveness.Holdings.bound)."""
     try:
         pids = list_pids(host)
     except OSError:
         pids = []
-    names = _held_file_names(host) if files and host.identity_checked else None
+    names, socket_files = _files_to_judge(host) if files and host.identity_checked else (
+        None, False)
+    listeners = listening_sockets(host)
+    inodes = None if socket_files else frozenset(s.inode for s in listeners)
+    wanted = None if inodes is None else frozenset(f"socket:[{i}]" for i in inodes)
 
     def work(some: Iterable[int]) -> FdTable:
-        part = FdTable()
-        _scan_some(host, some, skip_pids, part, names)
+        part = FdTable(host.root)
+        _scan_some(host, some, skip_pids, part, names, wanted)
         return part
 
-    out, *rest = in_two(work, pids, FdTable.dumps, FdTable.loads, split=host.splittable and host.reader is None,
-                         in_helper=host.in_split_helper, meanwhile=meanwhile)
+    out, *rest = in_two(work, pids, FdTable.dumps, FdTable.loads,
+                        split=host.splittable and host.reader is None,
+                        in_helper=host.in_split_helper, meanwhile=meanwhile)
     for part in rest:
         out.merge(part)
+    out.listeners, out.sockets_for = listeners, inodes
+    out._classify()
     return out
 
 
-def _held_file_names(host: Host) -> tuple[str, ...] | None:
-    """Which fds the pass keeps by number (`FdTable.paths_for`): None when no file in
-    /dev/shm or /tmp may be judged by who holds it; else the names of those files, when each
-    has one link: an fd on such a file, opened through whatever mount or namespace, names it
-    by that one dentry, so its link ends with "/" + the name (a rename renames the link
-    too); else () for every fd that may lead to a file (a second name could be anywhere)."""
-    from xpuctl.core.rules import may_be_held
+def _files_to_judge(host: Host) -> tuple[tuple[str, ...] | None, bool]:
+    """(which fds the pass keeps by number, whether a socket file may be judged).
 
+    The fds kept by number (`FdTable.paths_for`): None when no regular file in /dev/shm or
+    /tmp may be judged by who holds it; else the names of those files, when each has one
+    link: an fd on such a file, opened through whatever mount or namespace, names it by that
+    one dentry, so its link ends with "/" + the name (a rename renames the link too); else
+    () for every fd that may lead to a file (a second name could be anywhere)."""
     found: list[str] = []
+    every = sockets = False
     for directory in ("/dev/shm", "/tmp"):
         try:
             names = host.listdir(directory)
         except OSError:
             continue
         for name in names:
-            if not may_be_held(directory, name):
-                continue
+            m = match(directory, name)
+            if m is None or m[0] == "cache":
+                continue  # not ours to judge, or judged by age alone
             try:
                 st = os.lstat(host.path(f"{directory}/{name}"))
             except OSError:
                 continue  # gone: nothing to judge
-            if not _stat.S_ISREG(st.st_mode):
-                continue  # a socket is judged by what is bound to it
-            if st.st_nlink != 1:
-                return ()
-            found.append(name)
-    return tuple(sorted(set(found))) if found else None
+            if _stat.S_ISSOCK(st.st_mode):
+                sockets = True  # judged by what is bound to it
+            elif m[1] or not _stat.S_ISREG(st.st_mode):
+                continue
+            elif st.st_nlink != 1:
+                every = True
+            else:
+                found.append(name)
+    if every:
+        return (), sockets
+    return (tuple(sorted(set(found))) if found else None), sockets
 
 
 def file_fds(host: Host, pids: Iterable[int]) -> tuple[list[tuple[int, str]], list[int]]:

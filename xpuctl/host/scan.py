@@ -19,7 +19,6 @@ from xpuctl.core.model import (
 from xpuctl.core.oneccl import KVS, kvs_port
 from xpuctl.core.rules import CCL_USED, Facts, Starter, judge, match, named_pid
 from xpuctl.core.trees import Member, resolve
-from xpuctl.host.ahead import key
 from xpuctl.host.containers import ContainerLookup
 from xpuctl.host.devices import scan_devices
 from xpuctl.host.drm import dmabufs_held, drm_clients
@@ -32,11 +31,12 @@ from xpuctl.host.processes import (
     read_optional,
     scan_processes,
     stat_of,
+    taken_pass,
 )
 from xpuctl.host.reads.protocol import BlockedRead
 from xpuctl.host.seam import Host
+from xpuctl.host.sockdiag import listening_sockets
 from xpuctl.parse.envvars import mask_indices
-from xpuctl.parse.net import TcpSocket, parse_tcp
 from xpuctl.parse.procfs import (
     ProcStat,
     maps_library,
@@ -53,9 +53,9 @@ DEFAULT_PORT = 8000
 
 def _pass(host: Host, skip: frozenset[int], files: bool) -> tuple[float, FdTable]:
     """(when it was taken, the pass over /proc): the one started ahead, else a new one."""
-    ahead = host.take_ahead(key(host, skip))
+    ahead = taken_pass(host, skip, files)
     if ahead is not None:
-        return ahead  # type: ignore[no-any-return]
+        return ahead
     return host.now(), scan_processes(host, skip, files=files)
 
 
@@ -211,26 +211,6 @@ def _facts(holds: Holdings, lazy: _Lazy, path: str, kind: str, info: FileInfo,
                           unseen=unseen, held=held, bound_by=bound_by)
 
 
-def listening_sockets(host: Host) -> list[TcpSocket]:
-    """TCP LISTEN sockets: from the kernel over netlink when the scanned /proc is ours (same
-    network namespace as /proc/net), else (a fake tree, or no sock_diag) from
-    /proc/net/tcp and tcp6."""
-    if host.proc_is_live:
-        from xpuctl.host.sockdiag import tcp_listeners
-
-        try:
-            return tcp_listeners()
-        except OSError:
-            pass
-    out: list[TcpSocket] = []
-    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            out.extend(parse_tcp(host.read_text(name)))
-        except OSError:
-            continue
-    return out
-
-
 def _kvs_owners(host: Host, port: int, pids: list[int], procs: dict[int, Process],
                 cache: dict[int, bool]) -> set[int]:
     """The pids among a listener's owners that prove it is oneCCL's KVS (core/oneccl.py): the
@@ -250,7 +230,7 @@ def _kvs_owners(host: Host, port: int, pids: list[int], procs: dict[int, Process
 
 
 def _ports(host: Host, fds: FdTable, procs: dict[int, Process], port: int | None) -> list[Port]:
-    listeners = listening_sockets(host)
+    listeners = fds.listeners if fds.listeners is not None else listening_sockets(host)
     host.found_listeners(listeners)
     out: list[Port] = []
     seen: set[tuple[int, int | None]] = set()

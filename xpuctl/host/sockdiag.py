@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import _socket  # the C layer of `socket`, whose Python layer costs ~2 ms of enums per start
 import os
+from typing import TYPE_CHECKING
 
-from xpuctl.parse.net import TcpSocket
+from xpuctl.parse.net import TcpSocket, parse_tcp
 from xpuctl.parse.sockdiag import (
     AF_INET,
     AF_INET6,
@@ -26,7 +27,28 @@ from xpuctl.parse.sockdiag import (
     unix_request,
 )
 
+if TYPE_CHECKING:
+    from xpuctl.host.seam import Host
+
 TIMEOUT_S = 0.5  # the kernel answers a LISTEN dump in well under a millisecond
+
+
+def listening_sockets(host: Host) -> list[TcpSocket]:
+    """TCP LISTEN sockets: from the kernel over netlink when the scanned /proc is ours (same
+    network namespace as /proc/net), else (a fake tree, or no sock_diag) from
+    /proc/net/tcp and tcp6."""
+    if host.proc_is_live:
+        try:
+            return tcp_listeners()
+        except OSError:
+            pass
+    out: list[TcpSocket] = []
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            out.extend(parse_tcp(host.read_text(name)))
+        except OSError:
+            continue
+    return out
 
 
 def tcp_listeners() -> list[TcpSocket]:

@@ -9,7 +9,8 @@ The items are cut into chunks whose numbers are written to a pipe before the for
 process takes the next number with one read(2) until the pipe is empty, so a process that
 gets less CPU (another task on its core) simply takes fewer chunks. The helper sends its
 result back through a second pipe and leaves with os._exit: no exit handlers, no buffered
-output. If it fails (fork refused, a crash, garbled data) this process does the helper's
+output. It stops taking chunks once this process is gone (a reader killed: nobody would read
+its result). If it fails (fork refused, a crash, garbled data) this process does the helper's
 chunks too, so a split pass never sees less than a plain one.
 """
 
@@ -55,9 +56,14 @@ def _default_signals() -> None:
             continue
 
 
-def _take(queue: int, chunks: list[list[Any]], taken: list[int]) -> Iterator[Any]:
-    """The items of every chunk this process takes from the queue, in order."""
+def _take(queue: int, chunks: list[list[Any]], taken: list[int],
+          parent: int | None = None) -> Iterator[Any]:
+    """The items of every chunk this process takes from the queue, in order. In the helper
+    (`parent`: the pid of the process that forked it), none once that process is gone (a
+    reader killed: nobody would read the result)."""
     while True:
+        if parent is not None and os.getppid() != parent:
+            return
         b = os.read(queue, _ID)
         if len(b) < _ID:
             return  # empty: the writer is closed, so this is the end
@@ -98,6 +104,7 @@ def in_two(work: Callable[[Iterable[Any]], T], items: list[Any], dumps: Callable
         return _alone(work, items, meanwhile)
     # Signals wait until the helper has dropped the caller's handlers (see _default_signals).
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+    parent = os.getpid()
     try:
         child = os.fork()
     except OSError:
@@ -110,7 +117,7 @@ def in_two(work: Callable[[Iterable[Any]], T], items: list[Any], dumps: Callable
             if in_helper is not None:
                 in_helper()
             os.close(r)
-            view = memoryview(dumps(work(_take(q_r, chunks, []))))
+            view = memoryview(dumps(work(_take(q_r, chunks, [], parent))))
             while view:
                 view = view[os.write(w, view):]
             code = 0

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+#: PF_KTHREAD in the flags field of /proc/<pid>/stat (include/linux/sched.h): a kernel
+#: thread, which has no open files of its own.
+PF_KTHREAD = 0x00200000
+
 
 class ProcStat(NamedTuple):
     comm: str
@@ -13,6 +17,7 @@ class ProcStat(NamedTuple):
     session: int
     threads: int
     start_ticks: int
+    kthread: bool = False
 
 
 def parse_stat(data: bytes) -> ProcStat | None:
@@ -25,7 +30,7 @@ def parse_stat(data: bytes) -> ProcStat | None:
     if open_ < 0 or close < open_:
         return None
     rest = data[close + 2 :].split()
-    # rest[0] is field 3 (state); starttime is field 22 -> rest[19]
+    # rest[0] is field 3 (state); flags is field 9 -> rest[6]; starttime is field 22 -> rest[19]
     if len(rest) < 20:
         return None
     try:
@@ -37,6 +42,7 @@ def parse_stat(data: bytes) -> ProcStat | None:
             session=int(rest[3]),
             threads=int(rest[17]),
             start_ticks=int(rest[19]),
+            kthread=bool(int(rest[6]) & PF_KTHREAD),
         )
     except ValueError:
         return None

@@ -32,8 +32,9 @@ from xpuctl.actions.signals import Target, survivors, wait_gone
 from xpuctl.core import waits
 from xpuctl.core.waits import Wait
 from xpuctl.host.processes import read_cmdline, stat_of, still_running
-from xpuctl.host.scan import listening_sockets, take_scan
+from xpuctl.host.scan import take_scan
 from xpuctl.host.seam import Host
+from xpuctl.host.sockdiag import listening_sockets
 from xpuctl.shutdown.logtail import LogTail
 from xpuctl.shutdown.targets import ServerTree, members, topmost
 

@@ -113,12 +113,15 @@ def _fork(req_r: int, rep_w: int, page: mmap.mmap, parent_ends: tuple[int, ...])
 
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
     # Objects made before the fork are left out of the reader's garbage collections: a
-    # collection touches every object it visits, and each page touched is copied.
+    # collection touches every object it visits, and each page touched is copied. Objects
+    # this process had frozen itself (cli/group.py) stay frozen here.
+    frozen = gc.get_freeze_count()
     gc.freeze()
     try:
         pid = os.fork()
     except OSError:
-        gc.unfreeze()
+        if not frozen:
+            gc.unfreeze()
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         raise
     if pid == 0:
@@ -132,7 +135,8 @@ def _fork(req_r: int, rep_w: int, page: mmap.mmap, parent_ends: tuple[int, ...])
             code = 0
         finally:
             os._exit(code)
-    gc.unfreeze()
+    if not frozen:
+        gc.unfreeze()
     signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     return pid
 
