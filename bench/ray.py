@@ -64,7 +64,7 @@ def breakdown(address: str, env: dict[str, str]) -> dict:
     from xpuctl.ray.cluster import DEADLINE, NODE_TIMEOUT
 
     t0 = time.perf_counter()
-    answer = bridge.call("cluster", {"command": "doctor", "options": {}, "runner": "xpuctl.ray.node",
+    answer = bridge.call("cluster", {"command": "doctor", "options": {}, "runner": "xpuctl.node",
                                      "node_timeout": NODE_TIMEOUT}, address,
                          bridge.ray_python(env), timeout=DEADLINE, environ=env)
     results = [n.get("result") or {} for n in answer["nodes"]]

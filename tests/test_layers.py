@@ -23,12 +23,12 @@ LAYERS = [
     ("xpuctl.state",),
     ("xpuctl.actions", "xpuctl.probes"),
     ("xpuctl.doctor", "xpuctl.listing", "xpuctl.ray"),
-    ("xpuctl.shutdown", "xpuctl.logs", "xpuctl.archive"),
+    ("xpuctl.shutdown", "xpuctl.logs", "xpuctl.archive", "xpuctl.node"),
     ("xpuctl.reset", "xpuctl.rebind", "xpuctl.serve"),
     ("xpuctl.cli", "xpuctl.__main__"),
 ]
-# pure leaves any layer may use: exit codes, the escaping of host text, units
-LEAVES = ("xpuctl.errors", "xpuctl.output.safetext", "xpuctl.output.units")
+# pure leaves any layer may use: exit codes, the escaping of host text
+LEAVES = ("xpuctl.errors", "xpuctl.output.safetext")
 HEAVY = ("torch", "intel_extension_for_pytorch", "pyzes", "vllm", "ray")
 
 

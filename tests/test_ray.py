@@ -470,7 +470,7 @@ def test_what_runs_on_a_node_needs_neither_typer_nor_rich(tmp_path):
     host = fakehost.orphan_host(tmp_path / "node")
     code = ("import sys, json\n"
             "sys.modules['typer'] = None; sys.modules['rich'] = None\n"
-            "from xpuctl.ray import node\n"
+            "from xpuctl import node\n"
             "out = {c: node.run(c, {}) for c in ('doctor', 'ps', 'devices')}\n"
             "assert not [m for m in sys.modules if m.split('.')[0] in ('typer', 'rich') and sys.modules[m]]\n"
             "print(json.dumps({c: [r['exit_code'], r['root'], r['document']['schema']] for c, r in out.items()}))\n")

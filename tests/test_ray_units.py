@@ -16,6 +16,7 @@ import re
 
 import fakehost
 
+from xpuctl import node as ray_node
 from xpuctl.core.cluster import ClusterResult, node_result
 from xpuctl.core.model import Process, Scan
 from xpuctl.host.scan import take_scan
@@ -23,7 +24,6 @@ from xpuctl.host.seam import Host
 from xpuctl.output import cluster as cluster_output
 from xpuctl.parse import roles
 from xpuctl.ray import actors, bridge
-from xpuctl.ray import node as ray_node
 
 NESTED = "make.<locals>.RayWorkerProc"
 
@@ -164,9 +164,9 @@ import hashlib, json, os, sys
 from xpuctl.ray import child
 package = child.package_zip(os.path.join(sys.argv[1], "xpuctl"))
 digest = hashlib.sha256(package).hexdigest()[:16]
-answer = child.on_node(package, digest, "xpuctl.ray.node", "ps", {})
+answer = child.on_node(package, digest, "xpuctl.node", "ps", {})
 print(json.dumps({"digest": digest, "schema": answer["document"]["schema"],
-                  "from": sys.modules["xpuctl.ray.node"].__file__}))
+                  "from": sys.modules["xpuctl.node"].__file__}))
 """
 
 
@@ -213,7 +213,7 @@ child = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(child)
 threading.Thread(target=threading.Event().wait, daemon=True).start()  # a Ray worker's threads
 package = child.package_zip(os.path.join(sys.argv[1], "xpuctl"))
-answer = child.on_node(package, hashlib.sha256(package).hexdigest()[:16], "xpuctl.ray.node",
+answer = child.on_node(package, hashlib.sha256(package).hexdigest()[:16], "xpuctl.node",
                        "doctor", {})
 print(json.dumps({"status": answer["document"]["status"], "exit_code": answer["exit_code"]}))
 """

@@ -69,10 +69,10 @@ def devices(
 
         sys.stdout.write(to_json(devices_document(scan, recorded)) + "\n")
         return
+    from xpuctl.core.units import human_bytes
     from xpuctl.output.lines import blocked_lines
     from xpuctl.output.safetext import emit
     from xpuctl.output.tables import print_devices, probes_line
-    from xpuctl.output.units import human_bytes
 
     for warning in blocked_lines(scan):
         emit(sys.stderr, f"xpuctl: warning: {warning}")

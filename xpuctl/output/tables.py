@@ -14,8 +14,8 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from xpuctl.core.model import Finding, Report, RunRow, Scan, Version
+from xpuctl.core.units import human_age, human_bytes
 from xpuctl.output.safetext import safe
-from xpuctl.output.units import human_age, human_bytes
 from xpuctl.parse.procfs import ARGV_SHOWN_BYTES
 
 if TYPE_CHECKING:

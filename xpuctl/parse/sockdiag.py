@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import struct
+from collections.abc import Iterator
 from typing import NamedTuple
 
 from xpuctl.parse.net import TCP_LISTEN, TcpSocket
@@ -65,9 +66,10 @@ def listen_request(family: int, seq: int) -> bytes:
                           NLM_F_REQUEST | NLM_F_DUMP, seq, 0) + body
 
 
-def parse_listen_reply(data: bytes, out: list[TcpSocket]) -> bool:
-    """Append the sockets in one datagram of the answer to `out`; True once the dump is done.
-    Raises NetlinkError for an error message or a malformed one."""
+def _messages(data: bytes) -> Iterator[tuple[int, int] | None]:
+    """The SOCK_DIAG_BY_FAMILY messages of one datagram, as (where the body starts, where the
+    message ends); None once NLMSG_DONE is met (nothing follows it). Raises NetlinkError for
+    an error message or a malformed one; other message types are skipped."""
     off = 0
     while off + _NLMSGHDR.size <= len(data):
         length, kind, _, _, _ = _NLMSGHDR.unpack_from(data, off)
@@ -75,23 +77,34 @@ def parse_listen_reply(data: bytes, out: list[TcpSocket]) -> bool:
             raise NetlinkError(f"bad netlink message length {length}")
         body = off + _NLMSGHDR.size
         if kind == NLMSG_DONE:
-            return True
+            yield None
+            return
         if kind == NLMSG_ERROR:
             errno = -struct.unpack_from("=i", data, body)[0] if length >= _NLMSGHDR.size + 4 else 0
             raise NetlinkError(f"sock_diag error {errno}")
         if kind == SOCK_DIAG_BY_FAMILY:
-            if length < _NLMSGHDR.size + _MSG.size:
-                raise NetlinkError("short inet_diag_msg")
-            family, state, _, _, sport, _, src, _, _, _, _, _, _, uid, inode = _MSG.unpack_from(data, body)
-            if state == _TCP_STATE_LISTEN:
-                if family == AF_INET:
-                    address = str(ipaddress.IPv4Address(src[:4]))
-                elif family == AF_INET6:
-                    address = str(ipaddress.IPv6Address(src))
-                else:
-                    raise NetlinkError(f"unexpected family {family}")
-                out.append(TcpSocket(address, int.from_bytes(sport, "big"), TCP_LISTEN, inode, uid))
+            yield body, off + length
         off += (length + 3) & ~3  # NLMSG_ALIGN
+
+
+def parse_listen_reply(data: bytes, out: list[TcpSocket]) -> bool:
+    """Append the sockets in one datagram of the answer to `out`; True once the dump is done.
+    Raises NetlinkError for an error message or a malformed one."""
+    for msg in _messages(data):
+        if msg is None:
+            return True
+        body, end = msg
+        if end - body < _MSG.size:
+            raise NetlinkError("short inet_diag_msg")
+        family, state, _, _, sport, _, src, _, _, _, _, _, _, uid, inode = _MSG.unpack_from(data, body)
+        if state == _TCP_STATE_LISTEN:
+            if family == AF_INET:
+                address = str(ipaddress.IPv4Address(src[:4]))
+            elif family == AF_INET6:
+                address = str(ipaddress.IPv6Address(src))
+            else:
+                raise NetlinkError(f"unexpected family {family}")
+            out.append(TcpSocket(address, int.from_bytes(sport, "big"), TCP_LISTEN, inode, uid))
     return False
 
 
@@ -108,30 +121,20 @@ def parse_unix_reply(data: bytes, out: list[UnixBound]) -> bool:
     """Append the sockets bound to a file in one datagram of the answer to `out` (an unbound
     or abstract socket has no UNIX_DIAG_VFS attribute); True once the dump is done. Raises
     NetlinkError for an error message or a malformed one."""
-    off = 0
-    while off + _NLMSGHDR.size <= len(data):
-        length, kind, _, _, _ = _NLMSGHDR.unpack_from(data, off)
-        if length < _NLMSGHDR.size or off + length > len(data):
-            raise NetlinkError(f"bad netlink message length {length}")
-        body = off + _NLMSGHDR.size
-        end = off + length
-        if kind == NLMSG_DONE:
+    for msg in _messages(data):
+        if msg is None:
             return True
-        if kind == NLMSG_ERROR:
-            errno = -struct.unpack_from("=i", data, body)[0] if length >= _NLMSGHDR.size + 4 else 0
-            raise NetlinkError(f"sock_diag error {errno}")
-        if kind == SOCK_DIAG_BY_FAMILY:
-            if length < _NLMSGHDR.size + _UNIX_MSG.size:
-                raise NetlinkError("short unix_diag_msg")
-            inode = _UNIX_MSG.unpack_from(data, body)[4]
-            at = body + _UNIX_MSG.size
-            while at + _NLATTR.size <= end:
-                alen, atype = _NLATTR.unpack_from(data, at)
-                if alen < _NLATTR.size or at + alen > end:
-                    raise NetlinkError(f"bad netlink attribute length {alen}")
-                if atype & 0x3FFF == _UNIX_DIAG_VFS and alen >= _NLATTR.size + _UNIX_VFS.size:
-                    file_inode, dev = _UNIX_VFS.unpack_from(data, at + _NLATTR.size)
-                    out.append(UnixBound(inode, dev >> 20, dev & 0xFFFFF, file_inode))
-                at += (alen + 3) & ~3  # NLA_ALIGN
-        off += (length + 3) & ~3  # NLMSG_ALIGN
+        body, end = msg
+        if end - body < _UNIX_MSG.size:
+            raise NetlinkError("short unix_diag_msg")
+        inode = _UNIX_MSG.unpack_from(data, body)[4]
+        at = body + _UNIX_MSG.size
+        while at + _NLATTR.size <= end:
+            alen, atype = _NLATTR.unpack_from(data, at)
+            if alen < _NLATTR.size or at + alen > end:
+                raise NetlinkError(f"bad netlink attribute length {alen}")
+            if atype & 0x3FFF == _UNIX_DIAG_VFS and alen >= _NLATTR.size + _UNIX_VFS.size:
+                file_inode, dev = _UNIX_VFS.unpack_from(data, at + _NLATTR.size)
+                out.append(UnixBound(inode, dev >> 20, dev & 0xFFFFF, file_inode))
+            at += (alen + 3) & ~3  # NLA_ALIGN
     return False

@@ -10,7 +10,7 @@ error). The parent kills the child's session at its deadline.
 
 Operations:
   state    the cluster's alive actors, jobs (driver pids) and nodes, from Ray's state API
-  cluster  one task per alive node, pinned there, running xpuctl.ray.node with xpuctl's own
+  cluster  one task per alive node, pinned there, running xpuctl.node with xpuctl's own
            sources shipped as one object (a zip; the nodes need nothing but Ray)
   kill     ray.kill named actors of one job (by name and namespace)
 """
@@ -274,7 +274,7 @@ def op_cluster(req: dict[str, Any]) -> dict[str, Any]:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    # the task: `run(command, options)` of the module the caller names (xpuctl.ray.node),
+    # the task: `run(command, options)` of the module the caller names (xpuctl.node),
     # imported on the node from xpuctl's sources shipped as one object: no runtime_env, so
     # a node runs it in one of its pooled workers (ray already imported) instead of
     # starting a worker of its own for the runtime env, and nothing is unpacked per call

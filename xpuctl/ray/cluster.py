@@ -19,7 +19,7 @@ DEADLINE = 28.0  # the whole call: every outcome is known within 30 s
 
 def gather(command: str, options: dict[str, Any], address: str | None,
            environ: Mapping[str, str], python: str | None = None,
-           runner: str = "xpuctl.ray.node") -> ClusterResult:
+           runner: str = "xpuctl.node") -> ClusterResult:
     """Run `command` on every alive node of the cluster (`runner`'s `run(command, options)`
     as a pinned task); RayError when Ray cannot be asked."""
     env = dict(environ)

@@ -108,8 +108,8 @@ def _shm_warning(host: Host, plan: LaunchPlan, out: Callable[[str], None]) -> No
     size (core/shmroom.py): vLLM >= #48879 then fails at start, older ones die of SIGBUS
     under load."""
     from xpuctl.core.shmroom import needed_bytes
+    from xpuctl.core.units import human_bytes
     from xpuctl.doctor import shm_room
-    from xpuctl.output.units import human_bytes
     from xpuctl.parse.vllmargs import parallel_sizes
 
     tp, pp = parallel_sizes(plan.argv)

@@ -19,7 +19,7 @@ import errno
 import os
 import stat
 
-from xpuctl.output.units import human_bytes
+from xpuctl.core.units import human_bytes
 
 _KINDS = (
     (stat.S_ISLNK, "a symbolic link"),

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 from xpuctl.core.checks.registry import Ctx, check
 from xpuctl.core.model import CollectiveResult, Finding, RuntimeView
-from xpuctl.output.units import human_bytes
+from xpuctl.core.units import human_bytes
 
 
 def _wanted_views(c: Ctx) -> Iterator[RuntimeView]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from xpuctl.core.checks.registry import Ctx, check
 from xpuctl.core.model import Artifact, Finding
-from xpuctl.output.units import human_bytes
+from xpuctl.core.units import human_bytes
 
 
 def _remedy(c: Ctx) -> str:

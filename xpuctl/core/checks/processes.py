@@ -5,7 +5,7 @@ from __future__ import annotations
 from xpuctl.core.checks.registry import Ctx, check, pids
 from xpuctl.core.checks.registry import holders as device_holders_of
 from xpuctl.core.model import Finding, Process
-from xpuctl.output.units import human_bytes, shorten
+from xpuctl.core.units import human_bytes, shorten
 from xpuctl.parse import roles
 
 #: A process's device memory on one card at or below this is an idle Level Zero context, not
