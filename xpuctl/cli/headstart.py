@@ -107,7 +107,6 @@ def claim(host: Host) -> Host:
     reader = host.reader
     if (type(host) is Host and reader is not None and reader.pid is None
             and reader.bound == early_reader.bound and pass_serves(made_for, host)):
-        reader.close()  # started when pass_serves asked it about another root's files
         return Host(host.origin, reads=early_reader)
     early_reader.close()
     return host

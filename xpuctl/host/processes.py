@@ -167,19 +167,18 @@ def kept_dirs(root: str) -> tuple[str, ...]:
 def pass_serves(made_for: str, host: Host) -> bool:
     """Can a pass made for the root `made_for` (a Host's root: "" for /) serve a scan of
     `host`? When both read the same /proc and the pass kept every fd that host's pass keeps
-    (FdTable.for_root), and, for another root, what that root's files need (`_keeps_for`:
-    asked in `host`'s reader, which then reads the scan when the answer is no)."""
+    (FdTable.for_root), and, for another root, what that root's files need (`_keeps_for`).
+    Those are read here, not in a reader: two listings of /dev/shm and /tmp and an lstat of
+    each candidate, no read of a process's files (docs/bounded-reads.md); a reader's fork
+    would cost more than the head start saves at N=1000."""
     same = os.path.realpath(made_for + "/proc") == os.path.realpath(host.path("/proc"))
     if not (same and all(d.startswith(kept_dirs(made_for)) for d in kept_dirs(host.root))):
         return False
-    return made_for == host.root or not host.identity_checked or bool(
-        host.call(_serves_files_of, made_for))
-
-
-def _serves_files_of(host: Host, made_for: str) -> bool:
-    """Would a pass made for `made_for` keep what the files of `host` need? (in a reader)"""
+    if made_for == host.root or not host.identity_checked:
+        return True
     names, socket_files = _files_to_judge(Host(made_for or "/", read_timeout=None))
-    return _covers(names, not socket_files, *_files_to_judge(host))
+    return _covers(names, not socket_files,
+                   *_files_to_judge(Host(host.origin, read_timeout=None)))
 
 
 def _pass_key(host: Host, skip: frozenset[int]) -> tuple[str, str, frozenset[int]]:
