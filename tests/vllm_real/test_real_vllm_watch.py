@@ -80,7 +80,10 @@ def test_a_stopped_engine_core_with_a_request_running_is_stalled(xpuctl_foregrou
     _ready(run)
     engine = _engine(run)
     model = str(run.model)
-    body = workload.completion_body(model, n=32, max_tokens=200)
+    # long enough to still run when the engine is stopped: 32 x 200 tokens took under a
+    # second at 12,000 tok/s (CI), so the request had finished, the server was idle and
+    # rightly healthy; 1024 x 200 is 15-25 s at 8,000-12,000 tok/s
+    body = workload.completion_body(model, n=1024, max_tokens=200)
     answered: list[object] = []
 
     def ask() -> None:  # its connection dies with the stopped server: that is the point
