@@ -167,7 +167,7 @@ def kept_dirs(root: str) -> tuple[str, ...]:
 def pass_serves(made_for: str, host: Host) -> bool:
     """Can a pass made for the root `made_for` (a Host's root: "" for /) serve a scan of
     `host`? When both read the same /proc and the pass kept every fd that host's pass keeps
-    (FdTable.for_root), and, for another root, what that root's files need (`_keeps_for`).
+    (FdTable.for_root), and, for another root, what that root's files need (`_covers`).
     Those are read here, not in a reader: two listings of /dev/shm and /tmp and an lstat of
     each candidate, no read of a process's files (docs/bounded-reads.md); a reader's fork
     would cost more than the head start saves at N=1000."""
@@ -191,29 +191,18 @@ def keep_pass(host: Host, skip: frozenset[int], started: float, fds: FdTable) ->
     host.keep_ahead(_pass_key(host, skip), (started, fds))
 
 
-def taken_pass(host: Host, skip: frozenset[int], files: bool = True) -> tuple[float, FdTable] | None:
+def taken_pass(host: Host, skip: frozenset[int]) -> tuple[float, FdTable] | None:
     """(when it began, the pass) of the pass kept ahead for a scan of `host` that skips
     `skip`, as that scan's own pass would be, once; None when there is none that can serve.
-
-    A pass made for another root judged that root's /dev/shm and /tmp when it chose which
-    fds to keep by number and which sockets (`_files_to_judge`): it serves only when it kept
-    what this root's files need (`_keeps_for`). Else a pass of this root's own costs less
-    than reading every fd again for its files (liveness.Holdings._stat_fds)."""
+    Whether it kept what this root's files need was asked when it was claimed
+    (`pass_serves`); a file that appeared since is judged by reading the fds again
+    (liveness.Holdings._stat_fds)."""
     ahead = host.take_ahead(_pass_key(host, skip))
     if ahead is None:
         return None
     started, fds = ahead
     mine = fds.for_root(host.root)
-    if mine is None or (mine is not fds and files and host.identity_checked
-                        and not _keeps_for(mine, *_files_to_judge(host))):
-        return None
-    return started, mine
-
-
-def _keeps_for(fds: FdTable, names: tuple[str, ...] | None, socket_files: bool) -> bool:
-    """Did this pass keep the fds its scan's files need (`names`, `socket_files`: from
-    `_files_to_judge`)?"""
-    return _covers(fds.paths_for, fds.sockets_for is not None, names, socket_files)
+    return None if mine is None else (started, mine)
 
 
 def _covers(kept: tuple[str, ...] | None, listeners_only: bool,

@@ -53,7 +53,7 @@ DEFAULT_PORT = 8000
 
 def _pass(host: Host, skip: frozenset[int], files: bool) -> tuple[float, FdTable]:
     """(when it was taken, the pass over /proc): the one started ahead, else a new one."""
-    ahead = taken_pass(host, skip, files)
+    ahead = taken_pass(host, skip)
     if ahead is not None:
         return ahead
     return host.now(), scan_processes(host, skip, files=files)
