@@ -23,26 +23,11 @@ import time
 from pathlib import Path
 
 import fakehost as fh
-from proctools import free_port
+from proctools import free_port, read_pty
 
 CLEAR = "\r\x1b[2K"
 STANDINS = Path(__file__).parent / "standins" / "collective"
 XPUCTL = [sys.executable, "-m", "xpuctl"]
-
-
-def read_pty(master: int) -> str:
-    """Everything written to the pty until its last writer is gone."""
-    chunks = []
-    while True:
-        try:
-            data = os.read(master, 65536)
-        except OSError:  # EIO: every writer of the pty is gone
-            break
-        if not data:
-            break
-        chunks.append(data)
-    os.close(master)
-    return b"".join(chunks).decode(errors="replace")
 
 
 def run_on_pty(cmd: list[str], env: dict[str, str], cwd: Path, popens: list,

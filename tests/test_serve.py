@@ -27,6 +27,7 @@ from proctools import (
     is_gone,
     pids_with_token,
     port_listening,
+    read_pty,
     sid_of,
     wait_for,
 )
@@ -631,18 +632,8 @@ def test_serve_on_a_terminal_redraws_one_status_line(rig):
         rig.popens.append(proc)
     finally:
         os.close(slave)
-    chunks = []
-    while True:
-        try:
-            data = os.read(master, 65536)
-        except OSError:  # EIO: every writer of the pty is gone
-            break
-        if not data:
-            break
-        chunks.append(data)
-    os.close(master)
+    out = read_pty(master)
     rc = proc.wait(30)
-    out = b"".join(chunks).decode(errors="replace")
     assert rc == 0, out
     frames = out.split("\r\x1b[2K")
     status = [f for f in frames if f.startswith("xpuctl: tty ") and " is ready " not in f]

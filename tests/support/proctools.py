@@ -338,6 +338,22 @@ class StandInRoot:
 # network / HTTP
 
 
+def read_pty(master: int) -> str:
+    """Everything written to the pty whose master side is `master` until its last writer is
+    gone (read answers EIO, or nothing), decoded; the master is closed."""
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # EIO: every writer of the pty is gone
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(master)
+    return b"".join(chunks).decode(errors="replace")
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
