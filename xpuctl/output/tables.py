@@ -134,14 +134,8 @@ class _Fitted:
         widths = list(self.natural)
         # a cell's padding (one column each side) and one border between and around columns
         excess = sum(widths) + 3 * len(widths) + 1 - options.max_width
-        for floor in (SHRINK_FLOOR, 1):
-            for name in SHRINK_ORDER:
-                if excess <= 0 or name not in self.names:
-                    continue
-                i = self.names.index(name)
-                cut = min(excess, max(0, widths[i] - floor))
-                widths[i] -= cut
-                excess -= cut
+        _shrink(widths, self.names, [(name, floor) for floor in (SHRINK_FLOOR, 1)
+                                     for name in SHRINK_ORDER], excess)
         for column, width, natural in zip(self.table.columns, widths, self.natural, strict=True):
             column.width = width if width < natural else None
         yield self.table
@@ -246,19 +240,29 @@ COMMAND_ROOM = 12
 
 def _narrow(heads: list[str], rows: list[list[str]], widths: list[int], width: int) -> None:
     """Shorten the columns of PS_SHRINK (in place) until the listing fits `width`."""
-    excess = sum(w + 2 for w in widths) + COMMAND_ROOM - width
-    for name, floor in PS_SHRINK:
-        if excess <= 0 or name not in heads:
-            continue
-        i = heads.index(name)
-        cut = min(excess, max(0, widths[i] - floor))
-        if not cut:
-            continue
-        widths[i] -= cut
-        excess -= cut
-        heads[i] = _cut(heads[i], widths[i])
-        for r in rows:
-            r[i] = _cut(r[i], widths[i], keep=" ORPHAN" if name == "ROLE" else "")
+    before = list(widths)
+    _shrink(widths, heads, PS_SHRINK, sum(w + 2 for w in widths) + COMMAND_ROOM - width)
+    for i, (was, now) in enumerate(zip(before, widths, strict=True)):
+        if now < was:
+            keep = " ORPHAN" if heads[i] == "ROLE" else ""  # a role keeps its mark
+            heads[i] = _cut(heads[i], now)
+            for r in rows:
+                r[i] = _cut(r[i], now, keep=keep)
+
+
+def _shrink(widths: list[int], names: Sequence[str], plan: Iterable[tuple[str, int]],
+            excess: int) -> None:
+    """Narrow the columns named in `plan` (name, the width it keeps), in its order, each by
+    as much of `excess` as it can give, until nothing is in excess (`widths` in place; a
+    name not among `names` is skipped). The one rule of both tables for a narrow terminal."""
+    for name, floor in plan:
+        if excess <= 0:
+            return
+        if name in names:
+            i = names.index(name)
+            cut = min(excess, max(0, widths[i] - floor))
+            widths[i] -= cut
+            excess -= cut
 
 
 def _cut(text: str, width: int, keep: str = "") -> str:
