@@ -153,7 +153,8 @@ CollectiveOpt = Annotated[
     typer.Option("--collective", help="Also run oneCCL/XCCL init, one all_reduce and destroy "
                  "across the devices (one rank per device, child processes on the Python "
                  "running xpuctl, as --deep's torch probe), bounded; a hang names its phase "
-                 "and, rerun alone, its card."),
+                 "and, rerun alone, its card. One device: an allocation and a computation on "
+                 "it, no collective (vLLM runs none at world size 1)."),
 ]
 CollectiveTimeoutOpt = Annotated[
     float,
