@@ -7,8 +7,8 @@
   torch) is said when serve goes on, as its pass is.
 
 The collective ranks are the stand-ins of tests/standins/collective (a card that hangs in
-`compute`: a one-device check; torch 2.7 without oneccl_bindings_for_pytorch); vLLM is `/bin/false`, which is never
-reached or exits at once.
+`compute`: a one-device check; torch 2.7 without oneccl_bindings_for_pytorch); vLLM is
+`/bin/false`, which is never reached or exits at once.
 """
 
 from __future__ import annotations

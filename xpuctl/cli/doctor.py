@@ -88,7 +88,8 @@ def doctor(
     runs what vLLM's XPU workers do first: init_process_group (xccl; ccl before torch 2.8),
     an all_reduce, destroy_process_group. On one device it allocates and computes on the card
     (no collective: vLLM runs none at world size 1). A hang or failure fails (exit 1); no
-    torch with XPU or no backend is a warning. The files its ranks leave are removed once they are gone.
+    torch with XPU or no backend is a warning. The files its ranks leave are removed once
+    they are gone.
 
     With --ray [ADDRESS], doctor runs on every alive node of that Ray cluster (one section per
     node, the worst node's exit code).

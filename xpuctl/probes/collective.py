@@ -20,8 +20,8 @@ Rank r uses the device torch sees at index i: its doctor index (Level Zero order
 by PCI address) when the environment has no ZE_AFFINITY_MASK (doctor drops it), else its
 position in that mask (serve keeps the run's own). `env` is the ranks' whole environment
 except MASTER_ADDR (127.0.0.1), MASTER_PORT (a free one), RANK, LOCAL_RANK, WORLD_SIZE and
-XPUCTL_COLLECTIVE_PROOF, set here. The files in /tmp and /dev/shm that appeared during the check under a name the
-stale-file rules know (`core.rules`) and carry a rank's pid, or that a rank held (it says
+XPUCTL_COLLECTIVE_PROOF, set here. The files in /tmp and /dev/shm that appeared during the
+check under a name the stale-file rules know (`core.rules`) and carry a rank's pid, or that a rank held (it says
 what it holds after each phase it passes; a rank still running at the kill is looked at
 before it), are returned in `files`; removing them is not done here (only actions/ deletes:
 `doctor.remove_collective_files`, once the ranks are gone).
