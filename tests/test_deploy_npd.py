@@ -129,7 +129,7 @@ def test_clean_host_is_ok_in_one_short_line_within_the_rule_timeout(rule, monito
     fh.clean_host(tmp_path / "h")
     code, out, took = run_rule(rule, tmp_path / "h", tmp_path, proc_token)
     text = assert_one_line(out, monitor["pluginConfig"]["max_output_length"])
-    assert code == 0 and text.startswith("xpuctl: ok: 2 Intel GPU(s)"), text
+    assert code == 0 and text == "xpuctl: ok: 2 Intel GPU(s), clean, nothing failing\n", text
     # NPD kills a plugin at the rule's timeout: that is the contract, not a benchmark
     assert took < seconds(rule["timeout"]), took
 
@@ -170,3 +170,11 @@ def test_strict_makes_a_warning_fail_and_json_disagrees(tmp_path, proc_token):
     assert p.returncode == 1 and p.stdout.startswith("xpuctl: 1 failing; blocked-reads: ")
     p = subprocess.run([*base, "--json"], env=env, capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "disagree" in p.stderr
+
+
+def test_host_text_in_the_line_stays_one_printable_ascii_line():
+    from xpuctl.output import npd
+
+    for reason in ("\x1b[31mred\x1b[0m\nsecond line", "é→" * 60, "x" * 500, ""):
+        line = npd.unknown_line(reason) + "\n"
+        assert_one_line(line.encode("ascii"), npd.LIMIT)

@@ -86,10 +86,9 @@ def doctor(
 
     With --collective, one rank per device (default: every Intel GPU; --device selects)
     runs what vLLM's XPU workers do first: init_process_group (xccl; ccl before torch 2.8),
-    an all_reduce, destroy_process_group. On one device it allocates and computes on the card
-    (no collective: vLLM runs none at world size 1). A hang or failure fails (exit 1); no
-    torch with XPU or no backend is a warning. The files its ranks leave are removed once
-    they are gone.
+    an all_reduce, destroy_process_group; on one device, an allocation and a computation
+    (vLLM runs no collective at world size 1). A hang or failure fails (exit 1); no torch
+    with XPU or no backend is a warning. The files its ranks leave are removed after them.
 
     With --ray [ADDRESS], doctor runs on every alive node of that Ray cluster (one section per
     node, the worst node's exit code).
@@ -116,8 +115,8 @@ def doctor(
     if scans_first:
         host = headstart.claim(host)
     sdir = resolve_state_dir(host, state_dir, environ)
-    deep_opts = _deep(deep, replayed, probe_timeout, unattributed_threshold, sdir)
-    _check(a, asked, host, environ, sdir, deep_opts)
+    _check(a, asked, host, environ, sdir, _deep(deep, replayed, probe_timeout,
+                                                 unattributed_threshold, sdir))
 
 
 def _check(a: AppContext, asked: _Asked, host: Any, environ: dict[str, str], sdir: str | None,

@@ -45,7 +45,7 @@ def npd_line(report: Report, strict: bool) -> str:
     warned = sum(1 for f in report.findings if f.severity == "warn")
     gpus = sum(1 for d in report.scan.devices if d.is_intel)
     tail = f", {warned} warning(s)" if warned else ""
-    return _fit(f"ok: {gpus} Intel GPU(s), nothing failing{tail}")
+    return _fit(f"ok: {gpus} Intel GPU(s), {report.status}, nothing failing{tail}")
 
 
 def unknown_line(reason: str) -> str:
