@@ -51,6 +51,18 @@ def run(script: Path, tmp: Path, token: str, root: str, **slurm: str
                           stdin=subprocess.DEVNULL)
 
 
+def skip_unless_quiet(root: str, tmp: Path, *cards: str) -> None:
+    """pytest.skip when doctor already fails on these cards before the test starts anything:
+    the stand-in root's proc is this machine's, where other suites' processes come and go (an
+    orphaned worker of theirs holds no card of this root, and what holds no card is everyone's)."""
+    args = [a for c in cards for a in ("--device", c)]
+    p = subprocess.run([sys.executable, "-m", "xpuctl", "--root", root, "doctor", "--expect-idle",
+                        "--format", "npd", "--state-dir", str(tmp / "quiet"), *args],
+                       capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    if p.returncode != 0:
+        pytest.skip(f"this machine is not quiet for the test: {p.stdout.strip()}")
+
+
 def hold(token: str, node: str) -> subprocess.Popen[bytes]:
     p = subprocess.Popen([sys.executable, "-c", HOLDER, node], env=proctools.token_env(token),
                          stdin=subprocess.DEVNULL, start_new_session=True)
@@ -83,6 +95,7 @@ def test_a_job_without_cards_is_left_alone(script, tmp_path, proc_token):
 # -- the prolog -------------------------------------------------------------------------------
 
 def test_prolog_passes_the_jobs_clean_card(tmp_path, proc_token, standin_root):
+    skip_unless_quiet(standin_root.root, tmp_path, "0", "1")
     res = run(PROLOG, tmp_path, proc_token, standin_root.root, SLURM_JOB_GPUS="0,1")
     assert res.returncode == 0, res.stderr
 
@@ -101,6 +114,7 @@ def test_prolog_refuses_a_held_card_with_the_reason(cards, tmp_path, proc_token,
 
 
 def test_prolog_judges_the_jobs_cards_only(tmp_path, proc_token, standin_root):
+    skip_unless_quiet(standin_root.root, tmp_path, "1")
     hold(proc_token, standin_root.node(0))
     res = run(PROLOG, tmp_path, proc_token, standin_root.root, SLURM_JOB_GPUS="1")
     assert res.returncode == 0, res.stderr
@@ -140,6 +154,7 @@ def orphans_on(token: str, root: str, card: int) -> list[int]:
 def test_epilog_stops_the_orphan_on_the_jobs_card_and_leaves_the_other(tmp_path, proc_token,
                                                                        standin_root):
     root = standin_root.root
+    skip_unless_quiet(root, tmp_path, "0")
 
     def files() -> set[str]:
         return {f"shm/{n}" for n in standin_root.shm()} | {f"tmp/{n}" for n in standin_root.tmp()}
@@ -165,6 +180,7 @@ def test_epilog_stops_the_orphan_on_the_jobs_card_and_leaves_the_other(tmp_path,
 
 
 def test_epilog_stops_a_leftover_holder_of_the_jobs_card(tmp_path, proc_token, standin_root):
+    skip_unless_quiet(standin_root.root, tmp_path, "0")
     holder = hold(proc_token, standin_root.node(0))
     bystander = hold(proc_token, standin_root.node(1))
     skip_unless_the_cards_are_ours(standin_root.root, proc_token, "0")
@@ -199,3 +215,20 @@ def test_epilog_fails_when_the_release_is_not_proven(tmp_path, proc_token):
     assert [s.split()[0] for s in said] == ["shutdown", "reset", "doctor", "doctor"]
     assert all("--device 2 --device 3" in s for s in said)
     assert "--yes --kill-holders" in said[1]
+
+
+def test_another_jobs_server_on_vllms_default_port_does_not_drain_the_node(tmp_path, proc_token,
+                                                                           standin_root):
+    """Job A serves vLLM on card 1 at vLLM's default port (8000, doctor's default --port): job
+    B's prolog on card 0 passes. A live server's port counts for doctor --device without
+    --port only when the server is on those devices (xpuctl/core/checks/serving.py)."""
+    if proctools.port_listening(8000):
+        pytest.skip("port 8000 is in use on this machine")
+    skip_unless_quiet(standin_root.root, tmp_path, "0")
+    srv = proctools.start_fake_vllm(proc_token, standin_root.root, port=8000,
+                                    env={"ZE_AFFINITY_MASK": "1"})
+    assert srv.wait_ready(), srv.log()
+    res = run(PROLOG, tmp_path, proc_token, standin_root.root, SLURM_JOB_GPUS="0")
+    assert res.returncode == 0, res.stderr
+    res = run(PROLOG, tmp_path, proc_token, standin_root.root, SLURM_JOB_GPUS="1")
+    assert res.returncode != 0 and "port 8000 is served by the live vLLM server" in res.stderr
