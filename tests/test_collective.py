@@ -164,6 +164,83 @@ def test_two_healthy_devices_pass_with_the_backend_and_leave_nothing(tmp_path):
     assert not [a for a in data["artifacts"] if token in a["path"]]
 
 
+# -- one device: no collective (issue 37 §1) -------------------------------------------------
+# vLLM PR #52389 skips the oneCCL warm-up all_reduce when the world size is 1, after vLLM
+# #52386: on an Arc B390 iGPU an all_reduce in a group of one printed `|CCL_WARN| failed to get
+# PCI device` and segfaulted in `ccl_comm::post_coll` (the stand-in's `crash_alone`).
+
+def _calls(tmp: Path) -> list[str]:
+    path = tmp / "calls"
+    return path.read_text().split("\n")[:-1] if path.exists() else []
+
+
+def test_one_device_allocates_and_computes_on_the_card_with_no_collective(tmp_path):
+    _, env = setup(tmp_path, {"crash_alone": "all_reduce", "calls": str(tmp_path / "calls"),
+                              "pidfile": str(tmp_path / "pids")})
+    code, data, _ = doctor(tmp_path, env, "--collective", "--device", "1")
+    c = data["collective"]
+    assert code == 0, data["findings"]
+    assert (c["verdict"], c["proof"], c["world_size"]) == ("ok", "compute", 1)
+    assert [(r["device"], r["bdf"], r["phase"], r["returncode"]) for r in c["ranks"]] == [
+        (1, BDF1, "compute", 0)]
+    assert _calls(tmp_path) == ["alloc 1"]  # on the card; no init_process_group, no all_reduce
+    f = finding(data)
+    assert f["severity"] == "info" and "one device" in f["message"]
+    assert "no collective" in f["message"] and BDF1 in f["message"]
+    assert pids(tmp_path) and all(gone(p) for p in pids(tmp_path))
+    # people read it too
+    p = subprocess.run([*XPUCTL, "--root", str(tmp_path / "root"), "doctor", "--collective",
+                        "--device", "0"], env=env, capture_output=True, text=True, timeout=120,
+                       stdin=subprocess.DEVNULL)
+    assert p.returncode == 0, p.stdout + p.stderr
+    said = " ".join(p.stdout.split())
+    assert "passed on one device" in said and "no collective" in said, p.stdout
+
+
+def test_one_device_that_hangs_on_the_card_fails_in_compute(tmp_path):
+    _, env = setup(tmp_path, {"hang": {"0": "compute"}, "pidfile": str(tmp_path / "pids")})
+    code, data, _ = doctor(tmp_path, env, "--collective", "--device", "0", timeout="3")
+    c = data["collective"]
+    assert code == 1 and (c["verdict"], c["stuck_phase"], c["proof"]) == ("hung", "compute",
+                                                                          "compute")
+    assert c["alone"] == []  # one device is already alone
+    f = finding(data)
+    assert f["severity"] == "fail" and f["device"] == BDF0 and "hung in compute" in f["message"]
+    assert all(gone(p) for p in pids(tmp_path))
+
+
+def test_two_devices_keep_the_all_reduce(tmp_path):
+    _, env = setup(tmp_path, {"calls": str(tmp_path / "calls")})
+    code, data, _ = doctor(tmp_path, env, "--collective")
+    c = data["collective"]
+    assert code == 0 and (c["proof"], c["world_size"]) == ("all_reduce", 2)
+    assert sorted(_calls(tmp_path)) == ["all_reduce 2", "all_reduce 2", "alloc 0", "alloc 1",
+                                        "init 2", "init 2"]
+    assert "init_process_group, all_reduce" in finding(data)["message"]
+
+
+def test_serve_on_one_device_is_not_refused_by_an_all_reduce_crash(tmp_path, serve_root):
+    root, env = serve_root
+    scen = {"crash_alone": "all_reduce", "calls": str(tmp_path / "calls")}
+    (tmp_path / "scenario.json").write_text(json.dumps({"collective": scen}))
+    out = _serve(tmp_path, root, env, "--devices", "0", "--preflight", "collective")
+    assert "preflight fail" not in out.stderr, out.stderr
+    assert "collective check passed on one device" in out.stderr, out.stderr
+    assert "xpuctl: started" in out.stderr, out.stderr  # it went on, to /bin/false
+    assert _calls(tmp_path) == ["alloc 0"]
+
+
+def test_real_torch_one_device_computes_without_a_process_group(tmp_path):
+    pytest.importorskip("torch")
+    root = tmp_path / "root"
+    fh.clean_host(root)
+    env = probe_env({**os.environ, "XPUCTL_TEST_COLLECTIVE_BACKEND": "gloo"})
+    env.pop("PYTHONPATH", None)
+    r = collective.run_collective(Host(str(root)), [BDF0], env, 120)
+    assert (r.verdict, r.proof, r.world_size) == ("ok", "compute", 1), r
+    assert [k.phase for k in r.ranks] == ["compute"]
+
+
 def test_a_hang_on_one_card_names_the_phase_and_the_card_and_kills_every_rank(tmp_path):
     _, env = setup(tmp_path, {"hang": {"1": "init"}, "pidfile": str(tmp_path / "pids")})
     code, data, _ = doctor(tmp_path, env, "--collective", timeout="3")
@@ -314,7 +391,8 @@ def serve_root(tmp_path):
     from proctools import StandInRoot
 
     root = StandInRoot(tmp_path, n_devices=2)
-    _, env = setup(tmp_path, {"hang": {"1": "init"}, "pidfile": str(tmp_path / "pids")})
+    # one device: its check computes on the card, no process group (issue 37 §1)
+    _, env = setup(tmp_path, {"hang": {"1": "compute"}, "pidfile": str(tmp_path / "pids")})
     for k in ("ZE_AFFINITY_MASK", "ONEAPI_DEVICE_SELECTOR", "XPUCTL_ROOT"):
         env.pop(k, None)
     try:
@@ -328,7 +406,8 @@ def test_serve_preflight_collective_uses_the_runs_mask_and_refuses_a_hang(tmp_pa
     # --devices 1: the run's ZE_AFFINITY_MASK=1 makes torch index 0 the card with doctor index 1
     out = _serve(tmp_path, root, env, "--devices", "1", "--preflight", "fast,collective")
     assert out.returncode == 1, out.stderr
-    assert "xpuctl: preflight fail collective: collective check hung in init on 0000:04:00.0" in out.stderr
+    assert ("xpuctl: preflight fail collective: collective check hung in compute on 0000:04:00.0"
+            in out.stderr), out.stderr
     assert "preflight failed" in out.stderr
     assert not (tmp_path / "state" / "runs" / "vllm-1.json").exists()
     assert pids(tmp_path) and all(gone(p) for p in pids(tmp_path))
@@ -337,7 +416,7 @@ def test_serve_preflight_collective_uses_the_runs_mask_and_refuses_a_hang(tmp_pa
     (tmp_path / "scenario.json").write_text(json.dumps(scen))
     ok = _serve(tmp_path, root, env, "--devices", "0", "-e", "CCL_ATL_TRANSPORT=ofi",
                 "--preflight", "collective")
-    assert "collective check passed" in ok.stderr, ok.stderr  # then /bin/false ran
+    assert "collective check passed on one device" in ok.stderr, ok.stderr  # then /bin/false ran
     seen = [json.loads(p.read_text()) for p in tmp_path.glob("env.*")]
     assert seen and all(e["ZE_AFFINITY_MASK"] == "0" and e["CCL_ATL_TRANSPORT"] == "ofi"
                         and e["MASTER_ADDR"] == "127.0.0.1" and e["WORLD_SIZE"] == "1"
@@ -367,11 +446,12 @@ def test_files_a_killed_rank_held_open_or_bound_are_removed_after_it(tmp_path):
     """oneCCL's handle sockets (`/tmp/ccl-handle-<rank>-<comm>-<sched>-<op>-...`, names as
     listed by the stale-file rules) carry no pid: a rank that hung with one bound, and a
     /dev/shm file open, leaves both; the check finds them through the rank's fds and
-    /proc/net/unix before the kill and removes them once it is gone."""
+    /proc/net/unix before the kill and removes them once it is gone. (Two devices: the
+    check of one makes no process group.)"""
     token = uuid.uuid4().hex[:12]
     _, env = setup(tmp_path, {"files": token, "hold": True, "hang": {"0": "all_reduce"},
                               "pidfile": str(tmp_path / "pids")})
-    code, data, _ = doctor(tmp_path, env, "--collective", "--device", "0", timeout="3")
+    code, data, _ = doctor(tmp_path, env, "--collective", timeout="3")
     assert code == 1 and data["collective"]["verdict"] == "hung"
     assert all(gone(p) for p in pids(tmp_path))
     assert_no_files(token)

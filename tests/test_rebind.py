@@ -218,7 +218,9 @@ STANDINS = Path(__file__).parent / "standins" / "collective"  # the collective c
 
 @pytest.mark.parametrize(("scenario", "code", "verdict"), [
     ({}, 0, "ok"),
-    ({"crash": {"0": "all_reduce"}}, 1, "failed"),
+    # one device: the check computes on the card, no collective (issue 37 §1)
+    ({"crash": {"0": "compute"}}, 1, "failed"),
+    ({"crash_alone": "all_reduce"}, 0, "ok"),  # vLLM #52386's crash is never reached
 ])
 def test_rebind_with_collective_checks_the_device_once_it_is_back(
         tmp_path: Path, driver_for, monkeypatch, scenario, code, verdict) -> None:

@@ -7,8 +7,8 @@
   torch) is said when serve goes on, as its pass is.
 
 The collective ranks are the stand-ins of tests/standins/collective (a card that hangs in
-`init`; torch 2.7 without oneccl_bindings_for_pytorch); vLLM is `/bin/false`, which is never
-reached or exits at once.
+`compute`: a one-device check; torch 2.7 without oneccl_bindings_for_pytorch); vLLM is
+`/bin/false`, which is never reached or exits at once.
 """
 
 from __future__ import annotations
@@ -62,13 +62,14 @@ def _gone(pid: int) -> bool:
 
 
 def test_a_second_serve_of_the_same_run_is_refused_during_the_firsts_preflight(tmp_path, root):
-    env = _env(tmp_path, {"hang": {"1": "init"}, "pidfile": str(tmp_path / "pids")})
+    # one device: its check computes on the card (no process group: issue 37 §1)
+    env = _env(tmp_path, {"hang": {"1": "compute"}, "pidfile": str(tmp_path / "pids")})
     first = subprocess.Popen(_serve_cmd(tmp_path, root, "--devices", "1", "--preflight",
                                         "collective", "--collective-timeout", "20"),
                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              stdin=subprocess.DEVNULL, start_new_session=True)
     try:
-        # the first serve is in its preflight: its rank on card 1 hangs in init
+        # the first serve is in its preflight: its rank on card 1 hangs in compute
         assert wait_for(lambda: _pids(tmp_path / "pids") or first.poll() is not None, 60), \
             first.communicate()
         assert first.poll() is None

@@ -21,6 +21,7 @@ class ExitCode(IntEnum):
     LOCKED = 5
     RAY = 6
     UNHEALTHY = 7
+    UNKNOWN = 8
     INTERNAL = 70
     INTERRUPTED = 130
 
@@ -42,6 +43,8 @@ MEANINGS: dict[ExitCode, str] = {
                   "rejected token, no answer in time)",
     ExitCode.UNHEALTHY: "serve: the run was unhealthy or stalled (its watch), so it was "
                         "stopped and the GPU's release proven",
+    ExitCode.UNKNOWN: "doctor --format npd: could not tell (a read did not answer, or an error "
+                      "ended the check); node-problem-detector reads it as Unknown",
     ExitCode.INTERNAL: "internal error (one line; --debug for the traceback)",
     ExitCode.INTERRUPTED: "interrupted: Ctrl-C",
 }

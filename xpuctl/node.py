@@ -4,7 +4,9 @@ A Ray task pinned to its node, in the node's own Python: it has Ray, and xpuctl'
 because the task shipped it (its sources as one zip, `xpuctl.ray.child.on_node`). So this
 module and what it imports stay below the CLI: no typer, no rich. The node honours its own XPUCTL_ROOT (its raylet's
 environment: a container that mounts the host at /host sets it there); the caller's --root is
-not sent. Ray actors on the node are tied through the node's own connection to Ray.
+not sent. Ray actors on the node are tied through the node's own connection to Ray. doctor
+also says whether `import dpctl` works in the node's Python, and the variables that decide
+which cards Ray's workers see (core/raynode.py judges them with Ray's view of the node).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import os
 import socket
 import time
 from typing import Any
+
+DPCTL_TIMEOUT = 8.0  # `import dpctl` in a child; the node's whole task has 20 s
 
 
 def _state(waiting: Any) -> dict[str, Any]:
@@ -39,6 +43,27 @@ def _doctor(host: Any, environ: dict[str, str], options: dict[str, Any]) -> tupl
                       state_dir=resolve_state_dir(host, None, environ), ray_fetch=_state)
     code = 1 if blocking(report, bool(options.get("strict"))) else 0
     return doctor_dict(report), [family_to_data(f) for f in families(report)], code
+
+
+def _ray_env(environ: dict[str, str]) -> dict[str, Any]:
+    """This node's part of whether Ray can give vLLM its Intel GPUs (core/raynode.py): does
+    `import dpctl` work in this Python (tried in a child: a pooled worker keeps no SYCL
+    runtime of ours), and the variables that decide which cards Ray's workers see."""
+    import subprocess
+    import sys
+
+    from xpuctl.core.raynode import MASK_VARS
+
+    ok: bool | None
+    try:
+        p = subprocess.run([sys.executable, "-c", "import dpctl"], capture_output=True,
+                           text=True, timeout=DPCTL_TIMEOUT, stdin=subprocess.DEVNULL)
+        ok = p.returncode == 0
+        last = ([ln for ln in p.stderr.splitlines() if ln.strip()] or [""])[-1][:300]
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        ok, last = None, f"{type(exc).__name__}: {exc}"[:300]
+    return {"python": sys.executable, "dpctl": ok, "dpctl_error": None if ok else last,
+            "env": {k: environ.get(k) for k in MASK_VARS}}
 
 
 def _scan(host: Any, environ: dict[str, str]) -> Any:
@@ -75,12 +100,14 @@ def run(command: str, options: dict[str, Any]) -> dict[str, Any]:
     host = Host(root)
     metrics: list[Any] = []
     code = 0
+    extra: dict[str, Any] = {}
     if command == "doctor":
         doc, metrics, code = _doctor(host, environ, options)
+        extra["ray"] = _ray_env(environ)
     elif command == "ps":
         doc = _ps(host, environ, options)
     else:
         doc = _devices(host, environ)
     return {"hostname": socket.gethostname(), "root": root, "document": doc,
             "metrics": metrics, "exit_code": code,
-            "seconds": round(time.monotonic() - started, 3)}
+            "seconds": round(time.monotonic() - started, 3), **extra}

@@ -5,7 +5,7 @@ node is up, then waits until its stdin closes and shuts the cluster down. Each n
 raylet of its own with its own environment (`env_vars`): a node's XPUCTL_ROOT is what every
 task and actor on it sees.
 
-argv[1]: JSON {"nodes": [{"env": {...}, "num_cpus": 1, "resources": {...}}, ...],
+argv[1]: JSON {"nodes": [{"env": {...}, "num_cpus": 1, "num_gpus": 0, "resources": {...}}, ...],
                "plain": false, "hold_cpus": false}
 
 `plain`: each node as `Cluster.add_node(num_cpus=...)` makes it, with Ray's defaults (no
@@ -34,6 +34,8 @@ def _node_args(i: int, node: dict, plain: bool) -> dict:
     if plain:
         return args
     args.update(env_vars=node.get("env") or {}, resources=node.get("resources") or {})
+    if "num_gpus" in node:  # Ray's "GPU" for the node, as `ray start --num-gpus` declares it
+        args.update(num_gpus=node["num_gpus"])
     if i == 0:  # the state API needs the dashboard; 8265 may be another cluster's
         args.update(include_dashboard=True, dashboard_port=_free_port())
     return args

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Annotated, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 import typer
 
@@ -16,20 +17,25 @@ from xpuctl.cli.options import (
     CollectiveTimeoutOpt,
     DeepOpt,
     DeviceOpt,
+    DoctorFormatOpt,
+    DoctorPortOpt,
+    ExpectIdleOpt,
     Format,
     FormatJsonOpt,
     FromOpt,
     ProbeTimeoutOpt,
     RayOpt,
     StateDirOpt,
+    StrictOpt,
+    TextfileOpt,
+    UnattributedThresholdOpt,
+    WaitCleanOpt,
     deep_options,
     on_cluster,
     output_format,
     parse_size,
-    port_option,
 )
-from xpuctl.cli.paramtypes import Seconds
-from xpuctl.errors import ExitCode, UsageError
+from xpuctl.errors import ExitCode, UsageError, XpuctlError
 
 if TYPE_CHECKING:  # types only: the countdown's module loads with --collective
     from xpuctl.output.progress import View
@@ -37,38 +43,35 @@ if TYPE_CHECKING:  # types only: the countdown's module loads with --collective
 app = command_app()
 
 
+class _Asked(NamedTuple):
+    """What the command line asks of the check itself (the host is opened apart)."""
+
+    devices: list[str]
+    port: int | None
+    expect_idle: bool
+    strict: bool
+    wait_clean: float | None
+    fmt: Format
+    textfile: str | None
+    collective: float | None  # --collective's timeout (None: no collective check)
+    state_dir: str | None
+
+
 @app.command()
 @guard
 def doctor(
     ctx: typer.Context,
     device: DeviceOpt = None,
-    port: Annotated[int | None, port_option("Serving port to check.", "8000")] = None,
-    expect_idle: Annotated[
-        bool, typer.Option("--expect-idle", help="Any holder, memory or served port is a failure.")
-    ] = False,
-    strict: Annotated[bool, typer.Option("--strict", help="Warnings fail too (exit 1).")] = False,
-    wait_clean: Annotated[
-        float | None,
-        typer.Option("--wait-clean", click_type=Seconds(0), show_default=False,
-                     help="Re-check until nothing fails, for up to SECONDS (right after a shutdown)."),
-    ] = None,
-    fmt: Annotated[Format | None, typer.Option("--format", "-f", help="table, json or "
-                                                  "prometheus (json: as --json).",
-                                                  show_default="table")] = None,
+    port: DoctorPortOpt = None,
+    expect_idle: ExpectIdleOpt = False,
+    strict: StrictOpt = False,
+    wait_clean: WaitCleanOpt = None,
+    fmt: DoctorFormatOpt = None,
     as_json: FormatJsonOpt = False,
-    textfile: Annotated[
-        str | None,
-        typer.Option("--textfile", metavar="PATH", show_default=False,
-                     help="Write the Prometheus text atomically to PATH (*.prom, for node_exporter's "
-                     "textfile collector) instead of stdout; implies --format prometheus."),
-    ] = None,
+    textfile: TextfileOpt = None,
     deep: DeepOpt = False,
     probe_timeout: ProbeTimeoutOpt = 10.0,
-    unattributed_threshold: Annotated[
-        str,
-        typer.Option("--unattributed-threshold", metavar="SIZE",
-                     help="With --deep: device memory no visible process explains above this fails."),
-    ] = "1GiB",
+    unattributed_threshold: UnattributedThresholdOpt = "1GiB",
     collective: CollectiveOpt = False,
     collective_timeout: CollectiveTimeoutOpt = 30.0,
     state_dir: StateDirOpt = None,
@@ -83,62 +86,93 @@ def doctor(
 
     With --collective, one rank per device (default: every Intel GPU; --device selects)
     runs what vLLM's XPU workers do first: init_process_group (xccl; ccl before torch 2.8),
-    an all_reduce, destroy_process_group. A hang or failure fails (exit 1); no torch with XPU
-    or no backend is a warning. The files its ranks leave are removed once they are gone.
+    an all_reduce, destroy_process_group; on one device, an allocation and a computation
+    (vLLM runs no collective at world size 1). A hang or failure fails (exit 1); no torch
+    with XPU or no backend is a warning. The files its ranks leave are removed after them.
 
     With --ray [ADDRESS], doctor runs on every alive node of that Ray cluster (one section per
     node, the worst node's exit code).
 
     Exit 0: nothing fails. 1: failing findings (warnings too with --strict; also when
     --wait-clean runs out; also when --textfile cannot be written). 2: usage error (also an
-    unsafe or unreadable --from archive).
+    unsafe or unreadable --from archive). --format npd: 8 when it could not tell.
     """
-    from xpuctl import doctor as doctor_core
     from xpuctl.state.statedir import resolve_state_dir
 
-    # the head start (cli/headstart.py) is for a run whose first act is a scan of this host:
-    # claimed below; any other run ends it now (--ray leaves no pass running)
+    # the head start (cli/headstart.py): claimed by a run that scans this host first, else ended
     scans_first = from_ is None and ray is None and not (collective or deep)
     if not scans_first:
         headstart.end()
     a = app_context(ctx)
-    out_fmt = _format(fmt, as_json, textfile)
-    _check_sources(ray, from_, deep, wait_clean)
-    if collective and (ray is not None or from_ is not None):
-        raise UsageError("--collective runs on this host's devices: drop --ray and --from")
+    asked = _Asked(list(device or []), port, expect_idle, strict, wait_clean,
+                   _format(fmt, as_json, textfile), textfile,
+                   collective_timeout if collective else None, state_dir)
+    _check_sources(ray, from_, deep, asked)
     if ray is not None:
-        on_cluster(a, "doctor", ray, {"devices": list(device or []), "port": port,
-                                      "strict": strict, "expect_idle": expect_idle}, out_fmt, textfile)
+        on_cluster(a, "doctor", ray, {"devices": asked.devices, "port": port, "strict": strict,
+                                      "expect_idle": expect_idle}, asked.fmt, textfile)
     host, environ, replayed = open_source(ctx, from_)
     if scans_first:
         host = headstart.claim(host)
     sdir = resolve_state_dir(host, state_dir, environ)
-    deep_opts = _deep(deep, replayed, probe_timeout, unattributed_threshold, sdir)
+    _check(a, asked, host, environ, sdir, _deep(deep, replayed, probe_timeout,
+                                                 unattributed_threshold, sdir))
+
+
+def _check(a: AppContext, asked: _Asked, host: Any, environ: dict[str, str], sdir: str | None,
+           deep_opts: Any) -> NoReturn:
+    """Diagnose, re-check with --wait-clean, render, exit."""
+    from xpuctl import doctor as doctor_core
+
     # --collective runs once: a --wait-clean re-check carries its first result; while it
     # runs, stderr shows what its ranks are doing and the time left
-    view = _countdown() if collective else None
-    coll: list[Any] = [doctor_core.CollectiveOptions(collective_timeout, on_wait=view.wait)
-                       if view is not None else None]
+    view = _countdown() if asked.collective is not None else None
+    coll: list[Any] = [doctor_core.CollectiveOptions(asked.collective, on_wait=view.wait)
+                       if view is not None and asked.collective is not None else None]
 
     def run() -> Any:
-        report = doctor_core.diagnose(host, list(device or []), port, expect_idle, environ,
-                                      deep=deep_opts, state_dir=sdir, ray_address=ray,
-                                      collective=coll[0])
+        report = doctor_core.diagnose(host, asked.devices, asked.port, asked.expect_idle, environ,
+                                      deep=deep_opts, state_dir=sdir, collective=coll[0])
         coll[0] = report.scan.collective
         return report
 
+    if asked.fmt is Format.npd:
+        _npd(run, asked.strict)
     try:
         report = run()
     finally:
         if view is not None:
             view.finish()
-    clean = not doctor_core.blocking(report, strict)
-    if wait_clean is not None and not clean:
-        report, clean = _wait(a, report, run, wait_clean, strict, out_fmt is Format.table)
-    _render(a, report, out_fmt, textfile, state_dir)
-    if out_fmt is Format.table and wait_clean is not None and not clean:
-        a.err.print(f"still not clean after {wait_clean:g}s", style="red")
+    clean = not doctor_core.blocking(report, asked.strict)
+    if asked.wait_clean is not None and not clean:
+        report, clean = _wait(a, report, run, asked.wait_clean, asked.strict,
+                              asked.fmt is Format.table)
+    _render(a, report, asked.fmt, asked.textfile, asked.state_dir)
+    if asked.fmt is Format.table and asked.wait_clean is not None and not clean:
+        a.err.print(f"still not clean after {asked.wait_clean:g}s", style="red")
     raise typer.Exit(ExitCode.OK if clean else ExitCode.PROBLEMS)
+
+
+def _npd(run: Callable[[], Any], strict: bool) -> NoReturn:
+    """--format npd: node-problem-detector's custom plugin (output/npd.py): one line on
+    stdout; exit 0 nothing fails, 1 a failing finding, else Unknown: 8 (UNKNOWN) when a read
+    did not answer or an error that would exit 1 ended the check, an error's own code (2, 70)
+    otherwise, its one line also on stdout."""
+    from xpuctl.output import npd
+
+    try:
+        report = run()
+    except XpuctlError as exc:
+        sys.stdout.write(npd.unknown_line(str(exc)) + "\n")
+        code = exc.exit_code if exc.exit_code not in (ExitCode.OK, ExitCode.PROBLEMS) else None
+        raise XpuctlError(str(exc), code or ExitCode.UNKNOWN) from None
+    except Exception as exc:
+        sys.stdout.write(npd.unknown_line(f"internal error: {type(exc).__name__}") + "\n")
+        raise
+    sys.stdout.write(npd.npd_line(report, strict) + "\n")
+    if npd.failing(report, strict):
+        raise typer.Exit(ExitCode.PROBLEMS)
+    raise typer.Exit(ExitCode.UNKNOWN if report.status == "unknown" else ExitCode.OK)
 
 
 def _countdown() -> View:
@@ -148,8 +182,15 @@ def _countdown() -> View:
     return progress.countdown(sys.stderr)
 
 
-def _check_sources(ray: str | None, from_: str | None, deep: bool, wait_clean: float | None) -> None:
-    """What the host to read (this one, a snapshot, a cluster) rules out."""
+def _check_sources(ray: str | None, from_: str | None, deep: bool, asked: _Asked) -> None:
+    """What the host to read (this one, a snapshot, a cluster) and the format rule out."""
+    wait_clean = asked.wait_clean
+    if asked.fmt is Format.npd and (deep or asked.collective is not None or ray is not None
+                                    or wait_clean is not None):
+        raise UsageError("--format npd is node-problem-detector's quick check of this host: "
+                         "drop --deep, --collective, --ray and --wait-clean")
+    if asked.collective is not None and (ray is not None or from_ is not None):
+        raise UsageError("--collective runs on this host's devices: drop --ray and --from")
     if ray is not None and (from_ is not None or deep or wait_clean is not None):
         raise UsageError("--ray checks the live nodes of a cluster: drop --from, --deep and --wait-clean")
     if from_ is not None and wait_clean is not None:

@@ -27,6 +27,7 @@ class Format(StrEnum):
     table = "table"
     json = "json"
     prometheus = "prometheus"
+    npd = "npd"  # doctor only: node-problem-detector's custom plugin (output/npd.py)
 
 
 def output_format(fmt: Format | None, as_json: bool, default: Format = Format.table) -> Format:
@@ -109,6 +110,35 @@ def on_cluster(a: Any, command: str, address: str, options: dict[str, Any], out_
     raise typer.Exit(result.exit_code)
 
 
+# doctor's own options, declared here so that its command stays one screen
+DoctorPortOpt = Annotated[int | None, port_option("Serving port to check.", "8000")]
+ExpectIdleOpt = Annotated[
+    bool, typer.Option("--expect-idle", help="Any holder, memory or served port is a failure.")
+]
+StrictOpt = Annotated[bool, typer.Option("--strict", help="Warnings fail too (exit 1).")]
+WaitCleanOpt = Annotated[
+    float | None,
+    typer.Option("--wait-clean", click_type=Seconds(0), show_default=False,
+                 help="Re-check until nothing fails, for up to SECONDS (right after a shutdown)."),
+]
+DoctorFormatOpt = Annotated[
+    Format | None,
+    typer.Option("--format", "-f", show_default="table",
+                 help="table, json, prometheus (json: as --json) or npd: one line of at most 80 "
+                 "bytes for node-problem-detector's custom plugin (exit 0 OK, 1 a failing "
+                 "finding, 8 could not tell; never --collective or --deep)."),
+]
+TextfileOpt = Annotated[
+    str | None,
+    typer.Option("--textfile", metavar="PATH", show_default=False,
+                 help="Write the Prometheus text atomically to PATH (*.prom, for node_exporter's "
+                 "textfile collector) instead of stdout; implies --format prometheus."),
+]
+UnattributedThresholdOpt = Annotated[
+    str,
+    typer.Option("--unattributed-threshold", metavar="SIZE",
+                 help="With --deep: device memory no visible process explains above this fails."),
+]
 DeviceOpt = Annotated[
     list[str] | None,
     typer.Option(
@@ -153,7 +183,8 @@ CollectiveOpt = Annotated[
     typer.Option("--collective", help="Also run oneCCL/XCCL init, one all_reduce and destroy "
                  "across the devices (one rank per device, child processes on the Python "
                  "running xpuctl, as --deep's torch probe), bounded; a hang names its phase "
-                 "and, rerun alone, its card."),
+                 "and, rerun alone, its card. One device: an allocation and a computation on "
+                 "it, no collective (vLLM runs none at world size 1)."),
 ]
 CollectiveTimeoutOpt = Annotated[
     float,

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from xpuctl.core import raynode
 from xpuctl.core.model import Device, DrmClient, Finding, Launcher, Process, RayActor, Scan
+from xpuctl.core.raynode import RayNodeFacts
 
 _RANK = {"clean": 0, "ok": 0, "busy": 1, "dirty": 2, "error": 3}
 
@@ -43,6 +45,7 @@ class NodeResult(NamedTuple):
     findings: tuple[Finding, ...] = ()
     metrics: tuple[Family, ...] = ()
     scan: Scan | None = None  # ps and devices: the processes and devices the node listed
+    ray: RayNodeFacts | None = None  # doctor: whether Ray can give vLLM the node's Intel GPUs
 
     @property
     def short_id(self) -> str:
@@ -79,12 +82,16 @@ def node_result(command: str, raw: dict[str, Any]) -> NodeResult:
         return NodeResult(node_id, ip, raw.get("hostname"), "error", 1, None,
                           str(error or "no document"), None)
     status = str(doc.get("status") or "ok") if command == "doctor" else "ok"
+    code = int(result.get("exit_code") or 0)
+    facts = raynode.facts_of(raw.get("resources"), result.get("ray"), doc) \
+        if command == "doctor" else None
+    said = raynode.findings(facts)  # warnings and an info: the node's code stays its own
     return NodeResult(
-        node_id, ip, result.get("hostname") or raw.get("hostname"), status,
-        int(result.get("exit_code") or 0), result.get("seconds"), None, doc,
-        findings=tuple(finding_of(f) for f in doc.get("findings", [])),
+        node_id, ip, result.get("hostname") or raw.get("hostname"), status, code,
+        result.get("seconds"), None, doc,
+        findings=(*(finding_of(f) for f in doc.get("findings", [])), *said),
         metrics=tuple(family_of(m) for m in result.get("metrics") or []),
-        scan=scan_of(doc) if command != "doctor" else None,
+        scan=scan_of(doc) if command != "doctor" else None, ray=facts,
     )
 
 

@@ -471,7 +471,9 @@ class AloneRun(NamedTuple):
 
 class CollectiveResult(NamedTuple):
     """`doctor --collective` (probes/collective.run_collective): one init_process_group,
-    all_reduce and destroy across the devices, bounded."""
+    all_reduce and destroy across the devices, bounded; on one device (`proof` "compute"), an
+    allocation and a computation on the card, no process group and no collective (vLLM skips
+    its warm-up all_reduce at world size 1: vLLM PR #52389)."""
 
     verdict: str  # ok | hung | failed | unavailable
     backend: str | None
@@ -484,6 +486,7 @@ class CollectiveResult(NamedTuple):
     # oneCCL-like files the ranks made (probes/collective), then, once doctor removed what
     # the stale-file rules allow, those kept ("path: why")
     files: tuple[str, ...] = ()
+    proof: str = "all_reduce"  # what ran: "all_reduce" (two or more devices) or "compute"
 
     @property
     def bdfs(self) -> tuple[str, ...]:

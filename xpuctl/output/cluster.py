@@ -28,6 +28,9 @@ def cluster_dict(result: ClusterResult) -> Document:
             item["error"] = n.error
         else:
             item[result.command] = n.document
+        if n.ray is not None:  # doctor: Ray's "GPU" resource and the node's Intel GPUs
+            item["ray"] = {**n.ray._asdict(), "gpu_is_intel": n.ray.gpu_is_intel,
+                           "findings": [f._asdict() for f in n.findings if f.check == "ray-gpus"]}
         nodes.append(item)
     return {"schema": "xpuctl.cluster/1", "command": result.command, "address": result.address,
             "status": result.status, "exit_code": result.exit_code, "nodes": nodes}

@@ -245,7 +245,8 @@ def doctor_dict(report: Report) -> Document:
 def collective_dict(r: CollectiveResult) -> Document:
     """`doctor --collective`'s result (issue 21's shape)."""
     return {
-        "verdict": r.verdict, "backend": r.backend, "world_size": r.world_size,
+        "verdict": r.verdict, "proof": r.proof, "backend": r.backend,
+        "world_size": r.world_size,
         "seconds": r.seconds, "stuck_phase": r.stuck_phase, "reason": r.reason,
         "ranks": [{"rank": k.rank, "device": k.device, "bdf": k.bdf, "phase": k.phase,
                    "returncode": k.returncode, "error": k.error} for k in r.ranks],

@@ -216,7 +216,8 @@ def device_back_line(bdf: str, node: str) -> str:
 
 
 def collective_check_line(bdf: str) -> str:
-    return f"checking {bdf}: oneCCL init, one all_reduce and destroy (--collective)"
+    """reset --rebind --collective checks one device: no collective, a computation on it."""
+    return f"checking {bdf}: an allocation and a computation on the card (--collective)"
 
 
 def rebind_result_lines(bdf: str, out: Rebound) -> list[str]:

@@ -123,7 +123,8 @@ def _device_families(scan: Scan) -> list[_Family]:
         # every device of the group is 0 when the group hung or failed: that is what a
         # launch on them does (the finding names the card at fault from the runs alone)
         out.append(("xpuctl_collective_ok",
-                    "1 when oneCCL init, an all_reduce and destroy passed on the device's group (--collective).",
+                    ("1 when oneCCL init, an all_reduce and destroy passed on the device's "
+                     "group (--collective; one device: an allocation and a computation on it)."),
                     [({"device": b}, 1.0 if c.verdict == "ok" else 0.0) for b in c.bdfs]))
     return out
 

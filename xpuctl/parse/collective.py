@@ -7,6 +7,7 @@ printing to stdout) is not an event and is skipped:
 
     XPUCTL-COLLECTIVE {"ev": "started", "slot": 0, "pid": 4242}          (leader)
     XPUCTL-COLLECTIVE {"ev": "phase", "slot": 0, "phase": "init", "backend": "xccl"}
+    XPUCTL-COLLECTIVE {"ev": "phase", "slot": 0, "phase": "compute"}      (one device's check)
     XPUCTL-COLLECTIVE {"ev": "done", "slot": 0, "sum": 2.0}
     XPUCTL-COLLECTIVE {"ev": "error", "slot": 1, "phase": "init", "error": "RuntimeError: ..."}
     XPUCTL-COLLECTIVE {"ev": "unavailable", "slot": 0, "reason": "torch is not installed"}
@@ -32,7 +33,8 @@ from xpuctl.parse.net import parse_unix_paths
 from xpuctl.parse.procfs import parse_maps_paths
 
 MARKER = "XPUCTL-COLLECTIVE "
-PHASES = ("import", "init", "all_reduce", "destroy")
+#: a group's phases in order; one device's check (no collective) goes import, compute
+PHASES = ("import", "compute", "init", "all_reduce", "destroy")
 EVENTS = ("started", "phase", "done", "error", "unavailable", "exit", "files")
 MAX_TEXT = 400
 MAX_SLOTS = 1024

@@ -8,15 +8,20 @@ One rank per device (`probes/children/collective_rank`), all started by one lead
 SIGKILLed as a whole at the deadline, when a rank failed (after a short grace, so the others
 can say where they were), and after a clean run too, so no rank survives. When a group of two
 or more hangs or fails, every device runs alone (world size 1, all at once, one more timeout)
-so that the card at fault is named. The ranks run on `runner.probe_python()`, the Python of
-`--deep`'s torch probe.
+so that the card at fault is named (each alone still runs the group's all_reduce, in a group
+of one: the launch it stands for is the group's). The check of one device runs no collective:
+its rank allocates and computes on the card through torch.xpu and synchronizes (`proof`
+"compute"), as vLLM skips its warm-up all_reduce at world size 1 (vLLM PR #52389, after an
+all_reduce in a group of one segfaulted in oneCCL on an Arc B390 iGPU, vLLM #52386), so the
+check never refuses a launch vLLM itself would run. The ranks run on `runner.probe_python()`,
+the Python of `--deep`'s torch probe.
 
 Rank r uses the device torch sees at index i: its doctor index (Level Zero order, Intel GPUs
 by PCI address) when the environment has no ZE_AFFINITY_MASK (doctor drops it), else its
 position in that mask (serve keeps the run's own). `env` is the ranks' whole environment
-except MASTER_ADDR (127.0.0.1), MASTER_PORT (a free one), RANK, LOCAL_RANK, WORLD_SIZE,
-set here. The files in /tmp and /dev/shm that appeared during the check under a name the
-stale-file rules know (`core.rules`) and carry a rank's pid, or that a rank held (it says
+except MASTER_ADDR (127.0.0.1), MASTER_PORT (a free one), RANK, LOCAL_RANK, WORLD_SIZE and
+XPUCTL_COLLECTIVE_PROOF, set here. The files in /tmp and /dev/shm that appeared during the
+check under a name the stale-file rules know (`core.rules`) and carry a rank's pid, or that a rank held (it says
 what it holds after each phase it passes; a rank still running at the kill is looked at
 before it), are returned in `files`; removing them is not done here (only actions/ deletes:
 `doctor.remove_collective_files`, once the ranks are gone).
@@ -54,7 +59,11 @@ GRACE = 1.0  # after a rank failed: the others' last word, then the group is kil
 RANK_MODULE = "xpuctl.probes.children.collective_rank"
 GROUP_MODULE = "xpuctl.probes.children.collective_group"
 OUTPUT_LIMIT = 1 << 20
-FIXED_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")
+FIXED_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE",
+             "XPUCTL_COLLECTIVE_PROOF")
+#: what a rank proves: an all_reduce across its group (two or more devices, and each device
+#: alone after such a group failed), or, for the check of one device, a computation on it
+ALL_REDUCE, COMPUTE = "all_reduce", "compute"
 
 
 def free_port() -> int:
@@ -75,11 +84,11 @@ def torch_index(device: Device, env: dict[str, str]) -> int:
 
 
 def _spec(slot: int, rank: int, world: int, device: int, port: int,
-          env: dict[str, str]) -> dict[str, object]:
+          env: dict[str, str], proof: str = ALL_REDUCE) -> dict[str, object]:
     e = {k: v for k, v in env.items() if k not in FIXED_ENV}
     e.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
              WORLD_SIZE=str(world), XPUCTL_COLLECTIVE_DEVICE=str(device),
-             XPUCTL_COLLECTIVE_SLOT=str(slot))
+             XPUCTL_COLLECTIVE_SLOT=str(slot), XPUCTL_COLLECTIVE_PROOF=proof)
     return {"slot": slot, "argv": [probe_python(), "-m", RANK_MODULE], "env": e}
 
 
@@ -171,34 +180,8 @@ def _run_group(specs: list[dict[str, object]], env: dict[str, str], timeout: flo
             proc.stdin.close()
         except BrokenPipeError:
             pass
-        deadline = time.monotonic() + timeout
-        told: tuple[object, ...] = ()
-        with selectors.DefaultSelector() as sel:
-            sel.register(proc.stdout, selectors.EVENT_READ)
-            while True:
-                if on_wait is not None:
-                    shown = parse_events(out.decode("ascii", "replace"))
-                    now_told = (*((r.phase, r.exited) for r in shown.values()), deadline)
-                    if now_told != told:
-                        told = now_told
-                        _tell(on_wait, *wait, deadline, shown, slots)
-                now = time.monotonic()
-                if now >= deadline:
-                    reports = parse_events(out.decode("ascii", "replace"))
-                    timed_out = not all(s in reports and reports[s].exited for s in slots)
-                    break
-                if not sel.select(deadline - now):
-                    continue
-                chunk = os.read(proc.stdout.fileno(), 65536)
-                if not chunk:
-                    break  # the leader and every rank have closed the pipe
-                if len(out) < OUTPUT_LIMIT:
-                    out += chunk
-                reports = parse_events(out.decode("ascii", "replace"))
-                if all(s in reports and reports[s].exited for s in slots):
-                    break
-                if any(r.failed or r.unavailable for r in reports.values()):
-                    deadline = min(deadline, time.monotonic() + GRACE)
+        timed_out = _collect(proc.stdout.fileno(), out, slots, time.monotonic() + timeout,
+                             on_wait, wait)
     finally:
         if on_wait is not None:
             on_wait(None)
@@ -217,6 +200,39 @@ def _run_group(specs: list[dict[str, object]], env: dict[str, str], timeout: flo
     stuck = tuple(r.slot for r in reports.values() if r.pid and _alive_in_group(r.pid, proc.pid))
     said = (p for r in reports.values() for p in r.files)
     return _Outcome(reports, timed_out, stuck, tuple(sorted({*opened, *said})))
+
+
+def _collect(fd: int, out: bytearray, slots: set[int], deadline: float,
+             on_wait: OnWait | None, wait: tuple[str, str]) -> bool:
+    """Read the leader's events from `fd` into `out` until every slot exited, one failed
+    (the deadline then moves to GRACE from now), the pipe closed, or the deadline; True
+    when the deadline came with a slot not exited."""
+    told: tuple[object, ...] = ()
+    with selectors.DefaultSelector() as sel:
+        sel.register(fd, selectors.EVENT_READ)
+        while True:
+            if on_wait is not None:
+                shown = parse_events(out.decode("ascii", "replace"))
+                now_told = (*((r.phase, r.exited) for r in shown.values()), deadline)
+                if now_told != told:
+                    told = now_told
+                    _tell(on_wait, *wait, deadline, shown, slots)
+            now = time.monotonic()
+            if now >= deadline:
+                reports = parse_events(out.decode("ascii", "replace"))
+                return not all(s in reports and reports[s].exited for s in slots)
+            if not sel.select(deadline - now):
+                continue
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return False  # the leader and every rank have closed the pipe
+            if len(out) < OUTPUT_LIMIT:
+                out += chunk
+            reports = parse_events(out.decode("ascii", "replace"))
+            if all(s in reports and reports[s].exited for s in slots):
+                return False
+            if any(r.failed or r.unavailable for r in reports.values()):
+                deadline = min(deadline, time.monotonic() + GRACE)
 
 
 def _kill(pgid: int) -> None:
@@ -298,8 +314,9 @@ def run_collective(host: Host, devices: Sequence[str] | None, env: dict[str, str
     before = _known_files()
     port = free_port()
     shown = ",".join(str(d.index) for d in chosen)
-    group = _run_group([_spec(r, r, world, index[r], port, env) for r in range(world)], env, timeout,
-                       on_wait, (waits.COLLECTIVE, shown))
+    proof = COMPUTE if world == 1 else ALL_REDUCE
+    group = _run_group([_spec(r, r, world, index[r], port, env, proof) for r in range(world)], env,
+                       timeout, on_wait, (waits.COLLECTIVE, shown))
     reports = [group.reports.get(r, RankReport(r)) for r in range(world)]
     verdict, phase, reason = _verdict(reports, timeout)
     if group.stuck:
@@ -327,4 +344,4 @@ def run_collective(host: Host, devices: Sequence[str] | None, env: dict[str, str
         held.update(solo.held)
         alone = tuple(runs)
     return CollectiveResult(verdict, backend, world, round(time.monotonic() - t0, 3), phase,
-                            reason, ranks, alone, _new_files(before, pids, held))
+                            reason, ranks, alone, _new_files(before, pids, held), proof)

@@ -260,7 +260,10 @@ def _alive_nodes() -> list[dict[str, Any]]:
 
     return [
         {"node_id": n["NodeID"], "ip": n.get("NodeManagerAddress"),
-         "hostname": n.get("NodeManagerHostname")}
+         "hostname": n.get("NodeManagerHostname"),
+         # Ray's view of the node: its "GPU" and accelerator_type:* (doctor --ray's ray-gpus)
+         "resources": {str(k): v for k, v in (n.get("Resources") or {}).items()
+                       if k == "GPU" or str(k).startswith("accelerator_type:")}}
         for n in ray.nodes()
         if n.get("Alive")
     ]

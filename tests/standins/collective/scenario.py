@@ -4,7 +4,8 @@
                     "hang": {"1": "init"}, "crash": {"0": "all_reduce"},
                     "hang_group": "all_reduce", "files": "TOKEN", "pidfile": "PATH"}}
 
-`hang`/`crash`: by physical device index (torch's index through ZE_AFFINITY_MASK), the phase
+`hang`/`crash`: by physical device index (phases import... destroy, and `compute`: one device's
+check adding a tensor on the card) (torch's index through ZE_AFFINITY_MASK), the phase
 where that device's rank never returns (a grandchild sleeps beside it, in its group) or
 dies (SIGSEGV-like `os._exit(-11)` is impossible, so exit 139 after a line on stderr).
 `hang_group`: every rank hangs in that phase when the world size is above 1 (two cards that
@@ -20,6 +21,11 @@ socket /tmp/ccl-ipc-fd-sock-<pid>:0, a regular file /tmp/ccl-handle-<pid>-0 and 
 /dev/shm/fi_ccl-<random> region it keeps mapped (its descriptor closed, as libfabric does),
 and removes none of them, not even at exit (the XCCL process group has no shutdown:
 torch-xpu-ops #5071). `made`: each rank appends the paths it made there, one a line.
+`calls`: each rank appends what it did on the card there, one a line: `alloc <device>`
+(a tensor allocated on xpu:<device>), `init <world>`, `all_reduce <world>` (torch.distributed).
+`crash_alone`: the phase where a rank dies when the world size is 1 (vLLM #52386: an
+all_reduce in a group of one segfaulted in oneCCL's `ccl_comm::post_coll` on an Arc B390 iGPU,
+after `|CCL_WARN| failed to get PCI device`).
 """
 
 import json
@@ -45,9 +51,26 @@ def physical(index):
     return index
 
 
+def note(line):
+    if conf().get("calls"):
+        with open(conf()["calls"], "a") as f:
+            f.write(line + "\n")
+
+
+def allocated(device):
+    note(f"alloc {physical(device)}")
+
+
 def at(phase, device, world):
     """Hang or crash here when the scenario says so for this device."""
     c = conf()
+    if phase in ("init", "all_reduce"):
+        note(f"{phase} {world}")
+    if world == 1 and c.get("crash_alone") == phase:
+        sys.stderr.write("|CCL_WARN| failed to get PCI device\n"
+                         "Segmentation fault in ccl_comm::post_coll\n")
+        sys.stderr.flush()
+        os._exit(139)
     key = str(physical(device)) if device is not None else None
     if c.get("pidfile"):
         with open(c["pidfile"], "a") as f:

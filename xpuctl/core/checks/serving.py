@@ -22,6 +22,11 @@ def ports(c: Ctx) -> list[Finding]:
             orphan_ports.setdefault(top, []).append(port.port)
         elif port.port == opts.port:
             if p is not None and p.role is not None:
+                top = p.top or p.pid
+                tree_devs = sorted({b for q in scan.processes if (q.top or q.pid) == top
+                                    for b in q.tied})
+                if not opts.port_explicit and not c.on_wanted(tree_devs):
+                    continue  # --device, default port: a server on other devices is not theirs
                 out.append(
                     Finding(
                         "ports",

@@ -3,7 +3,11 @@
 Run as `python -m xpuctl.probes.children.collective_rank` by the group's leader
 (`collective_group`), with MASTER_ADDR, MASTER_PORT, RANK, LOCAL_RANK and WORLD_SIZE set, and
 XPUCTL_COLLECTIVE_DEVICE (the torch.xpu index this rank uses) and XPUCTL_COLLECTIVE_SLOT (its
-slot in the leader's report). It reports each phase as it enters it, so that a hang has one:
+slot in the leader's report), and XPUCTL_COLLECTIVE_PROOF (`all_reduce`, the default, or
+`compute`). It reports each phase as it enters it, so that a hang has one.
+
+With `all_reduce` (a group of two or more devices, and each device alone after such a group
+failed):
 
 - import: `import torch`; torch < 2.8 also imports intel_extension_for_pytorch and
   oneccl_bindings_for_pytorch (backend `ccl`), torch >= 2.8 has `xccl` built in;
@@ -12,6 +16,14 @@ slot in the leader's report). It reports each phase as it enters it, so that a h
 - all_reduce: one all_reduce of a one-element tensor of ones on `xpu:i`, then
   `torch.xpu.synchronize()`; the sum must be the world size;
 - destroy: `torch.distributed.destroy_process_group()`.
+
+With `compute` (the check of one device: vLLM skips its warm-up all_reduce at world size 1,
+vLLM PR #52389, after an all_reduce in a group of one crashed in oneCCL on an Arc B390 iGPU,
+vLLM #52386), no process group and no collective, the card's own runtime path only:
+
+- import: as above (the backend vLLM will need is looked for, not started);
+- compute: a tensor of ones allocated on `xpu:i`, added to itself and summed on the card,
+  `torch.xpu.synchronize()`; the sum must be twice the tensor's length.
 
 After each phase it passed (and before it fails) it says which files in /tmp and /dev/shm it
 holds (`files` events): the backend's (oneCCL's fd-exchange socket and handle files,
@@ -37,9 +49,15 @@ from xpuctl.probes.children.common import TORCH_XPU_INSTALL
 MARKER = "XPUCTL-COLLECTIVE "  # xpuctl.parse.collective.MARKER
 TEST_BACKEND = "XPUCTL_TEST_COLLECTIVE_BACKEND"
 SLOT = int(os.environ.get("XPUCTL_COLLECTIVE_SLOT", "0") or 0)
+COMPUTE_ELEMENTS = 1024
+
+
+_at = {"phase": "import"}  # the phase this rank last said it entered (an error's phase)
 
 
 def emit(ev: str, **fields: Any) -> None:
+    if ev == "phase":
+        _at["phase"] = str(fields["phase"])
     data = (MARKER + json.dumps({"ev": ev, "slot": SLOT, **fields}, ensure_ascii=True)[:3000]
             + "\n").encode("ascii")
     while data:
@@ -116,51 +134,74 @@ def _device(torch: Any, index: int) -> Any:
     return xpu
 
 
+def _compute(torch: Any, xpu: Any, where: str) -> float:
+    """Allocate on the card, compute there, wait for it: what one device's launch does first."""
+    t = torch.ones(COMPUTE_ELEMENTS, device=where)
+    got = float((t + t).sum().item())
+    if xpu is not None:
+        xpu.synchronize()
+    if got != 2.0 * COMPUTE_ELEMENTS:
+        raise RuntimeError(f"the computation on {where} gave {got:g}, "
+                           f"expected {2 * COMPUTE_ELEMENTS}")
+    return got
+
+
+def _all_reduce(torch: Any, xpu: Any, where: str, backend: str, world: int) -> float:
+    """init_process_group, one all_reduce, destroy_process_group (phases init to destroy)."""
+    import torch.distributed as dist
+
+    emit("phase", phase="init", backend=backend)
+    dist.init_process_group(backend, init_method="env://", rank=int(os.environ["RANK"]),
+                            world_size=world)
+    report_files()
+    emit("phase", phase="all_reduce", backend=backend)
+    t = torch.ones(1, device=where)
+    dist.all_reduce(t)
+    if xpu is not None:
+        xpu.synchronize()
+    got = float(t.item())
+    if got != float(world):
+        raise RuntimeError(f"all_reduce gave {got:g}, expected {world}")
+    report_files()
+    emit("phase", phase="destroy", backend=backend)
+    dist.destroy_process_group()
+    return got
+
+
 def rank() -> None:
-    phase = "import"
-    emit("phase", phase=phase)
+    emit("phase", phase="import")
     try:
         try:
             import torch
         except ImportError as exc:
             raise Unavailable(f"torch is not installed ({exc}); its XPU build: "
                               f"{TORCH_XPU_INSTALL}") from None
-        import torch.distributed as dist
 
         index = int(os.environ["XPUCTL_COLLECTIVE_DEVICE"])
         world = int(os.environ["WORLD_SIZE"])
+        compute = os.environ.get("XPUCTL_COLLECTIVE_PROOF") == "compute"
         gloo = os.environ.get(TEST_BACKEND) == "gloo"
         if gloo:
-            backend, xpu, where = "gloo", None, "cpu"
+            backend: str | None = "gloo"
+            xpu, where = None, "cpu"
         else:
-            backend = _backend(torch)
+            backend = _backend(torch)  # vLLM needs it at world size 1 too (its process group)
             xpu = _device(torch, index)
             where = f"xpu:{index}"
-        phase = "init"
-        emit("phase", phase=phase, backend=backend)
-        dist.init_process_group(backend, init_method="env://", rank=int(os.environ["RANK"]),
-                                world_size=world)
-        report_files()
-        phase = "all_reduce"
-        emit("phase", phase=phase, backend=backend)
-        t = torch.ones(1, device=where)
-        dist.all_reduce(t)
-        if xpu is not None:
-            xpu.synchronize()
-        got = float(t.item())
-        if got != float(world):
-            raise RuntimeError(f"all_reduce gave {got:g}, expected {world}")
-        report_files()
-        phase = "destroy"
-        emit("phase", phase=phase, backend=backend)
-        dist.destroy_process_group()
+        if compute:
+            emit("phase", phase="compute")
+            got = _compute(torch, xpu, where)
+            report_files()
+            emit("done", sum=got, backend=backend)
+            return
+        got = _all_reduce(torch, xpu, where, str(backend), world)
         report_files()
         emit("done", sum=got, backend=backend)
     except Unavailable as exc:
         emit("unavailable", reason=str(exc)[:400])
     except Exception as exc:
         report_files()
-        emit("error", phase=phase, error=f"{type(exc).__name__}: {exc}"[:400])
+        emit("error", phase=_at["phase"], error=f"{type(exc).__name__}: {exc}"[:400])
         os._exit(1)
 
 
