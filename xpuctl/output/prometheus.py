@@ -12,6 +12,7 @@ from xpuctl import __version__
 from xpuctl.core.checks import CHECKS
 from xpuctl.core.cluster import Family, Sample
 from xpuctl.core.model import Device, Report, Scan
+from xpuctl.core.rules import STALE_KINDS
 from xpuctl.output.safetext import prom_label
 
 
@@ -34,7 +35,6 @@ Samples = Sequence[tuple[Mapping[str, object], float]]
 # (name, help, samples): every family is a gauge; `families` types them
 _Family = tuple[str, str, Samples]
 STATUSES = ("clean", "busy", "dirty", "unknown")
-STALE_KINDS = ("shm", "filestore", "ccl-socket", "zmq-socket")
 
 
 def prometheus(report: Report) -> str:
