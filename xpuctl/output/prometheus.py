@@ -106,6 +106,12 @@ def _device_families(scan: Scan) -> list[_Family]:
                 ("Processes holding the device, by the container and pod they run in (empty "
                  "labels: on the host); they sum to xpuctl_device_holder_processes."),
                 _holder_samples(scan, devs)))
+    health = _health_samples(scan, devs)
+    if health:
+        out.append(("xpuctl_device_health",
+                    ("The card's own health, the worse of xe's gpu_health and Level Zero "
+                     "Sysman's (--deep): 0 ok, 1 warning, 2 critical, 3 failed; `source` says "
+                     "which. No sample for a card that tells nothing."), health))
     totals = [({"device": d.bdf}, float(d.memory_total_bytes)) for d in devs if d.memory_total_bytes]
     if totals:
         out.append(("xpuctl_device_memory_total_bytes", "Device memory size.", totals))
@@ -125,6 +131,22 @@ def _device_families(scan: Scan) -> list[_Family]:
         out.append(("xpuctl_collective_ok",
                     "1 when oneCCL init, an all_reduce and destroy passed on the device's group (--collective).",
                     [({"device": b}, 1.0 if c.verdict == "ok" else 0.0) for b in c.bdfs]))
+    return out
+
+
+def _health_samples(scan: Scan, devs: list[Device]) -> Samples:
+    """One sample per card that tells its health (parse/health.py's scale)."""
+    from xpuctl.parse.health import RANK
+
+    out: list[tuple[Mapping[str, object], float]] = []
+    for d in devs:
+        view = scan.deep.device(d.bdf) if scan.deep else None
+        told = [(h, src) for h, src in ((d.health, "gpu_health"),
+                                        (view.health if view else None, "sysman"))
+                if h in RANK]
+        if told:
+            level, src = max(told, key=lambda t: RANK[t[0]])
+            out.append(({"device": d.bdf, "source": src}, float(RANK[level])))
     return out
 
 

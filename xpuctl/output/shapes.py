@@ -156,6 +156,8 @@ class RebindPlan(Protocol):
     @property
     def refused(self) -> str | None: ...
     @property
+    def hopeless(self) -> str | None: ...  # why no rebind can help (firmware, replacement)
+    @property
     def unbind(self) -> str: ...  # the driver's unbind file (a host path)
     @property
     def bind(self) -> str: ...

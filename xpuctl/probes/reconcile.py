@@ -9,6 +9,7 @@ from typing import Any
 
 from xpuctl.core.model import Deep, RuntimeView, Scan
 from xpuctl.host.seam import Host
+from xpuctl.parse.health import worst
 from xpuctl.parse.probes import ProbeProcess, ProbeResult
 
 USED_ORDER = ("kmd", "sysman", "torch")  # best source of used memory first (then a process list)
@@ -94,6 +95,7 @@ def _view(host: Host, scan: Scan, bdf: str, entries: dict[str, Any], own: frozen
         baseline_bytes=base,
         unattributed_bytes=max(0, used - visible - base) if used is not None else None,
         invisible_pids=tuple(sorted(pid for pid in procs if not host.exists(f"/proc/{pid}"))),
+        health=worst(*(e.health for e in entries.values())),
     )
 
 
