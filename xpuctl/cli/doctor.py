@@ -118,13 +118,14 @@ def doctor(
     # runs, stderr shows what its ranks are doing and the time left
     view = _countdown() if collective else None
     coll: list[Any] = [doctor_core.CollectiveOptions(collective_timeout, on_wait=view.wait)
-                       if view is not None else None]
+                       if view is not None else None, deep_opts]
 
     def run() -> Any:
         report = doctor_core.diagnose(host, list(device or []), port, expect_idle, environ,
-                                      deep=deep_opts, state_dir=sdir, ray_address=ray,
+                                      deep=coll[1], state_dir=sdir, ray_address=ray,
                                       collective=coll[0])
         coll[0] = report.scan.collective
+        coll[1] = doctor_core.again(coll[1], report)  # a re-check: xpu-smi once only
         return report
 
     try:

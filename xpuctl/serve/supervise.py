@@ -672,11 +672,10 @@ def _start_diagnosis(lines: list[str], where: str,
     say). A oneCCL crash in the log: the start crashed in its phase, with the cause and the
     line; else it is stuck there, and a known hang (vLLM's shm-broadcast hang) is named; the
     rows of the known-issues table whose signs the log shows are named either way."""
-    from xpuctl.core.known import by_signs
-    from xpuctl.core.known import named as known_issue
+    from xpuctl.core import known
     from xpuctl.parse.vllmlog import first_crash, furthest_phase, hang_signatures
 
-    rows = "".join(f"; {known_issue(k)}" for k in by_signs(lines))  # core/known.py's table
+    rows = "".join(f"; {known.named(k)}" for k in known.by_signs(lines))  # the table's rows
     sigs = hang_signatures(lines, ever_ready=False)
     keys = [s.key for s in sigs]
     crash = first_crash(sigs)
