@@ -203,3 +203,13 @@ def test_rebind_refuses_a_card_sysman_says_failed(tmp_path):
     refused = json.loads(result.stdout)["rebind"]["refused"]
     assert "FAILED" in refused and "replaced" in refused
     assert (drivers / "unbind").read_text() == ""
+
+
+def test_a_snapshot_keeps_the_cards_health(tmp_path):
+    h = clean_host(tmp_path / "h")
+    put_health(h.root, BDF0, "critical\n")
+    archive = tmp_path / "s.tar.gz"
+    assert cli(h.root, "snapshot", "-o", str(archive)).exit_code == 0
+    result = runner.invoke(app, ["doctor", "--from", str(archive), "--json"])
+    found = findings(json.loads(result.stdout), "device-health")
+    assert [(f["device"], f["severity"]) for f in found] == [(BDF0, "fail")]

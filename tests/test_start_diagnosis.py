@@ -60,3 +60,34 @@ def test_a_kvs_timeout_that_ends_the_start_names_the_cause(rig):
     assert "a KVS port in TIME_WAIT after a killed run" in said and KVS in said, said
     assert "unset CCL_KVS_PORT" in res.err, str(res)
     rig.assert_clean()
+
+
+# oneCCL #212 (vLLM #41663): the hung ranks wait for ever in ze_base_entry::is_event_completed
+# after the GPU page fault (gdb's frame, as a rank's log carries it when it prints its stack)
+STALE_IPC = ("|CCL_WARN| ze_base_entry::is_event_completed: waiting on an event after a GPU "
+             "page fault")
+
+
+def test_a_hang_whose_log_shows_a_known_issue_names_the_row(rig):
+    """The table's row (core/known.py) is named with its range, mitigation and link."""
+    res = rig.serve(name="ipc", ready=10, teardown=3,
+                    env={"FAKE_VLLM_FAULTS": "hang-startup", "FAKE_VLLM_ONECCL_LINES": STALE_IPC})
+    assert res.rc == 4, str(res)
+    (said,) = [line for line in res.err.splitlines() if "not ready after 10s" in line]
+    assert "stuck in: oneCCL init (xccl)" in said, said
+    assert "known issue oneccl-stale-ipc-handle" in said, said
+    assert "CCL_ZE_CACHE_OPEN_IPC_HANDLES=0" in said and "oneCCL/issues/212" in said, said
+    rig.assert_clean()
+
+
+def test_the_diagnosis_names_every_row_its_log_shows():
+    from xpuctl.serve.supervise import _start_diagnosis
+
+    _sigs, _keys, said = _start_diagnosis(
+        ["xe 0000:03:00.0: [drm] Tile0: GT0: Fault response: Unsuccessful -ENOENT", STALE_IPC],
+        "oneCCL init (xccl)", "")
+    assert said.startswith("stuck in: oneCCL init (xccl)")
+    assert "known issue oneccl-stale-ipc-handle" in said
+    assert "known issue guc-70.58-engine-reset" in said and "70.72.1" in said
+    _sigs, _keys, said = _start_diagnosis(["all quiet"], "loading model", "")
+    assert "known issue" not in said
