@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 from fakehost import BDF0, BDF1
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_deep import base_scenario, deep_json, standin_env
 from test_versions import _stack_tree, _with_meta
 
@@ -127,3 +129,18 @@ def test_doctor_deep_reads_guc_from_debugfs_first_and_a_good_stack_is_quiet(tmp_
     guc = {v["version"]: v["source"] for v in data["versions"] if v["name"] == "guc"}
     assert list(guc) == ["70.72.1"] and "/sys/kernel/debug/dri/" in guc["70.72.1"]
     assert [f for f in data["findings"] if f["check"] == "known-issues"] == []
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.text(max_size=60), st.from_regex(r"\A\d{1,5}(\.\d{1,5}){0,6}[+a-z]*\Z")))
+def test_version_keys_never_raise_and_order_like_numbers(text):
+    key = known.version_key(text)
+    assert key is None or (len(key) == 6 and all(isinstance(n, int) for n in key))
+    for k in known.KNOWN:
+        assert k.matches(text) in (True, False)
+
+
+def test_version_keys_order():
+    assert known.version_key("2022.1.1") > known.version_key("2022.1")
+    assert known.version_key("2021.17.2+xpu") == known.version_key("2021.17.2")
+    assert known.version_key("70.58.0") < known.version_key("70.65.0") < known.version_key("70.72.1")
