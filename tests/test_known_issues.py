@@ -47,8 +47,9 @@ I915_LOADED = "i915 0000:00:02.0: [drm] GT0: GuC firmware i915/tgl_guc_70.bin ve
 
 
 def test_the_doc_is_made_from_the_table():
-    assert DOC.read_text() == known.markdown(), \
-        "run: python -m xpuctl.core.known > docs/known-issues.md"
+    assert DOC.read_text() == known.markdown(), (
+        "write it again: python -c 'import sys, xpuctl.core.known as k; "
+        "sys.stdout.write(k.markdown())' > docs/known-issues.md")
 
 
 def test_every_row_has_a_link_a_range_a_symptom_and_a_mitigation():

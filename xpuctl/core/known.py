@@ -5,8 +5,8 @@ cards it was seen on, the symptom, the mitigation, and the texts that show it in
 or the kernel log. `doctor --deep` matches the versions it reads (probes/versions.py: oneCCL,
 the GuC firmware, the compute runtime, the kernel) against the ranges (`known-issues`, a
 warning with the mitigation); serve's diagnosis of a hung or crashed start names the rows
-whose texts its log shows. docs/known-issues.md is generated from this table
-(`markdown()`; tests/test_known_issues.py holds the file equal to it). No I/O.
+whose texts its log shows. docs/known-issues.md is made from this table (`markdown()`;
+tests/test_known_issues.py holds the file equal to it). No I/O.
 
 A range is `first` ≤ version (when given), version ≤ `last` (when given) and version <
 `fixed` (when given): the releases seen bad, up to the first seen good. Versions compare by
@@ -160,8 +160,8 @@ def named(issue: KnownIssue) -> str:
 
 _INTRO = """\
 Versions of the stack that fail in ways a clean host cannot show. This page is made from the
-table in `xpuctl/core/known.py` (`python -m xpuctl.core.known > docs/known-issues.md`; a test
-holds the two equal). `doctor --deep` reads the versions (oneCCL, the GuC firmware from
+table in `xpuctl/core/known.py` (`markdown()`; tests/test_known_issues.py holds the two equal
+and says how to write it again). `doctor --deep` reads the versions (oneCCL, the GuC firmware from
 debugfs or the kernel log, the compute runtime, the kernel: [checks.md](checks.md)) and gives
 a `known-issues` warning with the mitigation for each one in a range below; serve's diagnosis
 of a start that hung or crashed names the rows whose signs its log shows."""
@@ -191,6 +191,3 @@ def _short(url: str) -> str:
     parts = url.rstrip("/").split("/")
     return f"{parts[-3]} #{parts[-1]}" if len(parts) >= 5 else url
 
-
-if __name__ == "__main__":
-    print(markdown(), end="")

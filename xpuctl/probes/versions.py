@@ -160,7 +160,7 @@ def _driver(host: Host, devices: Iterable[Device], kernel: str | None) -> Versio
 
 
 DEBUGFS_DRI = "/sys/kernel/debug/dri"
-GUC_INFO = ("gt0/uc/guc_info", "gt/uc/guc_info")  # xe, i915
+GUC_INFO = ("gt0/uc/guc_info", "tile0/gt0/uc/guc_info", "gt/uc/guc_info")  # xe, i915
 
 
 def _guc_debugfs(host: Host, d: Device) -> tuple[str, str] | None:
