@@ -91,3 +91,18 @@ def test_the_diagnosis_names_every_row_its_log_shows():
     assert "known issue guc-70.58-engine-reset" in said and "70.72.1" in said
     _sigs, _keys, said = _start_diagnosis(["all quiet"], "loading model", "")
     assert "known issue" not in said
+
+
+def test_a_hung_start_on_a_known_bad_version_names_the_row(rig, tmp_path):
+    """The run's oneCCL (package metadata on its PYTHONPATH, as pip writes it) is 2022.1.1:
+    serve's diagnosis names oneCCL #215's row with its mitigation."""
+    meta = tmp_path / "meta" / "oneccl-2022.1.1.dist-info"
+    meta.mkdir(parents=True)
+    (meta / "METADATA").write_text("Metadata-Version: 2.1\nName: oneccl\nVersion: 2022.1.1\n")
+    res = rig.serve(name="bad", ready=10, teardown=3,
+                    env={"FAKE_VLLM_FAULTS": "hang-startup", "PYTHONPATH": str(meta.parent)})
+    assert res.rc == 4, str(res)
+    rows = [line for line in res.err.splitlines() if "known issue oneccl-2022-allreduce-hang" in line]
+    assert rows and "oneCCL 2022.1.1" in rows[0] and "CCL_ALLREDUCE=ring" in rows[0], str(res)
+    assert "oneCCL/issues/215" in rows[0]
+    rig.assert_clean()

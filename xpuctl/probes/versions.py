@@ -127,6 +127,20 @@ class Running:
             _wait(proc, self.deadline)
 
 
+def known_rows(host: Host, environ: dict[str, str], timeout: float = 10.0) -> list[str]:
+    """The rows of the known-issues table (core/known.py) the stack's versions fall in, one
+    line each, the versions read as `doctor --deep` reads them (xpu-smi left out): what
+    serve's diagnosis of a hung start names, with `environ` the run's own."""
+    from xpuctl.core import known
+    from xpuctl.host.devices import scan_devices
+
+    devices, _ = scan_devices(host)
+    stack = start(environ, timeout, xpusmi=False).finish(host, devices)
+    return [f"{known.COMPONENTS.get(m.issue.component, m.issue.component)} {m.version} "
+            f"({m.source or 'source unknown'}): {known.named(m.issue)}"
+            for m in known.by_version(stack)]
+
+
 def start(environ: dict[str, str], timeout: float = 10.0, xpusmi: bool = True) -> Running:
     """Start the children (the package versions; `xpu-smi --version` unless the deep probe
     runs it anyway, `xpusmi=False`)."""

@@ -522,11 +522,14 @@ class RunSupervisor:
                 self.say(f"xpuctl:   | {safe(line, 300)}")
         try:
             from xpuctl.doctor import diagnose
+            from xpuctl.probes.versions import known_rows
 
             report = diagnose(self.host, self.plan.bdfs or None, None)
             for f in report.findings:
                 if f.severity != "info":
                     self.say(f"xpuctl:   doctor {f.severity} {f.check}: {safe(f.message)}")
+            for line in known_rows(self.host, self.plan.env, 5.0):  # its versions: core/known
+                self.say(f"xpuctl:   {safe(line)}")
         except XpuctlError:
             pass
         self._set(notes=[*self.rec.notes,
