@@ -5,7 +5,8 @@ cards it was seen on, the symptom, the mitigation, and the texts that show it in
 or the kernel log. `doctor --deep` matches the versions it reads (probes/versions.py: oneCCL,
 the GuC firmware, the compute runtime, the kernel) against the ranges (`known-issues`, a
 warning with the mitigation); serve's diagnosis of a hung or crashed start names the rows
-whose texts its log shows. docs/known-issues.md is made from this table (`markdown()`;
+whose texts its log shows, and those the run's own versions fall in (probes/versions.py
+known_rows). docs/known-issues.md is made from this table (`markdown()`;
 tests/test_known_issues.py holds the file equal to it). No I/O.
 
 A range is `first` ≤ version (when given), version ≤ `last` (when given) and version <
@@ -164,7 +165,8 @@ table in `xpuctl/core/known.py` (`markdown()`; tests/test_known_issues.py holds 
 and says how to write it again). `doctor --deep` reads the versions (oneCCL, the GuC firmware from
 debugfs or the kernel log, the compute runtime, the kernel: [checks.md](checks.md)) and gives
 a `known-issues` warning with the mitigation for each one in a range below; serve's diagnosis
-of a start that hung or crashed names the rows whose signs its log shows."""
+of a start that hung or crashed names the rows whose signs its log shows, and, for a start
+that did not get ready, the rows the run's own versions fall in."""
 
 
 def markdown() -> str:
