@@ -200,8 +200,9 @@ def test_rebind_refuses_a_card_sysman_says_failed(tmp_path):
     result = cli(h.root, "reset", "--state-dir", str(tmp_path / "state"), "--device", "0",
                  "--rebind", "--yes", "--json", env=env)
     assert result.exit_code == 1, result.output
-    refused = json.loads(result.stdout)["rebind"]["refused"]
-    assert "FAILED" in refused and "replaced" in refused
+    rebind = json.loads(result.stdout)["rebind"]
+    assert "FAILED" in rebind["refused"] and "replaced" in rebind["refused"]
+    assert rebind["sysman_health"] == "failed" and rebind["wedge_method"] is None
     assert (drivers / "unbind").read_text() == ""
 
 

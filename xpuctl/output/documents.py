@@ -408,6 +408,8 @@ def rebind_plan_dict(plan: RebindPlan) -> Document:
         "holders": [{"pid": h.pid, "command": h.command, "stoppable": h.why_not is None,
                      "why_not": h.why_not} for h in plan.holders],
         "refused": plan.refused,
+        "wedge_method": plan.wedge_method,  # the kernel log's WEDGED=<method>, when it says
+        "sysman_health": plan.sysman_health,  # Sysman's health extension: ok … failed
     }
 
 
