@@ -19,6 +19,7 @@ SRC = Path(__file__).resolve().parent.parent / "xpuctl"
 FOR_TESTS = {
     "supported": "tests/test_records.py holds RunRecord's annotations to what the reader reads",
     "close_all": "tests/conftest.py ends the readers a test started",
+    "markdown": "tests/test_known_issues.py holds docs/known-issues.md equal to the table",
 }
 
 

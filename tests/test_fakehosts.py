@@ -46,7 +46,7 @@ CHECKS = {
 SEVERITIES = {"info", "warn", "fail"}
 ROLES = {"api-server", "engine-core", "worker", "dp-coordinator", "resource-tracker", None}
 KINDS = {"shm", "libfabric", "ccl-shm", "filestore", "ccl-socket", "ccl-probe", "zmq-socket",
-         "cache"}
+         "xpu-ipc-socket", "cache"}
 DEVICE_KEYS = {
     "index",
     "bdf",

@@ -19,13 +19,16 @@ from xpuctl.parse import (
     collective,
     envvars,
     fdinfo,
+    health,
     kmd,
+    kmsg,
     net,
     probes,
     procfs,
     roles,
     sockdiag,
     survivability,
+    versions,
     vllmargs,
     vllmlog,
     xpusmi,
@@ -383,3 +386,40 @@ def test_metrics_never_raise(text):
 def test_survivability_type_never_raises(text):
     assert survivability.survivability_type(text) in (survivability.BOOT, survivability.RUNTIME,
                                                       survivability.UNKNOWN)
+
+
+# issue 37: the card's own health (parse/health.py), the wedged uevent's method
+# (parse/kmsg.py wedge_method) and the GuC firmware version (parse/versions.py)
+near_guc = st.lists(
+    st.sampled_from(["GuC firmware: xe/bmg_guc_70.bin", "\tstatus: RUNNING",
+                     "\tversion: wanted 70.44.1, found 70.58.0",
+                     "\trelease version: wanted 70.44.1, found 99999.1.2.3.4",
+                     "xe 0000:03:00.0: [drm] Using GuC firmware from xe/bmg_guc_70.bin version 70.44.1",
+                     "WEDGED=rebind,,bus-reset,vendor-specific", "Firmware flash required",
+                     "critical", "ok warning"]) | texts, max_size=10,
+).map("\n".join)
+
+
+@FUZZ
+@given(st.one_of(texts, near_guc))
+def test_health_and_firmware_parsers_never_raise(text):
+    assert health.gpu_health(text) in ("ok", "warning", "critical", "unknown")
+    assert health.sysman_health(text) in (None, "ok", "warning", "critical", "failed")
+    method = kmsg.wedge_method(text)
+    assert method is None or set(method.split(",")) <= set(kmsg.METHODS)
+    found = versions.guc_info_version(text)
+    assert found is None or all(p.isdigit() for p in found.split("."))
+    for bdf, v in versions.guc_log_versions(text.splitlines()):
+        assert v.replace(".", "").isdigit() and (bdf is None or len(bdf) == 12)
+
+
+@FUZZ
+@given(json_values)
+def test_probe_device_health_raises_only_probe_output_error(value):
+    doc = {"name": "sysman", "available": True, "devices": [{"bdf": "0000:03:00.0", "health": value}]}
+    try:
+        r = probes.result_from_dict(doc)
+    except probes.ProbeOutputError:
+        return
+    assert r.devices[0].health in (None, "ok", "warning", "critical", "failed")
+    assert probes.result_from_dict(probes.result_to_dict(r)) == r

@@ -24,6 +24,7 @@ EXAMPLES = (
     ("/tmp", "vllm_dist_abc123"),
     ("/tmp", "ccl-ipc-fd-sock-2901:0"),
     ("/tmp", "ccl-handle-12-3"),
+    ("/tmp", "open-peer-ipc-mem-server-rank_0_alice"),
     ("/tmp", "oneccl_pidfd_check_getXXXXa1B2c3"),
     ("/tmp", "ccl-module-cache-1000"),
     ("/tmp", "0b4c0e8e-2d0f-4a9b-9f3e-6b1f6f7c9d10"),

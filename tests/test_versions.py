@@ -30,7 +30,7 @@ from xpuctl.cli import app
 from xpuctl.parse.versions import lib_version, module_version, newest_lib, parse_packages
 
 runner = CliRunner()
-NAMES = ("kernel", "xe", "level-zero-loader", "level-zero-gpu", "oneccl", "torch", "ipex",
+NAMES = ("kernel", "xe", "guc", "level-zero-loader", "level-zero-gpu", "oneccl", "torch", "ipex",
          "vllm", "ray", "xpu-smi")
 
 

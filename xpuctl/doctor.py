@@ -38,6 +38,10 @@ class DeepOptions(NamedTuple):
     state_dir: str | None = None  # where the idle baseline is kept
     since: float | None = None  # time.monotonic() of the command's start: the deadline counts from it
     recorded: RecordedProbes | None = None  # a snapshot's probes: nothing is run
+    # a re-check (--wait-clean): the first look's versions, and xpu-smi is not run again
+    # (`xpu-smi ps` allocates about 211 MB of device memory and lists itself: xpumanager
+    # #116; never in a loop)
+    again: tuple[Version, ...] | None = None
 
 
 class CollectiveOptions(NamedTuple):
@@ -136,17 +140,25 @@ def deep_scan(host: Host, environ: dict[str, str], deep: DeepOptions, **options:
         scan = take_scan(host, **options)
         results, pids, idle, problem, stack = deep.recorded
     else:
-        running = runner.start(environ, deep.timeout, since=deep.since)
-        reading = versions.start(environ, deep.timeout, xpusmi=False)  # the probe asks xpu-smi
+        names = runner.PROBES if deep.again is None else runner.ONCE_ONLY
+        running = runner.start(environ, deep.timeout, names, since=deep.since)
+        # the stack's versions: read once (a re-check carries them); the probe asks xpu-smi
+        reading = versions.start(environ, deep.timeout, xpusmi=False) if deep.again is None \
+            else None
         try:
             scan = take_scan(host, exclude_pids=running.pids, **options)
         except BaseException:
-            reading.abandon()
+            if reading is not None:
+                reading.abandon()
             raise
         finally:
             results = running.finish()
-        smi = next((r for r in results if r.name == "xpu-smi"), None)
-        stack = reading.finish(host, scan.devices, smi)
+        if reading is not None:
+            smi = next((r for r in results if r.name == "xpu-smi"), None)
+            stack = reading.finish(host, scan.devices, smi)
+        else:
+            stack = deep.again or ()
+            results = (*results, runner.not_again("xpu-smi"))
         pids = tuple(sorted(running.pids))
         idle, problem = baseline.load_baseline(deep.state_dir)
     if problem:
@@ -155,6 +167,14 @@ def deep_scan(host: Host, environ: dict[str, str], deep: DeepOptions, **options:
     if stack and scan.deep is not None:
         scan = scan._replace(deep=scan.deep._replace(versions=stack))
     return scan
+
+
+def again(deep: DeepOptions | None, report: Report) -> DeepOptions | None:
+    """The --deep options of a re-check after `report` (--wait-clean): the first look's
+    versions carried, xpu-smi not run again (DeepOptions.again)."""
+    if deep is None or deep.recorded is not None or report.scan.deep is None:
+        return deep
+    return deep._replace(again=report.scan.deep.versions)
 
 
 def diagnose(

@@ -36,6 +36,7 @@ T = TypeVar("T")
 
 DRIVERS = ("xe", "i915")
 POLL = 0.05
+VENDOR = "vendor-specific"  # DRM_WEDGE_RECOVERY_VENDOR's name in the wedged uevent
 
 
 class Blocker(NamedTuple):
@@ -51,6 +52,27 @@ class RebindPlan(NamedTuple):
     holders: tuple[Blocker, ...]
     trees: tuple[ServerTree, ...]  # what --kill-holders stops first
     kill_holders: bool
+    # the card's own word (card_verdict): the recovery the kernel log's wedged uevent asked
+    # for (WEDGED=<method>), and Level Zero Sysman's health (ok … failed)
+    wedge_method: str | None = None
+    sysman_health: str | None = None
+
+    @property
+    def hopeless(self) -> str | None:
+        """Why no rebind can bring the card back (what to do instead), else None."""
+        if self.device.survivability is not None:
+            return (f"the device is in survivability mode ({self.device.survivability}): a "
+                    "rebind cannot bring it back, only a firmware flash can (see `xpuctl "
+                    "doctor`)")
+        if self.wedge_method is not None and VENDOR in self.wedge_method.split(","):
+            return (f"the kernel declared it wedged with a vendor-specific recovery "
+                    f"(WEDGED={self.wedge_method}): a rebind cannot bring it back; flash the "
+                    "card's firmware (fwupd, or `xpu-smi updatefw`), then cold-reset the host")
+        if self.sysman_health == "failed":
+            return ("Level Zero Sysman says the card FAILED (zesDeviceGetHealthStatusExt, kept "
+                    "across resets): a rebind cannot bring it back; take it out of service and "
+                    "have it replaced")
+        return None
 
     @property
     def unbind(self) -> str:
@@ -63,10 +85,8 @@ class RebindPlan(NamedTuple):
 
     @property
     def refused(self) -> str | None:
-        if self.device.survivability is not None:
-            return (f"the device is in survivability mode ({self.device.survivability}): a "
-                    "rebind cannot bring it back, only a firmware flash can (see `xpuctl "
-                    "doctor`)")
+        if self.hopeless is not None:
+            return self.hopeless
         if not self.holders:
             return None
         if not self.kill_holders:
@@ -75,6 +95,20 @@ class RebindPlan(NamedTuple):
         if kept:
             return "held by " + ", ".join(f"pid {h.pid} ({h.command}: {h.why_not})" for h in kept)
         return None
+
+
+def card_verdict(host: Host, device: Device, environ: Mapping[str, str],
+                 timeout: float = 10.0) -> tuple[str | None, str | None]:
+    """The card's own word before a rebind: (the recovery its last wedged record asked for:
+    the kernel log, since it was last initialised; Level Zero Sysman's health: its probe
+    child alone, bounded). Either is None when it cannot be told."""
+    from xpuctl.host.kernel import read_kernel
+    from xpuctl.probes import runner
+
+    log, _, _ = read_kernel(host, (device,))
+    results = runner.start(dict(environ), timeout, names=("sysman",)).finish()
+    health = next((d.health for r in results for d in r.devices if d.bdf == device.bdf), None)
+    return (log.wedge_method(device.bdf) if log is not None else None), health
 
 
 def make_plan(host: Host, bdfs: tuple[str, ...], kill_holders: bool) -> RebindPlan:
@@ -262,6 +296,8 @@ def run(host: Host, request: Request, state_dir: str | None, on_event: Callable[
     from xpuctl.host.devices import resolve_device_specs
 
     plan = make_plan(host, resolve_device_specs(host, list(request.devices)), request.kill_holders)
+    method, health = card_verdict(host, plan.device, request.environ)
+    plan = plan._replace(wedge_method=method, sysman_health=health)
     on_event(Planned(plan))
     out = Outcome(plan)
     if request.dry_run or plan.refused:

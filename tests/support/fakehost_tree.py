@@ -324,6 +324,7 @@ class FakeHost:
         subsystem_device: int = 0x1100,
         survivability: str | None = None,
         drm: bool = True,
+        health: str | None = None,
     ) -> Path:
         """Make a DRM device: PCI function, drm nodes, class links, /dev/dri; return the PCI dir.
         `survivability`: the text of xe's survivability_mode (`survivability_text`); `drm=False`:
@@ -358,6 +359,8 @@ class FakeHost:
         if driver == "xe" and vram_tiles:
             for t, size in enumerate(vram_tiles):
                 self._write(f"sys/{pci_rel}/tile{t}/physical_vram_size_bytes", f"{size}\n")
+        if health is not None:  # xe's gpu_health (issue 37): ok | warning | critical
+            self._write(f"sys/{pci_rel}/gpu_health", health)
         if survivability is not None:  # DEVICE_ATTR_ADMIN_RO: root only
             self._write(f"sys/{pci_rel}/survivability_mode", survivability, mode=0o400)
         for name in (card, node) if drm else ():

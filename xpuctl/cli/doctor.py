@@ -128,12 +128,13 @@ def _check(a: AppContext, asked: _Asked, host: Any, environ: dict[str, str], sdi
     # runs, stderr shows what its ranks are doing and the time left
     view = _countdown() if asked.collective is not None else None
     coll: list[Any] = [doctor_core.CollectiveOptions(asked.collective, on_wait=view.wait)
-                       if view is not None and asked.collective is not None else None]
+                       if view is not None and asked.collective is not None else None, deep_opts]
 
     def run() -> Any:
         report = doctor_core.diagnose(host, asked.devices, asked.port, asked.expect_idle, environ,
-                                      deep=deep_opts, state_dir=sdir, collective=coll[0])
+                                      deep=coll[1], state_dir=sdir, collective=coll[0])
         coll[0] = report.scan.collective
+        coll[1] = doctor_core.again(coll[1], report)  # a re-check: xpu-smi once only
         return report
 
     if asked.fmt is Format.npd:

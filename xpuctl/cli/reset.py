@@ -25,8 +25,12 @@ from xpuctl.output.safetext import emit
 from xpuctl.parse.seconds import HOUR
 
 if TYPE_CHECKING:  # types only: the command's modules load when it runs
+    from collections.abc import Callable
+
     from xpuctl.host.seam import Host
     from xpuctl.rebind import Request as RebindRequest
+    from xpuctl.reset import Outcome as ResetOutcome
+    from xpuctl.reset import Told as ResetTold
 
 app = command_app()
 
@@ -62,8 +66,6 @@ def reset(
     Exit 0: clean afterwards. 1: problems remain. 2: usage (or no --yes without a terminal).
     """
     from xpuctl import reset as flow
-    from xpuctl.actions.cleanup import Removal
-    from xpuctl.output import documents, lines
     from xpuctl.state.statedir import resolve_state_dir
 
     a = app_context(ctx)
@@ -78,11 +80,23 @@ def reset(
             resolve_state_dir(a.host, state_dir, a.environ), as_json, yes)
     if collective:
         raise UsageError("--collective checks a device after --rebind: use doctor --collective")
-    stream = sys.stderr if as_json else sys.stdout
     request = flow.Request(tuple(device or []), port, dry_run, timeout, kill_after, device_reset,
                            kill_holders, a.environ)
+    out = flow.run(a.host, request, resolve_state_dir(a.host, state_dir, a.environ),
+                   _shower(kill_holders, as_json), approve=None if yes else _confirm)
+    _finish(out, kill_holders, dry_run, as_json)
 
-    def show(ev: flow.Told) -> None:
+
+def _shower(kill_holders: bool, as_json: bool) -> Callable[[ResetTold], None]:
+    """How reset's steps are told: the plan (not with --json), the device reset, each
+    removal, the stop of the orphans and holders."""
+    from xpuctl import reset as flow
+    from xpuctl.actions.cleanup import Removal
+    from xpuctl.output import lines
+
+    stream = sys.stderr if as_json else sys.stdout
+
+    def show(ev: ResetTold) -> None:
         if isinstance(ev, flow.Planned):
             if not as_json:
                 for line in lines.reset_plan_lines(ev.plan, kill_holders, ev.advice):
@@ -96,8 +110,14 @@ def reset(
         else:  # the stop of the orphans and holders
             emit(stream, lines.event_line(ev))
 
-    out = flow.run(a.host, request, resolve_state_dir(a.host, state_dir, a.environ), show,
-                   approve=None if yes else _confirm)
+    return show
+
+
+def _finish(out: ResetOutcome, kill_holders: bool, dry_run: bool, as_json: bool) -> NoReturn:
+    """reset's outcome rendered, and its exit code."""
+    from xpuctl.output import documents, lines
+
+    stream = sys.stderr if as_json else sys.stdout
     plan_doc = documents.reset_plan_dict(out.plan, kill_holders, out.advice)
     if out.executed is None:
         if not (dry_run or out.plan.empty):

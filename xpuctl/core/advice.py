@@ -1,6 +1,7 @@
 """What to try before relaunching after a oneCCL hang or crash: mitigations and their cost.
 
-Advice only: xpuctl never sets these itself (docs/oneccl.md has the table). After a failed
+Advice only: xpuctl never sets these itself (docs/oneccl.md has the table; the known-bad
+versions and their rows are core/known.py's, which serve's diagnosis names as well). After a failed
 start serve leaves `RESET` out (`skip`): the command to run next is said once, after the
 list (output.lines.next_line). Sources: vLLM
 #50545 / oneCCL #215 (ring all-reduce), vLLM #41663 (IPC handle cache), #48953 and
@@ -13,6 +14,8 @@ workers), vLLM #27313 (shared memory broadcast), oneCCL's own sources and real o
 from __future__ import annotations
 
 from typing import NamedTuple
+
+from xpuctl.core import known  # the rows these mitigations answer (one table)
 
 
 class Mitigation(NamedTuple):
@@ -28,7 +31,8 @@ RESET = Mitigation(
 )
 RING = Mitigation(
     "CCL_ALLREDUCE=ring",
-    "avoids oneCCL 2022.x's default all-reduce, which hangs at warm-up (oneCCL #215, vLLM #50545)",
+    "avoids oneCCL 2022.x's default all-reduce, which hangs at warm-up (oneCCL #215, vLLM "
+    f"#50545; known issue {known.ONECCL_ALLREDUCE.key}, docs/known-issues.md)",
     "replaces oneCCL's tuned algorithm choice, at a throughput cost not measured here",
 )
 IPC_EXCHANGE = Mitigation(
@@ -47,7 +51,8 @@ KVS_IFACE = Mitigation(
 )
 IPC_CACHE = Mitigation(
     "CCL_ZE_CACHE_OPEN_IPC_HANDLES=0",
-    "stop reusing a stale cached IPC handle (vLLM #41663)",
+    "stop reusing a stale cached IPC handle (oneCCL #212, vLLM #41663; known issue "
+    f"{known.ONECCL_IPC_CACHE.key})",
     "about 3 % throughput (CCL_ZE_CACHE=0, the blunt version, about 39 %)",
 )
 DEVICE = Mitigation(

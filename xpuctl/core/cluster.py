@@ -152,7 +152,8 @@ def _launcher(d: dict[str, Any] | None) -> Launcher | None:
 def device_of(d: dict[str, Any]) -> Device:
     return Device(str(d["bdf"]), d.get("vendor_id"), d.get("device_id"), d.get("driver"),
                   d.get("render_node"), d.get("card_node"), (), d.get("memory_total_bytes"),
-                  d.get("index"), d.get("survivability"))
+                  d.get("index"), d.get("survivability"),
+                  d.get("health") if isinstance(d.get("health"), str) else None)
 
 
 def scan_of(doc: dict[str, Any]) -> Scan:

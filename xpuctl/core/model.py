@@ -48,6 +48,9 @@ class Device(NamedTuple):
     # xe's survivability_mode (Boot | Runtime | unknown) while the card is in it, else None:
     # only a firmware flash brings it back (parse/survivability.py)
     survivability: str | None = None
+    # xe's gpu_health in its PCI directory: ok | warning | critical | unknown (a text that
+    # names none); None: no such file (parse/health.py)
+    health: str | None = None
 
     @property
     def is_intel(self) -> bool:
@@ -287,6 +290,9 @@ class RuntimeView(NamedTuple):
     baseline_bytes: int  # the idle baseline recorded by `devices --deep --record-baseline`
     unattributed_bytes: int | None  # used − visible − baseline (never below 0)
     invisible_pids: tuple[int, ...]  # reported by a probe, absent from /proc
+    # Sysman's health extension (zesDeviceGetHealthStatusExt): ok | warning | critical |
+    # failed, kept across resets; None: not reported (parse/health.py)
+    health: str | None = None
 
 
 class Version(NamedTuple):
@@ -422,6 +428,11 @@ class KernelLog(NamedTuple):
         from xpuctl.parse.kmsg import WEDGED
 
         return next((e for e in self._since_init(bdf) if e.kind == WEDGED), None)
+
+    def wedge_method(self, bdf: str) -> str | None:
+        """The recovery the driver asked for since the device was last initialised (the
+        last wedged record that names one: `WEDGED=<method>`), else None."""
+        return next((e.method for e in reversed(self._since_init(bdf)) if e.method), None)
 
     def hangs(self, bdf: str) -> tuple[GpuEvent, ...]:
         """Hang and reset records of the device since it was last initialised."""

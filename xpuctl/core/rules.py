@@ -62,7 +62,15 @@ PATTERNS: tuple[tuple[str, re.Pattern[str], str, bool], ...] = (
     ("/tmp", re.compile(r"^vllm_dist_[0-9A-Za-z_]+\Z"), "filestore", False),
     # oneCCL: device-fd exchange sockets and IPC handle-exchange sockets
     ("/tmp", re.compile(r"^ccl-ipc-fd-sock-\d+:.*\Z"), "ccl-socket", False),
+    # oneCCL's IPC handle exchange (/tmp/ccl-handle-<rank>-<tag>...): no pid in the name,
+    # nothing to prove its users by but who holds it (an fd, a mapping, a bound socket:
+    # host/liveness.py, by device and inode)
     ("/tmp", re.compile(r"^ccl-handle-.+\Z"), "ccl-socket", False),
+    # torch-xpu-ops' peer IPC exchange (its un_allgather: a server socket per rank,
+    # /tmp/open-peer-ipc-mem-server-rank_<rank>_<user>, and the clients'
+    # /tmp/open-peer-ipc-mem-client-rank_<rank>_<user>): judged by holders only, like above
+    ("/tmp", re.compile(r"^open-peer-ipc-mem-(?:server|client)-rank_[0-9]{1,9}[_-].+\Z"),
+     "xpu-ipc-socket", False),
     # oneCCL's pidfd_getfd probe (ze_fd_manager.cpp is_pidfd_supported): mkstemp of the
     # template /tmp/oneccl_pidfd_check_getXXXXXXXXXX, whose last 6 X become random letters
     # and digits (the 4 before them stay); unlinked at once, left by a rank killed meanwhile
@@ -72,6 +80,14 @@ PATTERNS: tuple[tuple[str, re.Pattern[str], str, bool], ...] = (
     # vLLM's ZMQ ipc:// sockets: uuid4 names directly in /tmp (VLLM_RPC_BASE_PATH)
     ("/tmp", re.compile(rf"^{_UUID}\Z"), "zmq-socket", True),
 )
+
+#: Kinds that are never stale (kept whatever holds them).
+NEVER_STALE = frozenset({"cache"})
+
+#: Every kind a file can be judged stale as, in the order of PATTERNS: the registry that
+#: Prometheus's `xpuctl_stale_files` kinds and docs/output.md come from.
+STALE_KINDS: tuple[str, ...] = tuple(dict.fromkeys(
+    kind for _, _, kind, _ in PATTERNS if kind not in NEVER_STALE))
 
 CCL_PID = re.compile(r"^ccl-ipc-fd-sock-(\d+):")
 _LIBFABRIC_PID = re.compile(r"^(\d+):")
@@ -166,7 +182,7 @@ def judge(path: str, kind: str, info: FileInfo, facts: Facts) -> Verdict:
 
 
 def _judge(path: str, kind: str, info: FileInfo, facts: Facts) -> Verdict:
-    if kind == "cache":
+    if kind in NEVER_STALE:
         return Verdict(False, "cache, kept")
     if not (info.is_regular or info.is_socket):
         return Verdict(False, "not a regular file or socket")

@@ -8,6 +8,9 @@ A card xe holds in survivability mode has `survivability_mode` in its PCI direct
 (parse/survivability.py); in boot survivability xe makes no DRM node for it, so the cards xe
 is bound to (`/sys/bus/pci/drivers/xe/<bdf>`) are looked at too: such a card is listed without
 nodes and without a Level Zero index (Level Zero does not see it).
+
+xe's `gpu_health` in the same PCI directory is the card's own verdict (ok, warning, critical:
+parse/health.py); a kernel without it has no file, and the device's `health` is None.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ _BDF_RE = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
 SYS_DRM = "/sys/class/drm"
 XE_BOUND = "/sys/bus/pci/drivers/xe"
 SURVIVABILITY = "survivability_mode"
+GPU_HEALTH = "gpu_health"
 
 
 def _read_strip(host: Host, path: str) -> str | None:
@@ -57,6 +61,20 @@ def _survivability(host: Host, pci: str) -> str | None:
         return UNKNOWN
 
 
+def _health(host: Host, pci: str) -> str | None:
+    """The card's gpu_health (ok | warning | critical | unknown), None without the file."""
+    path = f"{pci}/{GPU_HEALTH}"
+    if not host.exists(path):
+        return None
+    from xpuctl.parse.health import UNKNOWN as NOT_SAID
+    from xpuctl.parse.health import gpu_health
+
+    try:
+        return gpu_health(host.read_text(path, 4096))
+    except OSError:
+        return NOT_SAID
+
+
 def _nodeless(host: Host, known: set[str]) -> list[Device]:
     """Cards xe is bound to that have no DRM node and are in (boot) survivability mode."""
     try:
@@ -75,7 +93,7 @@ def _nodeless(host: Host, known: set[str]) -> list[Device]:
         out.append(Device(bdf=bdf, vendor_id=_norm_id(_read_strip(host, f"{pci}/vendor")),
                           device_id=_norm_id(_read_strip(host, f"{pci}/device")), driver="xe",
                           render_node=None, card_node=None, minors=(), memory_total_bytes=None,
-                          survivability=mode))
+                          survivability=mode, health=_health(host, pci)))
     return out
 
 
@@ -161,6 +179,7 @@ def _scan_devices(host: Host) -> tuple[list[Device], list[Issue]]:
                 minors=tuple(sorted(rec["minors"])),
                 memory_total_bytes=_memory_total(host, pci, rec["card"], driver),
                 survivability=_survivability(host, pci) if driver == "xe" else None,
+                health=_health(host, pci),
             )
         )
     devices.extend(_nodeless(host, set(by_bdf)))

@@ -64,6 +64,7 @@ def runtime_dict(v: RuntimeView | None) -> Document | None:
         "visible_bytes": v.visible_bytes,
         "baseline_bytes": v.baseline_bytes,
         "invisible_pids": list(v.invisible_pids),
+        "health": v.health,  # Sysman's health extension: ok | warning | critical | failed
     }
 
 
@@ -88,6 +89,7 @@ def device_dict(d: Device, scan: Scan) -> Document:
         "device_id": d.device_id,
         "intel": d.is_intel,
         "survivability": d.survivability,  # xe's survivability_mode: Boot | Runtime | unknown
+        "health": d.health,  # xe's gpu_health: ok | warning | critical | unknown; None: no file
         "memory_used_bytes": scan.memory_used(d.bdf),  # fdinfo: shared buffers counted once
         "memory_shared_bytes": scan.memory_shared(d.bdf),  # fdinfo drm-shared, per client, summed
         "memory_resident_bytes": scan.memory_resident(d.bdf),  # fdinfo drm-resident
@@ -407,6 +409,8 @@ def rebind_plan_dict(plan: RebindPlan) -> Document:
         "holders": [{"pid": h.pid, "command": h.command, "stoppable": h.why_not is None,
                      "why_not": h.why_not} for h in plan.holders],
         "refused": plan.refused,
+        "wedge_method": plan.wedge_method,  # the kernel log's WEDGED=<method>, when it says
+        "sysman_health": plan.sysman_health,  # Sysman's health extension: ok … failed
     }
 
 

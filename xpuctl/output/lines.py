@@ -197,7 +197,7 @@ def rebind_plan_lines(plan: RebindPlan) -> list[str]:
     out.append(f"  write {d.bdf} > {plan.bind}")
     out.append("  wait until its render node is back, then run doctor on it")
     out.append("  a pending crash dump (devcoredump) of the device is lost: save it first")
-    if plan.refused and plan.device.survivability is not None:
+    if plan.refused and plan.hopeless is not None:
         out.append(f"refused: {safe(plan.refused)}")
     elif plan.refused:
         out.append(f"refused: {safe(plan.refused)}; stop them first, or --kill-holders")

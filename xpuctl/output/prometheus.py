@@ -12,6 +12,7 @@ from xpuctl import __version__
 from xpuctl.core.checks import CHECKS
 from xpuctl.core.cluster import Family, Sample
 from xpuctl.core.model import Device, Report, Scan
+from xpuctl.core.rules import STALE_KINDS
 from xpuctl.output.safetext import prom_label
 
 
@@ -34,7 +35,6 @@ Samples = Sequence[tuple[Mapping[str, object], float]]
 # (name, help, samples): every family is a gauge; `families` types them
 _Family = tuple[str, str, Samples]
 STATUSES = ("clean", "busy", "dirty", "unknown")
-STALE_KINDS = ("shm", "filestore", "ccl-socket", "zmq-socket")
 
 
 def prometheus(report: Report) -> str:
@@ -106,6 +106,12 @@ def _device_families(scan: Scan) -> list[_Family]:
                 ("Processes holding the device, by the container and pod they run in (empty "
                  "labels: on the host); they sum to xpuctl_device_holder_processes."),
                 _holder_samples(scan, devs)))
+    health = _health_samples(scan, devs)
+    if health:
+        out.append(("xpuctl_device_health",
+                    ("The card's own health, the worse of xe's gpu_health and Level Zero "
+                     "Sysman's (--deep): 0 ok, 1 warning, 2 critical, 3 failed; `source` says "
+                     "which. No sample for a card that tells nothing."), health))
     totals = [({"device": d.bdf}, float(d.memory_total_bytes)) for d in devs if d.memory_total_bytes]
     if totals:
         out.append(("xpuctl_device_memory_total_bytes", "Device memory size.", totals))
@@ -126,6 +132,22 @@ def _device_families(scan: Scan) -> list[_Family]:
                     ("1 when oneCCL init, an all_reduce and destroy passed on the device's "
                      "group (--collective; one device: an allocation and a computation on it)."),
                     [({"device": b}, 1.0 if c.verdict == "ok" else 0.0) for b in c.bdfs]))
+    return out
+
+
+def _health_samples(scan: Scan, devs: list[Device]) -> Samples:
+    """One sample per card that tells its health (parse/health.py's scale)."""
+    from xpuctl.parse.health import RANK
+
+    out: list[tuple[Mapping[str, object], float]] = []
+    for d in devs:
+        view = scan.deep.device(d.bdf) if scan.deep else None
+        told = [(h, src) for h, src in ((d.health, "gpu_health"),
+                                        (view.health if view else None, "sysman"))
+                if h in RANK]
+        if told:
+            level, src = max(told, key=lambda t: RANK[t[0]])
+            out.append(({"device": d.bdf, "source": src}, float(RANK[level])))
     return out
 
 

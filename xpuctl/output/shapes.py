@@ -156,6 +156,12 @@ class RebindPlan(Protocol):
     @property
     def refused(self) -> str | None: ...
     @property
+    def hopeless(self) -> str | None: ...  # why no rebind can help (firmware, replacement)
+    @property
+    def wedge_method(self) -> str | None: ...  # the kernel log's WEDGED=<method>
+    @property
+    def sysman_health(self) -> str | None: ...  # Sysman's health extension
+    @property
     def unbind(self) -> str: ...  # the driver's unbind file (a host path)
     @property
     def bind(self) -> str: ...

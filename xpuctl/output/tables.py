@@ -81,8 +81,11 @@ def devices_table(scan: Scan) -> _Fitted:
 
     t = Table(expand=False)
     deep_cols = ("device used", "unattributed", "state") if scan.deep else ()
+    healths = {d.bdf: _card_health(scan, d.bdf, d.health) for d in scan.devices}
+    health_col = ("health",) if any(healths.values()) else ()  # only when a card tells
     right = ("#", "memory used", "total", "device used", "unattributed")
-    names = ("#", "BDF", "node", "driver", "id", "memory used", "total", "holders", *deep_cols)
+    names = ("#", "BDF", "node", "driver", "id", "memory used", "total", "holders", *deep_cols,
+             *health_col)
     for col in names:
         t.add_column(_one_line(col), justify="right" if col in right else "left", no_wrap=True,
                      overflow="ellipsis")
@@ -106,6 +109,7 @@ def devices_table(scan: Scan) -> _Fitted:
             human_bytes(d.memory_total_bytes) if d.memory_total_bytes else "-",
             _holders_cell(scan, holders),
             *extra,
+            *((_card_health_cell(healths[d.bdf]),) if health_col else ()),
         )])
     for row in rows:
         t.add_row(*row)
@@ -113,10 +117,31 @@ def devices_table(scan: Scan) -> _Fitted:
     return _Fitted(t, names, natural)
 
 
+def _card_health(scan: Scan, bdf: str, sysfs: str | None) -> str | None:
+    """The card's own verdict: xe's gpu_health and Sysman's (--deep), the worse one named."""
+    from xpuctl.parse.health import RANK
+
+    view = scan.deep.device(bdf) if scan.deep else None
+    told = [(h, src) for h, src in ((sysfs, ""), (view.health if view else None, " (sysman)"))
+            if h is not None]
+    if not told:
+        return None
+    level, src = max(told, key=lambda t: RANK.get(t[0], -1))
+    return level + src
+
+
+def _card_health_cell(said: str | None) -> Text | str:
+    from rich.text import Text
+
+    if said is None:
+        return "-"
+    return said if said.startswith(("ok", "unknown")) else Text(said, style="bold red")
+
+
 #: The order in which a narrow terminal shortens the devices table's columns, first to last
 #: (each cell then cut with "…"). "#" and the BDF, which name a device, are never shortened.
-SHRINK_ORDER = ("id", "node", "driver", "holders", "state", "unattributed", "device used",
-                "total", "memory used")
+SHRINK_ORDER = ("id", "node", "driver", "holders", "health", "state", "unattributed",
+                "device used", "total", "memory used")
 #: a shortened column keeps this many columns ("ren…") while others can give way
 SHRINK_FLOOR = 4
 

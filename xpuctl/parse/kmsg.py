@@ -18,6 +18,13 @@ The driver records (see docs/kernel.md for each message's source):
   job: …", "Engine reset: engine_class=…" (xe_guc_submit.c), "GT0: reset started", "GT0: reset
   failed", "GuC engine reset request failed", "Xe device coredump has been created" (xe_gt.c,
   xe_guc_submit.c, xe_devcoredump.c);
+- the recovery the driver asks for: drm_dev_wedged_event (Linux drivers/gpu/drm/drm_drv.c)
+  sends the uevent `WEDGED=<method>[,<method>]` (rebind, bus-reset, vendor-specific since
+  DRM_WEDGE_RECOVERY_VENDOR; none: recovered) and logs "device wedged, needs recovery" (or
+  "but recovered through reset"); a line that quotes `WEDGED=…` (a udev monitor's, a
+  driver's) is taken with its method; xe's runtime survivability mode
+  (xe_survivability_mode.c, which sets DRM_WEDGE_RECOVERY_VENDOR) logs "Firmware update
+  required" (later "Firmware flash required"): wedged, method vendor-specific;
 - initialised: drm_dev_register's "[drm] Initialized DRIVER X.Y.Z [DATE] for BDF on minor N"
   (Linux drivers/gpu/drm/drm_drv.c): the device came back (a rebind, a module reload).
 
@@ -40,7 +47,7 @@ _ANY_BDF = re.compile(_BDF)
 #: Texts that mark a record the drivers care about: records without one are dropped early
 #: (a kernel log holds thousands of other records).
 DRIVERS = ("xe", "i915")
-_RELEVANT = ("xe ", "i915 ", "[drm]", "Xe ", "GPU HANG")
+_RELEVANT = ("xe ", "i915 ", "[drm]", "Xe ", "GPU HANG", "WEDGED=")
 
 
 class KmsgRecord(NamedTuple):
@@ -73,6 +80,17 @@ class GpuEvent(NamedTuple):
     bdf: str
     driver: str | None
     record: KmsgRecord
+    # a wedged record's recovery method(s) as the uevent names them ("rebind,bus-reset",
+    # "vendor-specific"), when the record tells
+    method: str | None = None
+
+
+VENDOR = "vendor-specific"
+#: the uevent's methods (drm_get_wedge_recovery), and "unknown" (no method given)
+METHODS = ("none", "rebind", "bus-reset", VENDOR, "unknown")
+_METHOD = re.compile(r"\bWEDGED=([a-z-]{1,20}(?:,[a-z-]{1,20}){0,4})")
+_VENDOR_SAID = re.compile(r"Firmware (?:update|flash) required")
+_RECOVERED = re.compile(r"device wedged, but recovered through reset")
 
 
 _WEDGED = (
@@ -80,6 +98,7 @@ _WEDGED = (
     re.compile(r"Failed to (?:re-)?initialize GPU, declaring it wedged"),
     re.compile(r"Failed to idle engines, declaring wedged"),
     re.compile(r"Failed to reset chip"),
+    re.compile(r"device wedged, needs recovery"),
 )
 _HANGS = (
     re.compile(r"GPU HANG: ecode"),
@@ -95,6 +114,7 @@ _HANGS = (
     re.compile(r"GT\d+: reset failed"),
     re.compile(r"GuC engine reset request failed"),
     re.compile(r"Xe device coredump has been created"),
+    _RECOVERED,
 )
 _INITIALIZED = re.compile(rf"\[drm\] Initialized (xe|i915) \S+(?: \d+)? for ({_BDF}) on minor (\d+)")
 
@@ -161,6 +181,19 @@ def _device_of(rec: KmsgRecord) -> tuple[str | None, str | None]:
     return (found.group(0).lower() if found else None), None
 
 
+def _kind(text: str, method: str | None) -> tuple[str | None, str | None]:
+    """(wedged | hang | None, the BDF the text names when it says so)."""
+    if method is not None and method != "none":
+        return WEDGED, None
+    for pattern in _WEDGED:
+        m = pattern.search(text)
+        if m:
+            return WEDGED, m.group(1).lower() if m.groups() else None
+    if any(p.search(text) for p in _HANGS):
+        return HANG, None
+    return None, None
+
+
 def gpu_events(records: list[KmsgRecord]) -> list[GpuEvent]:
     """The records that say a GPU was declared wedged, hung or was reset, or initialised,
     with the device they name, in log order. A record without a device is left out."""
@@ -171,17 +204,8 @@ def gpu_events(records: list[KmsgRecord]) -> list[GpuEvent]:
         if init:
             out.append(GpuEvent(INITIALIZED, init.group(2).lower(), init.group(1), rec))
             continue
-        kind = None
-        named: str | None = None
-        for pattern in _WEDGED:
-            m = pattern.search(text)
-            if m:
-                kind = WEDGED
-                named = m.group(1).lower() if m.groups() else None
-                break
-        else:
-            if any(p.search(text) for p in _HANGS):
-                kind = HANG
+        method = wedge_method(text)
+        kind, named = _kind(text, method)
         if kind is None:
             continue
         bdf, driver = _device_of(rec)
@@ -190,5 +214,15 @@ def gpu_events(records: list[KmsgRecord]) -> list[GpuEvent]:
             continue
         if driver is None and "Xe " in text:
             driver = "xe"
-        out.append(GpuEvent(kind, bdf, driver, rec))
+        out.append(GpuEvent(kind, bdf, driver, rec, method if kind == WEDGED else None))
     return out
+
+
+def wedge_method(text: str) -> str | None:
+    """The recovery a record names: the uevent's `WEDGED=` methods as given (known ones
+    only, in their order), vendor-specific for xe's "Firmware update required"; else None."""
+    m = _METHOD.search(text)
+    if m:
+        known = [w for w in m.group(1).split(",") if w in METHODS]
+        return ",".join(dict.fromkeys(known)) or None
+    return VENDOR if _VENDOR_SAID.search(text) else None

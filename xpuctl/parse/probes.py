@@ -8,10 +8,12 @@ and `live`; `xpuctl.parse.kmd` and `xpuctl.parse.xpusmi` build the same shape):
      "devices": [{"bdf": "0000:03:00.0", "index": null, "name": "Intel(R) Arc(TM) B580",
                   "state": "ok", "reason": null,
                   "memory_total_bytes": 12884901888, "memory_used_bytes": 2147483648,
+                  "health": "OK",
                   "processes": [{"pid": 4242, "memory_bytes": 1048576, "shared_bytes": 0}]}]}
 
 `processes` is null when the source could not list them (and `reason` says why); `state` is
-"ok", "lost", or "survivability" (firmware in survivability mode, `reason` quotes it). Every
+"ok", "lost", or "survivability" (firmware in survivability mode, `reason` quotes it); `health`
+(Sysman's health extension: OK, WARNING, CRITICAL, FAILED) is optional. Every
 parser raises `ProbeOutputError` (a ValueError), nothing else.
 """
 
@@ -47,6 +49,8 @@ class ProbeDevice(NamedTuple):
     memory_used_bytes: int | None
     processes: tuple[ProbeProcess, ...] | None  # None: the source could not list them
     reason: str | None = None  # why something is missing, or why the device is lost
+    # Sysman's health extension: ok | warning | critical | failed (parse/health.py)
+    health: str | None = None
 
 
 class ProbeResult(NamedTuple):
@@ -120,7 +124,20 @@ def _device(d: Any) -> ProbeDevice:
         memory_used_bytes=_opt_int(d, "memory_used_bytes"),
         processes=tuple(_process(p) for p in procs) if procs is not None else None,
         reason=_opt_str(d, "reason"),
+        health=_health(d),
     )
+
+
+def _health(d: dict[str, Any]) -> str | None:
+    from xpuctl.parse.health import sysman_health
+
+    value = d.get("health")
+    if value is None:
+        return None
+    got = sysman_health(value)
+    if got is None:
+        raise ProbeOutputError(f"bad health {str(value)[:20]!r}")
+    return got
 
 
 def result_from_dict(data: Any, name: str | None = None, seconds: float | None = None,
@@ -194,6 +211,7 @@ def result_to_dict(r: ProbeResult) -> dict[str, Any]:
                 "reason": d.reason,
                 "memory_total_bytes": d.memory_total_bytes,
                 "memory_used_bytes": d.memory_used_bytes,
+                "health": d.health.upper() if d.health else None,
                 "processes": None
                 if d.processes is None
                 else [{"pid": p.pid, "memory_bytes": p.memory_bytes, "shared_bytes": p.shared_bytes}

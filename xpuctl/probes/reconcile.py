@@ -9,6 +9,7 @@ from typing import Any
 
 from xpuctl.core.model import Deep, RuntimeView, Scan
 from xpuctl.host.seam import Host
+from xpuctl.parse.health import worst
 from xpuctl.parse.probes import ProbeProcess, ProbeResult
 
 USED_ORDER = ("kmd", "sysman", "torch")  # best source of used memory first (then a process list)
@@ -43,10 +44,13 @@ def _placed(scan: Scan, results: tuple[ProbeResult, ...]) -> tuple[dict[str, dic
 
 def _listed(entries: dict[str, Any], own: frozenset[int]) -> tuple[dict[int, ProbeProcess], list[str], int]:
     """The processes the probes list (the probes' own left out), the probes that listed
-    them, and the memory the probes' own contexts use (as the first lister saw it)."""
+    them, and the memory the probes' own contexts use: each probe once, the most any lister
+    saw of it. The probes run at once, so a used figure may hold `xpu-smi ps`'s own
+    allocation (about 211 MB; it lists itself: xpumanager #116) though another lister did
+    not see it: a probe's own memory is never counted as a leak."""
     procs: dict[int, ProbeProcess] = {}
     psources: list[str] = []
-    own_bytes = 0
+    own_seen: dict[int, int] = {}
     for n in ("sysman", "xpu-smi"):
         listed = entries[n].processes if n in entries else None
         if listed is None:
@@ -54,11 +58,10 @@ def _listed(entries: dict[str, Any], own: frozenset[int]) -> tuple[dict[int, Pro
         psources.append(n)
         for p in listed:
             if p.pid in own:
-                if n == psources[0]:
-                    own_bytes += p.memory_bytes or 0
+                own_seen[p.pid] = max(own_seen.get(p.pid, 0), p.memory_bytes or 0)
                 continue
             procs.setdefault(p.pid, p)
-    return procs, psources, own_bytes
+    return procs, psources, sum(own_seen.values())
 
 
 def _view(host: Host, scan: Scan, bdf: str, entries: dict[str, Any], own: frozenset[int],
@@ -94,6 +97,7 @@ def _view(host: Host, scan: Scan, bdf: str, entries: dict[str, Any], own: frozen
         baseline_bytes=base,
         unattributed_bytes=max(0, used - visible - base) if used is not None else None,
         invisible_pids=tuple(sorted(pid for pid in procs if not host.exists(f"/proc/{pid}"))),
+        health=worst(*(e.health for e in entries.values())),
     )
 
 

@@ -26,6 +26,9 @@ from xpuctl.parse.probes import ProbeResult, parse_probe_output
 from xpuctl.state import audit
 
 PROBES = ("sysman", "torch", "xpu-smi", "kmd")
+#: the probes of a re-check (doctor --wait-clean): xpu-smi runs once per command, never in a
+#: loop (`xpu-smi ps` allocates about 211 MB of device memory and lists itself: xpumanager #116)
+ONCE_ONLY = tuple(n for n in PROBES if n != "xpu-smi")
 MODULES = {"sysman": "xpuctl.probes.children.sysman", "torch": "xpuctl.probes.children.torch_xpu",
            "kmd": "xpuctl.probes.children.kmd"}
 DROP_ENV = ("ZE_AFFINITY_MASK", "ONEAPI_DEVICE_SELECTOR")
@@ -229,6 +232,13 @@ class Running:
         # a version that did not answer is an unknown version (the sizes go unused), not a timeout
         version = (ver.rc, ver.text()) if ver is not None and not ver.timed_out else None
         return xpusmi.probe_result((disc.rc, disc.text()), (ps.rc, ps.text()), seconds, True, version)
+
+
+def not_again(name: str) -> ProbeResult:
+    """A probe not run again on a re-check (ONCE_ONLY), said as such."""
+    return ProbeResult(name, False, "not run again on a re-check: `xpu-smi ps` allocates about "
+                       "211 MB of device memory and lists itself (xpumanager #116)", None, None,
+                       True)
 
 
 def start(environ: dict[str, str], timeout: float = DEFAULT_TIMEOUT,

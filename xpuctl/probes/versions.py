@@ -10,7 +10,11 @@ process:
   in the library directories (and LD_LIBRARY_PATH);
 - packages: importlib.metadata of the probe Python, in a child process
   (probes/children/versions.py), bounded;
-- xpu-smi: its probe's `--version` when `--deep` ran it, else `xpu-smi --version`, bounded.
+- xpu-smi: its probe's `--version` when `--deep` ran it, else `xpu-smi --version`, bounded;
+- the GuC firmware of each Intel card: debugfs's `/sys/kernel/debug/dri/<minor or BDF>/gt0/uc/
+  guc_info` (root), else the last "GuC firmware … version X.Y.Z" the kernel log holds for it
+  (`guc`, one record per version found, its source naming the cards): what core/known.py
+  matches the GuC rows against.
 
     running = start(environ, timeout)   # the children start; nothing waits
     versions = running.finish(host, devices, smi)   # smi: the deep xpu-smi probe's result
@@ -27,7 +31,13 @@ from collections.abc import Iterable
 from xpuctl.core.model import Device, Version
 from xpuctl.host.seam import Host
 from xpuctl.parse.probes import ProbeResult
-from xpuctl.parse.versions import module_version, newest_lib, parse_packages
+from xpuctl.parse.versions import (
+    guc_info_version,
+    guc_log_versions,
+    module_version,
+    newest_lib,
+    parse_packages,
+)
 from xpuctl.parse.xpusmi import parse_version
 from xpuctl.state import audit
 
@@ -94,7 +104,8 @@ class Running:
         """Everything, the children collected by the deadline. `smi`: the deep xpu-smi
         probe's result (it ran `--version` already)."""
         kernel = _kernel(host)
-        out = [kernel, _driver(host, devices, kernel.version)]
+        devices = tuple(devices)
+        out = [kernel, _driver(host, devices, kernel.version), *_guc(host, devices)]
         out += _libs(host, self.environ)
         code, text = _wait(self.child, self.deadline)
         out += _packages(code, text, self.python)
@@ -114,6 +125,20 @@ class Running:
         self.deadline = time.monotonic()
         for proc in (self.child, self.smi):
             _wait(proc, self.deadline)
+
+
+def known_rows(host: Host, environ: dict[str, str], timeout: float = 10.0) -> list[str]:
+    """The rows of the known-issues table (core/known.py) the stack's versions fall in, one
+    line each, the versions read as `doctor --deep` reads them (xpu-smi left out): what
+    serve's diagnosis of a hung start names, with `environ` the run's own."""
+    from xpuctl.core import known
+    from xpuctl.host.devices import scan_devices
+
+    devices, _ = scan_devices(host)
+    stack = start(environ, timeout, xpusmi=False).finish(host, devices)
+    return [f"{known.COMPONENTS.get(m.issue.component, m.issue.component)} {m.version} "
+            f"({m.source or 'source unknown'}): {known.named(m.issue)}"
+            for m in known.by_version(stack)]
 
 
 def start(environ: dict[str, str], timeout: float = 10.0, xpusmi: bool = True) -> Running:
@@ -146,6 +171,58 @@ def _driver(host: Host, devices: Iterable[Device], kernel: str | None) -> Versio
         return Version(name, kernel, f"{OSRELEASE} (an in-tree module has no {base}/version)",
                        None if kernel else "the kernel's release is unknown")
     return Version("driver", None, None, "neither xe nor i915 is loaded (/sys/module)")
+
+
+DEBUGFS_DRI = "/sys/kernel/debug/dri"
+GUC_INFO = ("gt0/uc/guc_info", "tile0/gt0/uc/guc_info", "gt/uc/guc_info")  # xe, i915
+
+
+def _guc_debugfs(host: Host, d: Device) -> tuple[str, str] | None:
+    """(version, path) from the card's debugfs guc_info, else None (no debugfs, no root)."""
+    for name in (d.bdf, *(str(m) for m in d.minors if m < 128)):
+        for sub in GUC_INFO:
+            path = f"{DEBUGFS_DRI}/{name}/{sub}"
+            try:
+                found = guc_info_version(host.read_text(path, 1 << 16))
+            except OSError:
+                continue
+            if found:
+                return found, path
+    return None
+
+
+def _guc(host: Host, devices: tuple[Device, ...]) -> list[Version]:
+    """One `guc` record per GuC firmware version the Intel cards run."""
+    cards = [d for d in devices if d.is_intel and d.driver in ("xe", "i915")]
+    if not cards:
+        return []
+    found: dict[str, list[str]] = {}  # version -> "BDF (source)"
+    logged: dict[str | None, str] | None = None
+    for d in cards:
+        got = _guc_debugfs(host, d)
+        if got is None:
+            if logged is None:
+                logged = _guc_logged(host)
+            version = logged.get(d.bdf) or logged.get(None)
+            got = (version, "the kernel log") if version else None
+        if got is not None:
+            found.setdefault(got[0], []).append(f"{d.bdf} ({got[1]})")
+    if not found:
+        return [Version("guc", None, None, "neither debugfs's guc_info (root) nor the kernel "
+                        "log (root or CAP_SYSLOG) says which GuC firmware runs")]
+    return [Version("guc", v, ", ".join(where)) for v, where in found.items()]
+
+
+def _guc_logged(host: Host) -> dict[str | None, str]:
+    """BDF (None: a record without one) -> the last GuC firmware version the log says."""
+    from xpuctl.parse.kmsg import parse_kmsg
+
+    try:
+        raw = host.read_records("/dev/kmsg")
+    except OSError:
+        return {}
+    records = parse_kmsg(raw.decode("utf-8", "surrogateescape"), relevant_only=True)
+    return dict(guc_log_versions(r.text for r in records))
 
 
 def _libs(host: Host, environ: dict[str, str]) -> list[Version]:

@@ -522,11 +522,14 @@ class RunSupervisor:
                 self.say(f"xpuctl:   | {safe(line, 300)}")
         try:
             from xpuctl.doctor import diagnose
+            from xpuctl.probes.versions import known_rows
 
             report = diagnose(self.host, self.plan.bdfs or None, None)
             for f in report.findings:
                 if f.severity != "info":
                     self.say(f"xpuctl:   doctor {f.severity} {f.check}: {safe(f.message)}")
+            for line in known_rows(self.host, self.plan.env, 5.0):  # its versions: core/known
+                self.say(f"xpuctl:   {safe(line)}")
         except XpuctlError:
             pass
         self._set(notes=[*self.rec.notes,
@@ -670,9 +673,12 @@ def _start_diagnosis(lines: list[str], where: str,
                      hint: str) -> tuple[list[LogSignature], list[str], str]:
     """A start's log read for the diagnosis: (its signatures, their advice keys, what to
     say). A oneCCL crash in the log: the start crashed in its phase, with the cause and the
-    line; else it is stuck there, and a known hang (vLLM's shm-broadcast hang) is named."""
+    line; else it is stuck there, and a known hang (vLLM's shm-broadcast hang) is named; the
+    rows of the known-issues table whose signs the log shows are named either way."""
+    from xpuctl.core import known
     from xpuctl.parse.vllmlog import first_crash, furthest_phase, hang_signatures
 
+    rows = "".join(f"; {known.named(k)}" for k in known.by_signs(lines))  # the table's rows
     sigs = hang_signatures(lines, ever_ready=False)
     keys = [s.key for s in sigs]
     crash = first_crash(sigs)
@@ -681,9 +687,9 @@ def _start_diagnosis(lines: list[str], where: str,
         at = next((i for i, line in enumerate(lines) if line.strip() == crash.line), len(lines))
         phase = furthest_phase(lines[:at + 1])
         where = phase.label if phase.rank else where
-        return sigs, keys, (f"crashed in: {where}: {crash.what}: {safe(crash.line, 300)}")
+        return sigs, keys, (f"crashed in: {where}: {crash.what}: {safe(crash.line, 300)}{rows}")
     said = f"stuck in: {where}" + (f": {hint}" if hint else "")
     named = [s for s in sigs if s.line]
     if named:
         said += f"; its log shows {named[0].what}: {safe(named[0].line, 300)}"
-    return sigs, keys, said
+    return sigs, keys, said + rows

@@ -234,3 +234,24 @@ def zesDeviceProcessesGetState(hDevice, pCount, pProcesses):
         arr[i].processId, arr[i].memSize, arr[i].sharedSize = p["pid"], p["mem"], p.get("shared", 0)
     count.value = len(procs)
     return ZE_RESULT_SUCCESS
+
+
+# the health extension (Level Zero 1.18, EXT_DeviceHealth): zesDeviceGetHealthStatusExt(hDevice,
+# &health), health a zes_device_health_status_ext_t (OK 0, WARNING 1, CRITICAL 2, FAILED 3); a
+# device's "health" in the scenario: one of those names, or "unsupported"; none: no health
+ZES_DEVICE_HEALTH_STATUS_EXT_OK = 0
+ZES_DEVICE_HEALTH_STATUS_EXT_WARNING = 1
+ZES_DEVICE_HEALTH_STATUS_EXT_CRITICAL = 2
+ZES_DEVICE_HEALTH_STATUS_EXT_FAILED = 3
+_HEALTH = {"OK": 0, "WARNING": 1, "CRITICAL": 2, "FAILED": 3}
+
+
+def zesDeviceGetHealthStatusExt(hDevice, pHealth):
+    dev = _device(hDevice)
+    if dev is None:
+        return ZE_RESULT_ERROR_INVALID_ARGUMENT
+    said = dev.get("health")
+    if said is None or said == "unsupported":
+        return ZE_RESULT_ERROR_UNSUPPORTED_FEATURE
+    _target(pHealth).value = _HEALTH[said]  # kept across resets: a lost device still answers
+    return ZE_RESULT_SUCCESS

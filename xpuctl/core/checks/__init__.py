@@ -35,6 +35,8 @@ CHECKS = (
     "gpu-hang",
     "devcoredump",
     "device-survivability",
+    "device-health",
+    "known-issues",
     "probe-timeout",
     "collective",
     "last-run",

@@ -157,3 +157,27 @@ def _verdict_findings(r: CollectiveResult, devices: str) -> list[Finding]:
         "but not together, look at the link between them (CCL_* settings, the fabric) first",
         culprits[0] if len(culprits) == 1 else None,
     )]
+
+
+@check("known-issues")
+def known_issues(c: Ctx) -> list[Finding]:
+    """A version `--deep` read (oneCCL, the GuC firmware, the compute runtime, the kernel)
+    in the range of a row of the known-issues table (core/known.py): a warning with the
+    symptom to expect and the mitigation."""
+    from xpuctl.core import known
+
+    deep = c.scan.deep
+    if deep is None:
+        return []
+    out = []
+    for m in known.by_version(deep.versions):
+        k = m.issue
+        where = f" ({m.source})" if m.source else ""
+        out.append(Finding(
+            "known-issues", "warn",
+            f"{known.COMPONENTS.get(k.component, k.component)} {m.version}{where} is in the "
+            f"range of a known issue ({k.key}: {k.range_text()}, seen on {k.cards}): "
+            f"{k.title}: {k.symptom}",
+            f"{k.mitigation} (see {', '.join(k.links)})",
+        ))
+    return out

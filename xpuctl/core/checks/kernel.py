@@ -1,5 +1,6 @@
-"""What the kernel said about the devices: declared wedged, hung or reset, a crash dump held,
-firmware in survivability mode."""
+"""What the kernel said about the devices: declared wedged (and the recovery it asked for),
+hung or reset, a crash dump held, firmware in survivability mode; the card's own verdict on
+its health (xe's gpu_health, Sysman's health extension)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import time
 
 from xpuctl.core.checks.registry import Ctx, check
 from xpuctl.core.model import Device, Finding
+
+VENDOR = "vendor-specific"  # DRM_WEDGE_RECOVERY_VENDOR's name in the uevent (parse/kmsg.py)
 
 
 def _name(d: Device) -> str:
@@ -36,13 +39,19 @@ def device_wedged(c: Ctx) -> list[Finding]:
         event = log.wedged(d.bdf)
         if event is None or not d.is_intel or d.survivability is not None:
             continue  # a card in survivability mode: device-survivability (a rebind cannot help)
+        method = log.wedge_method(d.bdf)
+        said = f" (recovery: WEDGED={method})" if method else ""
+        if method is not None and VENDOR in method.split(","):
+            until, remedy = "until its firmware is flashed (a rebind cannot help)", FLASH
+        else:
+            until = "until the driver is rebound"
+            remedy = f"save a pending crash dump, stop its users, then `{rebind_command(d)}`"
         out.append(Finding(
             "device-wedged", "fail",
             f"{_name(d)} was declared wedged by the kernel "
-            f"{_when(event.record.seconds, log.wall_time(event))}: \"{event.record.line()}\"; "
-            "nothing on it will run (vLLM's start hangs or fails) until the driver is rebound",
-            f"save a pending crash dump, stop its users, then `{rebind_command(d)}`",
-            d.bdf,
+            f"{_when(event.record.seconds, log.wall_time(event))}: \"{event.record.line()}\""
+            f"{said}; nothing on it will run (vLLM's start hangs or fails) {until}",
+            remedy, d.bdf,
         ))
     return out
 
@@ -132,5 +141,53 @@ def device_survivability(c: Ctx) -> list[Finding]:
             "cold-reset it (power the host off and on)",
             v.bdf,
             tuple(p.pid for p in v.processes),
+        ))
+    return out
+
+
+REPLACE = ("the card's own health monitor gave up on it (kept across resets): a rebind or a "
+           "device reset cannot bring it back; take it out of service and have it replaced "
+           "(or ask the vendor)")
+
+
+def _health_severity(level: str | None) -> str | None:
+    """warning: warn; critical or failed: fail; ok, unknown or untold: nothing."""
+    if level == "warning":
+        return "warn"
+    return "fail" if level in ("critical", "failed") else None
+
+
+@check("device-health")
+def device_health(c: Ctx) -> list[Finding]:
+    """The card's own verdict: xe's gpu_health in its PCI directory (warning: warn, critical:
+    fail; no --deep needed), and Level Zero Sysman's health extension (--deep; WARNING: warn,
+    CRITICAL or FAILED: fail, FAILED kept across resets)."""
+    out = []
+    for d in c.devices():
+        sev = _health_severity(d.health)
+        if sev is None:
+            continue
+        out.append(Finding(
+            "device-health", sev,
+            f"{_name(d)} says its health is {d.health} (/sys/bus/pci/devices/{d.bdf}/gpu_health)",
+            "see `dmesg` for the driver's reason; drain its work and check its temperature, "
+            "power and error counters (`xpu-smi stats`) before trusting it"
+            if sev == "warn" else
+            f"stop using it: drain its work, then `{rebind_command(d)}`; if it stays critical, "
+            "take it out of service",
+            d.bdf,
+        ))
+    deep = c.scan.deep
+    for v in (deep.devices if deep else ()):
+        sev = _health_severity(v.health)
+        if (c.wanted and v.bdf not in c.wanted) or sev is None:
+            continue
+        out.append(Finding(
+            "device-health", sev,
+            f"{v.bdf}: Level Zero Sysman says its health is {(v.health or '').upper()} "
+            "(zesDeviceGetHealthStatusExt)",
+            REPLACE if v.health == "failed" else
+            "drain its work and look at `dmesg` and `xpu-smi stats` before trusting it",
+            v.bdf,
         ))
     return out

@@ -2,8 +2,14 @@
 
 Run as `python -m xpuctl.probes.children.sysman`; prints one JSON line (`xpuctl.parse.probes`) and
 exits 0. Never imported by the CLI process. Per device: the PCI address, the name, the
-device-located memory modules (`zesMemoryGetState`: size and free) and the process list
-(`zesDeviceProcessesGetState`: pid, memSize, sharedSize). Equivalent: `xpu-smi ps`.
+device-located memory modules (`zesMemoryGetState`: size and free), the process list
+(`zesDeviceProcessesGetState`: pid, memSize, sharedSize) and, where the runtime has it, the
+health extension (`zesDeviceGetHealthStatusExt(hDevice, &health)`, Level Zero 1.18: the enum
+zes_device_health_status_ext_t, OK 0, WARNING 1, CRITICAL 2, FAILED 3, stored in the card's
+non-volatile memory and kept across resets). Equivalent: `xpu-smi ps`. This probe runs
+`zesDeviceProcessesGetState` once per device per run, never in a loop, and leaves its own pid
+out of the list (a Sysman client of the card is itself a process of it: xpumanager #116 saw
+`xpu-smi ps` list itself with about 211 MB).
 
 pyzes 0.1.3 loads `/usr/lib/x86_64-linux-gnu/libze_loader.so.1` at import and raises OSError
 when it is missing; every call returns a `ze_result_t` int and fills structures through
@@ -23,6 +29,7 @@ INSUFFICIENT_PERMISSIONS = 0x70010000
 UNSUPPORTED_FEATURE = 0x78000003
 INVALID_SIZE = 0x78000008
 MEM_LOC_DEVICE = 1
+HEALTH = {0: "OK", 1: "WARNING", 2: "CRITICAL", 3: "FAILED"}  # zes_device_health_status_ext_t
 
 _NAMES = {
     DEVICE_LOST: "ZE_RESULT_ERROR_DEVICE_LOST",
@@ -121,11 +128,24 @@ def _processes(pyzes: Any, dev: Any, me: int) -> tuple[list[dict[str, Any]] | No
     return None, "the process list kept changing size"
 
 
+def _health(pyzes: Any, dev: Any) -> str | None:
+    """OK | WARNING | CRITICAL | FAILED, or None when the runtime has no health extension."""
+    from ctypes import byref, c_int32
+
+    if not hasattr(pyzes, "zesDeviceGetHealthStatusExt"):
+        return None
+    status = c_int32(-1)
+    if _call(pyzes, "zesDeviceGetHealthStatusExt", dev, byref(status)) != 0:
+        return None  # unsupported, or not permitted
+    return HEALTH.get(status.value)
+
+
 def _device(pyzes: Any, dev: Any, me: int) -> dict[str, Any]:
     from ctypes import byref
 
     out: dict[str, Any] = {"bdf": None, "index": None, "name": None, "state": "ok", "reason": None,
-                           "memory_total_bytes": None, "memory_used_bytes": None, "processes": None}
+                           "memory_total_bytes": None, "memory_used_bytes": None, "processes": None,
+                           "health": None}
     try:
         pci = pyzes.zes_pci_properties_t()
         pci.stype = getattr(pyzes, "ZES_STRUCTURE_TYPE_PCI_PROPERTIES", 0x2)
@@ -138,6 +158,7 @@ def _device(pyzes: Any, dev: Any, me: int) -> dict[str, Any]:
             out["name"] = _text(props.modelName) or _text(props.core.name)
         out["memory_total_bytes"], out["memory_used_bytes"] = _memory(pyzes, dev)
         out["processes"], out["reason"] = _processes(pyzes, dev, me)
+        out["health"] = _health(pyzes, dev)
     except Lost as exc:
         out["state"] = "lost"
         out["reason"] = str(exc)
