@@ -38,6 +38,10 @@ class KnownIssue(NamedTuple):
     mitigation: str
     links: tuple[str, ...]  # upstream reports, first the one that names the range
     signs: tuple[str, ...] = ()  # texts of vLLM's log or the kernel log that show it
+    # a warning when the version is in range; an open-ended row that holds for every current
+    # release (no fixed one known) is said as info: a warning on every healthy host is noise,
+    # and --strict would fail them all. Its signs in a log still name it in serve's diagnosis.
+    warn: bool = True
 
     def matches(self, version: str | None) -> bool:
         v = version_key(version)
@@ -99,6 +103,7 @@ ONECCL_IPC_CACHE = KnownIssue(
     links=("https://github.com/uxlfoundation/oneCCL/issues/212",
            "https://github.com/vllm-project/vllm/issues/41663"),
     signs=("is_event_completed",),
+    warn=False,
 )
 GUC_70_58 = KnownIssue(
     key="guc-70.58-engine-reset",
@@ -164,7 +169,8 @@ Versions of the stack that fail in ways a clean host cannot show. This page is m
 table in `xpuctl/core/known.py` (`markdown()`; tests/test_known_issues.py holds the two equal
 and says how to write it again). `doctor --deep` reads the versions (oneCCL, the GuC firmware from
 debugfs or the kernel log, the compute runtime, the kernel: [checks.md](checks.md)) and gives
-a `known-issues` warning with the mitigation for each one in a range below; serve's diagnosis
+a `known-issues` warning with the mitigation for each one in a range below (info for a row
+that no release is known to fix: it holds for every current one); serve's diagnosis
 of a start that hung or crashed names the rows whose signs its log shows, and, for a start
 that did not get ready, the rows the run's own versions fall in."""
 

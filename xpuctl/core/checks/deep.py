@@ -163,7 +163,8 @@ def _verdict_findings(r: CollectiveResult, devices: str) -> list[Finding]:
 def known_issues(c: Ctx) -> list[Finding]:
     """A version `--deep` read (oneCCL, the GuC firmware, the compute runtime, the kernel)
     in the range of a row of the known-issues table (core/known.py): a warning with the
-    symptom to expect and the mitigation."""
+    symptom to expect and the mitigation (info for a row that holds for every current
+    release, with no fixed one known)."""
     from xpuctl.core import known
 
     deep = c.scan.deep
@@ -174,7 +175,7 @@ def known_issues(c: Ctx) -> list[Finding]:
         k = m.issue
         where = f" ({m.source})" if m.source else ""
         out.append(Finding(
-            "known-issues", "warn",
+            "known-issues", "warn" if k.warn else "info",
             f"{known.COMPONENTS.get(k.component, k.component)} {m.version}{where} is in the "
             f"range of a known issue ({k.key}: {k.range_text()}, seen on {k.cards}): "
             f"{k.title}: {k.symptom}",
