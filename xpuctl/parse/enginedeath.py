@@ -5,12 +5,13 @@ shutdown and the process ends with status 0. Its log still says what happened; t
 the lines that do (the beginnings of vLLM's messages, with the file that logs them):
 
 - `Worker proc VllmWorker-0 died unexpectedly, shutting down executor.`
-  (v1/executor/multiproc_executor.py; vLLM #48966)
+  (v1/executor/multiproc_executor.py; vLLM #48966); with Ray, `RayWorkerProc rank=[1] died
+  unexpectedly, shutting down executor.` (v1/executor/ray_executor_v2.py, vLLM 0.32)
 - `EngineCore encountered a fatal error.` (v1/engine/core.py; vLLM #17276, #48966)
 - `Engine core proc EngineCore_0 died unexpectedly, shutting down client.`
   (v1/engine/core_client.py; vLLM #32468 and #27549 spell it `EngineCore_DP0`)
-- `[shutdown] MPClient: engine core exited unexpectedly` (v1/engine/core_client.py, the
-  engine monitor thread of vLLM 0.33)
+- `[shutdown] MPClient: engine core exited unexpectedly; starting cleanup`
+  (v1/engine/core_client.py, the engine monitor thread of vLLM 0.32 and 0.33, a WARNING)
 - `vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.`
   (a request that was running when the engine died; vLLM #51013)
 
@@ -55,6 +56,8 @@ class EngineDeath(NamedTuple):
 _DEATHS: tuple[tuple[str, re.Pattern[str], frozenset[str] | None, frozenset[str] | None], ...] = (
     ("a worker died", re.compile(r"Worker proc \S+ died unexpectedly"),
      frozenset({"multiproc_executor.py"}), None),
+    ("a worker died", re.compile(r"RayWorkerProc rank=.{1,200}? died unexpectedly"),
+     frozenset({"ray_executor_v2.py"}), None),
     ("EngineCore failed", re.compile(r"EngineCore encountered a fatal error"),
      frozenset({"core.py"}), None),
     ("EngineCore died", re.compile(r"Engine core proc \S+ died unexpectedly"

@@ -59,7 +59,7 @@ BY_KEY = {p.key: p for p in (STARTING, *PHASES, READY)}
 
 
 _PREFIX = re.compile(
-    r"^(?:\((?P<who>[A-Za-z_]+[A-Za-z0-9_]*) pid=\d+\) )?"
+    r"^(?:\((?P<who>[A-Za-z_][\w.-]*) pid=\d+\) )?"
     r"(?P<level>DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)? "
     r"\[(?P<src>[^\]:\s]+):(?P<lineno>\d+)\] "
 )
@@ -69,10 +69,10 @@ _SGR = re.compile(r"\x1b\[[0-9;]*m")
 
 class LogLine(NamedTuple):
     """A line of vLLM's own logger: `(EngineCore_DP0 pid=7) ERROR 12-01 10:00:00 [core.py:123]
-    message`. vLLM 0.32's format (vllm/logger.py `_FORMAT`: `%(levelname)s %(asctime)s
-    [%(fileinfo)s:%(lineno)d] %(message)s`, dates `%m-%d %H:%M:%S`; the process tag is
-    written by `decorate_logs`; `fileinfo` is the file's name, or a shortened path such as
-    `entrypoints/.../serving.py` at DEBUG). A traceback logged with it carries the same prefix
+    message`. vLLM 0.32's format (vllm/logger.py `_FORMAT`: `(%(vllm_process_name)s
+    pid=%(process)d) %(levelname)s %(asctime)s [%(fileinfo)s:%(lineno)d] %(message)s`, dates
+    `%m-%d %H:%M:%S`; older versions have no process tag; `fileinfo` is the file's name, or a
+    shortened path such as `entrypoints/.../serving.py` at DEBUG). A traceback logged with it carries the same prefix
     on every line (NewLineFormatter)."""
 
     who: str | None  # the process tag: APIServer, EngineCore_DP0, Worker_TP1, ...
