@@ -189,9 +189,12 @@ def _hidden(value: str) -> str:
 
 def _keyed(m: re.Match[str]) -> str:
     value = m.group("value")
-    if not secret_key(m.group("name")) or REDACTED in value:
+    head = m.group(0)[: m.start("value") - m.start()]
+    if not secret_key(m.group("name")):  # a dict inside a string (`'hf_overrides': '{...}'`)
+        return head + _KEYED.sub(_keyed, value) if len(value) > 2 else m.group(0)
+    if REDACTED in value:
         return m.group(0)
-    return m.group(0)[: m.start("value") - m.start()] + _hidden(value)
+    return head + _hidden(value)
 
 
 def _always(m: re.Match[str]) -> str:
@@ -219,15 +222,23 @@ def _scrub_shapes(text: str) -> str:
     return text
 
 
+def _keyed_values(text: str) -> set[str]:
+    found: set[str] = set()
+    for m in _KEYED.finditer(text):
+        value = m.group("value")
+        if not secret_key(m.group("name")):
+            found |= _keyed_values(value) if len(value) > 2 else set()
+            continue
+        for item in _ITEMS.findall(value):
+            if item.lower() not in _SCHEMES:  # `Bearer X`: X is the secret
+                found.add(item[1:-1] if item[:1] in "'\"" else item)
+    return found
+
+
 def _shape_values(text: str) -> set[str]:
     """The secret values the shapes find in `text` (each list item and quoted string
     without its quotes)."""
-    found: set[str] = set()
-    for m in _KEYED.finditer(text):
-        if secret_key(m.group("name")):
-            for item in _ITEMS.findall(m.group("value")):
-                if item.lower() not in _SCHEMES:  # `Bearer X`: X is the secret
-                    found.add(item[1:-1] if item[:1] in "'\"" else item)
+    found = _keyed_values(text)
     for m in _USERINFO.finditer(text):
         found.add(m.group("value"))
     for m in _BEARER.finditer(text):
