@@ -333,3 +333,12 @@ def test_a_run_record_is_written_without_its_secrets(tmp_path):
     assert "K1-abcdef" not in text and "K2-abcdef" not in text
     assert json.loads(text)["command"] == ["vllm", "serve", "m", "--api-key", "<redacted>",
                                            "<redacted>"]
+
+
+@given(st.text(max_size=200))
+def test_vllm_line_parsing_never_raises(text):
+    log = parse_line(text)
+    assert log is None or text.find(log.message) >= 0 or "\x1b" in text
+    assert isinstance(client_text(text), bool)
+    found = engine_death(text.splitlines())
+    assert found is None or len(found.line) <= QUOTE
