@@ -342,3 +342,14 @@ def test_vllm_line_parsing_never_raises(text):
     assert isinstance(client_text(text), bool)
     found = engine_death(text.splitlines())
     assert found is None or len(found.line) <= QUOTE
+
+
+def test_one_reader_of_vllms_metrics():
+    """issue 38 §4: host/http.py's regex and parse/metrics.py were two parsers of /metrics."""
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parent.parent / "xpuctl"
+    readers = sorted(str(p.relative_to(src)) for p in src.rglob("*.py")
+                     if "vllm:num_requests_running" in p.read_text())
+    assert readers == ["core/watch.py", "parse/metrics.py"] or readers == ["parse/metrics.py"]
+    assert "re.compile" not in (src / "host" / "http.py").read_text()
