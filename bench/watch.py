@@ -203,7 +203,8 @@ def cpu(args: argparse.Namespace, root: pt.StandInRoot, work: str, token: str) -
     state = os.path.join(work, "cpu-state")
     # one device each (the stand-in root has two), one worker each
     runs = {"default (5 s)": ["--devices", "0"],
-            "watch off (3600 s)": ["--devices", "1", "--health-interval", "3600"]}
+            "watch off (3600 s)": ["--devices", "1", "--health-interval", "3600",
+                                   "--unhealthy-after", "3600", "--stall-after", "0"]}
     pids = {}
     for label, opts in runs.items():
         name = "cpu-default" if "default" in label else "cpu-off"

@@ -273,9 +273,12 @@ def test_a_non_ascii_digit_device_spec_is_a_usage_error_not_a_crash(spec):
 # message's end as multiproc_executor.py logs it), #17276 (core.py's fatal error), #32468
 # (core_client.py, EngineCore_DP0), a report of the `EngineCore_0` spelling
 # (core_client.py:562, with its process tag), #51013 (EngineDeadError in a request), and
-# vLLM 0.33's engine monitor line (core_client.py's MPClientEngineMonitor, read in its source).
+# vLLM 0.32's engine monitor line (core_client.py:818, MPClientEngineMonitor, read in its
+# source; 0.32's logger writes the process tag: vllm/logger.py `_FORMAT`).
 ENGINE_DEATH_LINES = [
-    ("Worker proc VllmWorker-0 died unexpectedly, shutting down executor.", "a worker died"),
+    (("(EngineCore_DP0 pid=412) ERROR 12-01 10:00:00 [multiproc_executor.py:316] Worker proc "
+      "VllmWorker-0 died unexpectedly (exit code: -9), shutting down executor."),
+     "a worker died"),
     ("ERROR 04-28 02:37:03 [core.py:398] EngineCore encountered a fatal error.", "EngineCore failed"),
     (("ERROR 01-16 17:16:49 [core_client.py:605] Engine core proc EngineCore_DP0 died "
      "unexpectedly, shutting down client."), "EngineCore died"),
@@ -284,7 +287,11 @@ ENGINE_DEATH_LINES = [
     (("(APIServer pid=1) ERROR 08-04 09:48:15 [serving.py:830] vllm.v1.engine.exceptions."
      "EngineDeadError: EngineCore encountered an issue. See stack trace (above) for the root "
      "cause."), "the engine was dead"),
-    ("[shutdown] MPClient: engine core exited unexpectedly", "EngineCore died"),
+    (("(APIServer pid=1) WARNING 12-01 10:00:00 [core_client.py:818] [shutdown] MPClient: "
+      "engine core exited unexpectedly; starting cleanup"), "EngineCore died"),
+    # vLLM 0.32's ray_executor_v2.py (logger.error, the dead ranks as a list)
+    (("(EngineCore_DP0 pid=9) ERROR 12-01 10:00:00 [ray_executor_v2.py:523] RayWorkerProc "
+      "rank=[1] died unexpectedly, shutting down executor."), "a worker died"),
 ]
 
 
@@ -307,10 +314,11 @@ def test_engine_death_first_cause_wins_and_a_clean_log_says_nothing():
 @FUZZ
 @given(st.lists(texts, max_size=20))
 def test_engine_death_never_raises(lines):
-    from xpuctl.parse.enginedeath import engine_death
+    from xpuctl.output.safetext import safe
+    from xpuctl.parse.enginedeath import QUOTE, engine_death
 
     found = engine_death(lines)
-    assert found is None or found.line in {line.strip() for line in lines}
+    assert found is None or found.line in {safe(line.strip(), QUOTE) for line in lines}
 
 
 @given(st.text(max_size=2000))
@@ -376,7 +384,13 @@ def test_metrics_never_raise(text):
     for s in metrics.samples(text):
         assert s.name and isinstance(s.value, float)
     c = metrics.counters(text)
-    assert all(v is None or math.isfinite(v) for v in c)
+    assert all(v is None or math.isfinite(v) for v in (c.running, c.waiting,
+                                                        c.generation_tokens, c.prompt_tokens))
+    for e in metrics.engines(text):
+        assert all(v is None or math.isfinite(v) for v in (e.running, e.waiting,
+                                                            e.generation_tokens, e.prompt_tokens))
+    n = metrics.in_flight(text)
+    assert n is None or isinstance(n, int)
 
 
 @FUZZ

@@ -55,7 +55,7 @@ vllm:e2e_request_latency_seconds_bucket{engine="0",le="+Inf",model_name="tiny"} 
 
 
 def test_vllm_counters_are_summed_over_engines():
-    assert metrics.counters(VLLM_METRICS) == Counters(3.0, 4100.0, 150.0)
+    assert metrics.counters(VLLM_METRICS) == Counters(3.0, 4100.0, 150.0, waiting=0.0)
 
 
 def test_a_server_without_the_metrics_says_nothing():
@@ -95,7 +95,7 @@ DEATH = EngineDeath("EngineCore died", "ERROR 12-03 [core_client.py:562] Engine 
 
 
 def ok(t: float, counters: Counters | None = IDLE) -> Observation:
-    return Observation(t, 200, None, counters)
+    return Observation(t, 200, None, None if counters is None else (counters,))
 
 
 def failing(t: float, status: int | None = 503, error: str | None = None) -> Observation:
@@ -147,12 +147,12 @@ def test_an_engine_death_line_is_unhealthy_at_once_and_for_good():
     assert v.state == UNHEALTHY and v.since == 1
     assert v.reason is not None and v.reason.startswith("unhealthy: EngineCore died")
     assert "died unexpectedly" in v.reason and "/health answered 503" in v.reason
-    assert w.feed(Observation(2, 200, None, IDLE, DEATH)).state == UNHEALTHY
+    assert w.feed(Observation(2, 200, None, (IDLE,), DEATH)).state == UNHEALTHY
 
 
 def test_a_wedged_device_is_unhealthy_at_once():
     wedged = "xe 0000:03:00.0: [drm] CRITICAL: Xe has declared device 0000:03:00.0 as wedged."
-    v = Watch(CFG, 0.0).feed(Observation(1, 200, None, IDLE, None, wedged))
+    v = Watch(CFG, 0.0).feed(Observation(1, 200, None, (IDLE,), None, wedged))
     assert v.state == UNHEALTHY and "wedged" in (v.reason or "")
 
 

@@ -29,10 +29,11 @@ def health(
     """Whether a run is healthy, as its supervisor's watch last found it (for liveness probes).
 
     Reads the run's record only (no scan of /proc: cheap enough for a Kubernetes exec probe
-    every few seconds). Healthy: the watch said healthy, or the run is still starting (its
-    readiness deadline bounds that), no more than three --health-interval ago.
+    every few seconds). Healthy: the watch said healthy or sleeping (vLLM's sleep mode: alive
+    and as asked), or the run is still starting (its readiness deadline bounds that), no more
+    than three --health-interval ago.
 
-    Exit 0 healthy or starting; 1 unhealthy, stalled, stopping, stopped or failed, or not
+    Exit 0 healthy, sleeping or starting; 1 unhealthy, stalled, stopping, stopped or failed, or not
     checked for more than three intervals (a hung supervisor proves nothing); 3 no run of
     that name.
     """

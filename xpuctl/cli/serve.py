@@ -38,6 +38,41 @@ class OnUnhealthy(StrEnum):
     report = "report"
 
 
+# -- the liveness watch's options (issue 36 §3: the windows' ranges: _check_watch_options)
+
+HealthIntervalOpt = Annotated[
+    float,
+    typer.Option("--health-interval", click_type=Seconds(0.1, HOUR),
+                 help="Once ready, check /health, /metrics, vLLM's log and the kernel log "
+                 "this often."),
+]
+
+UnhealthyAfterOpt = Annotated[
+    float,
+    typer.Option("--unhealthy-after", click_type=Seconds(0, DAY),
+                 help="Unhealthy when /health fails at every check for this long (at once "
+                 "when vLLM logs that its engine died, or a device is declared wedged); "
+                 "at least one --health-interval (one failed check is a blip)."),
+]
+
+StallAfterOpt = Annotated[
+    float,
+    typer.Option("--stall-after", click_type=Seconds(0, DAY),
+                 help="Stalled when requests are running on an engine and none of its "
+                 "tokens was counted (vllm:generation_tokens_total, "
+                 "vllm:prompt_tokens_total) for this long; each data-parallel engine is "
+                 "judged on its own, a sleeping one never. At least two --health-interval; "
+                 "0 turns the stall check off."),
+]
+
+OnUnhealthyOpt = Annotated[
+    OnUnhealthy,
+    typer.Option("--on-unhealthy", help="stop: stop the run (drain, escalate, prove the "
+                 "release) and exit 7; report: keep it running and say it is unhealthy "
+                 "(record, ps, health, doctor, systemd)."),
+]
+
+
 def parse_preflight(value: str | None) -> set[str]:
     """`--preflight` is one value or a comma list (`deep,collective`); UsageError otherwise."""
     if value is None:
@@ -99,30 +134,10 @@ def serve(
         str | None,
         typer.Option("--host", show_default=False, help="vLLM's bind address, passed on to vLLM (before or after MODEL)."),
     ] = None,
-    health_interval: Annotated[
-        float,
-        typer.Option("--health-interval", click_type=Seconds(0.1, HOUR),
-                     help="Once ready, check /health, /metrics, vLLM's log and the kernel log "
-                     "this often."),
-    ] = 5.0,
-    unhealthy_after: Annotated[
-        float,
-        typer.Option("--unhealthy-after", click_type=Seconds(0, DAY),
-                     help="Unhealthy when /health fails at every check for this long (at once "
-                     "when vLLM logs that its engine died, or a device is declared wedged)."),
-    ] = 30.0,
-    stall_after: Annotated[
-        float,
-        typer.Option("--stall-after", click_type=Seconds(0, DAY),
-                     help="Stalled when requests are running and no token was counted "
-                     "(vllm:generation_tokens_total, vllm:prompt_tokens_total) for this long."),
-    ] = 300.0,
-    on_unhealthy: Annotated[
-        OnUnhealthy,
-        typer.Option("--on-unhealthy", help="stop: stop the run (drain, escalate, prove the "
-                     "release) and exit 7; report: keep it running and say it is unhealthy "
-                     "(record, ps, health, doctor, systemd)."),
-    ] = OnUnhealthy.stop,
+    health_interval: HealthIntervalOpt = 5.0,
+    unhealthy_after: UnhealthyAfterOpt = 30.0,
+    stall_after: StallAfterOpt = 300.0,
+    on_unhealthy: OnUnhealthyOpt = OnUnhealthy.stop,
 ) -> None:
     """Launch vLLM with a forced drain timeout and supervise it.
 
@@ -138,6 +153,7 @@ def serve(
     a = app_context(ctx)
     passed = list(vllm_args or []) + list(ctx.args)
     _check_serve_args(ctx, model, passed)
+    _check_watch_options(health_interval, unhealthy_after, stall_after)
     kinds = parse_preflight(preflight)
     from xpuctl.state.statedir import resolve_state_dir
 
@@ -170,6 +186,19 @@ def _print_preflight(report: Any) -> None:
     for line in finding_lines(report.findings, lead="xpuctl: preflight ", fix="xpuctl:   fix: ",
                               skip_info=True):
         emit(sys.stderr, line)
+
+
+def _check_watch_options(interval: float, unhealthy_after: float, stall_after: float) -> None:
+    """The watch's windows against its interval: a window shorter than the checks that can
+    fill it would judge a server on one look (a blip, one busy moment)."""
+    if unhealthy_after < interval:
+        raise UsageError(f"--unhealthy-after {unhealthy_after:g}s is shorter than one "
+                         f"--health-interval ({interval:g}s): one failed check is a blip, not "
+                         "a failure; give at least the interval")
+    if 0 < stall_after < 2 * interval:
+        raise UsageError(f"--stall-after {stall_after:g}s is shorter than two --health-interval "
+                         f"({2 * interval:g}s): a stall is judged between checks; give at least "
+                         "two intervals, or 0 to turn the stall check off")
 
 
 def _check_serve_args(ctx: typer.Context, model: str, passed: list[str]) -> None:

@@ -149,7 +149,7 @@ class Facts(NamedTuple):
     bound_by: tuple[int, ...] = ()
 
 
-class Verdict(NamedTuple):
+class Ruling(NamedTuple):
     """`judge`'s answer: stale or not, why, and the live processes that keep it (their end
     lets it be judged again: reset plans it after the orphans it stops)."""
 
@@ -172,7 +172,7 @@ def _started_before(starters: tuple[Starter, ...], info: FileInfo) -> tuple[int,
                  and (s.started is None or s.started <= info.mtime + CLOCK_SLACK))
 
 
-def judge(path: str, kind: str, info: FileInfo, facts: Facts) -> Verdict:
+def judge(path: str, kind: str, info: FileInfo, facts: Facts) -> Ruling:
     """(stale, reason, kept_by) for one candidate."""
     v = _judge(path, kind, info, facts)
     if v.stale and facts.unseen:
@@ -181,49 +181,49 @@ def judge(path: str, kind: str, info: FileInfo, facts: Facts) -> Verdict:
     return v
 
 
-def _judge(path: str, kind: str, info: FileInfo, facts: Facts) -> Verdict:
+def _judge(path: str, kind: str, info: FileInfo, facts: Facts) -> Ruling:
     if kind in NEVER_STALE:
-        return Verdict(False, "cache, kept")
+        return Ruling(False, "cache, kept")
     if not (info.is_regular or info.is_socket):
-        return Verdict(False, "not a regular file or socket")
+        return Ruling(False, "not a regular file or socket")
     if facts.open_by:
-        return Verdict(False, "open by " + _pids(facts.open_by), facts.open_by)
+        return Ruling(False, "open by " + _pids(facts.open_by), facts.open_by)
     if facts.mapped_by:
-        return Verdict(False, "mapped by " + _pids(facts.mapped_by), facts.mapped_by)
+        return Ruling(False, "mapped by " + _pids(facts.mapped_by), facts.mapped_by)
     if facts.held:
         if facts.unseen:
-            return Verdict(False, f"kept: some process holds it (a write lease was refused), "
+            return Ruling(False, f"kept: some process holds it (a write lease was refused), "
                            f"and {len(facts.unseen)} process(es) could not be inspected "
                            f"(pid {_pids(facts.unseen)})", (), len(facts.unseen))
-        return Verdict(False, "kept: some process holds it open or mapped (a write lease was "
+        return Ruling(False, "kept: some process holds it open or mapped (a write lease was "
                        "refused), though none of those inspected does")
     if info.is_socket and facts.bound:
         who = f" (held by {_pids(facts.bound_by)})" if facts.bound_by else ""
-        return Verdict(False, f"a socket is bound to it{who}", facts.bound_by)
+        return Ruling(False, f"a socket is bound to it{who}", facts.bound_by)
     if info.is_socket and facts.bound is None:
-        return Verdict(False, "kept: whether a socket is bound to it could not be told")
+        return Ruling(False, "kept: whether a socket is bound to it could not be told")
     name = path.rsplit("/", 1)[-1]
     pid = named_pid(kind, name)
     if pid is not None and facts.named is not None:
         started = facts.named[1]
         if started is None or started <= info.mtime + CLOCK_SLACK:
-            return Verdict(False, f"its process {pid} is alive", (pid,))
+            return Ruling(False, f"its process {pid} is alive", (pid,))
     if kind == "filestore" and (users := _started_before(facts.vllm, info)):
-        return Verdict(False, "a live vLLM process of its owner may still use it", users)
+        return Ruling(False, "a live vLLM process of its owner may still use it", users)
     if kind in CCL_USED and (users := _started_before(facts.vllm + facts.ccl, info)):
-        return Verdict(False, "a live oneCCL process of its owner may still use it "
+        return Ruling(False, "a live oneCCL process of its owner may still use it "
                        f"({_pids(users)})", users)
     if facts.unseen and facts.held is None:
-        return Verdict(False, f"kept: {len(facts.unseen)} process(es) that could hold it could "
+        return Ruling(False, f"kept: {len(facts.unseen)} process(es) that could hold it could "
                        f"not be inspected (pid {_pids(facts.unseen)})", (), len(facts.unseen))
     if pid is not None:
         gone = "gone" if facts.named is None else "reused: its process started after the file"
-        return Verdict(True, f"its process {pid} is {gone}, and no process has it open or mapped")
+        return Ruling(True, f"its process {pid} is {gone}, and no process has it open or mapped")
     if kind == "filestore":
-        return Verdict(True, "no live vLLM process of its owner started before it was written")
+        return Ruling(True, "no live vLLM process of its owner started before it was written")
     if kind in CCL_USED:
-        return Verdict(True, "no live oneCCL process of its owner started before it was written, "
+        return Ruling(True, "no live oneCCL process of its owner started before it was written, "
                        "and no process has it open or mapped")
     if info.is_socket:
-        return Verdict(True, "no socket is bound to it and no process has it open")
-    return Verdict(True, "no process has it open or mapped")
+        return Ruling(True, "no socket is bound to it and no process has it open")
+    return Ruling(True, "no process has it open or mapped")

@@ -10,8 +10,13 @@ and the kernel log) with a monotonic clock, and acts on the `Verdict`:
   in time) at every check for `--unhealthy-after` seconds without a break; at once when vLLM
   logged that its engine died (parse/enginedeath.py) or the kernel declared one of the run's
   devices wedged (parse/kmsg.py). An engine death or a wedge is for good.
-- **stalled** when requests are running and neither `vllm:generation_tokens_total` nor
-  `vllm:prompt_tokens_total` moved for `--stall-after` seconds.
+- **stalled** when requests are running on an engine and neither of its
+  `vllm:generation_tokens_total` nor `vllm:prompt_tokens_total` moved for `--stall-after`
+  seconds. Each engine is judged on its own (the `engine` label: one per data-parallel rank),
+  and the reason names it. `--stall-after 0` turns the stall check off.
+- **sleeping** when every engine that reports `vllm:engine_sleep_state` is asleep (vLLM's
+  sleep mode, `POST /sleep`): alive and as asked. A sleeping engine is never stalled: the
+  requests that wait for it to wake are not judged (issue 37 §4).
 - **healthy** otherwise: one failed check (a blip), an idle server, and a slow request whose
   counters move are all healthy. A failing /health or a stall that clears is healthy again.
 
@@ -25,14 +30,16 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from xpuctl.core.model import Health
-from xpuctl.parse.enginedeath import EngineDeath
+from xpuctl.output.safetext import safe
+from xpuctl.parse.enginedeath import QUOTE, EngineDeath
 from xpuctl.parse.metrics import Counters
 
 STARTING, HEALTHY, UNHEALTHY, STALLED = "starting", "healthy", "unhealthy", "stalled"
+SLEEPING = "sleeping"
+#: the states of a run that is alive and as asked (`xpuctl health` exits 0)
+ALIVE = frozenset({STARTING, HEALTHY, SLEEPING})
 #: a check older than this many intervals proves nothing (a hung or dead supervisor)
 STALE_INTERVALS = 3
-#: the longest line of vLLM's (or the kernel's) quoted in a reason
-QUOTE = 400
 #: a check runs a little after its due time, so N intervals between two checks measure a hair
 #: under N intervals: a window is reached this share of an interval early (else a 3 s window
 #: checked every second would often be decided at the 5th failed check, not the 4th)
@@ -42,7 +49,7 @@ SLACK = 0.1
 class WatchConfig(NamedTuple):
     interval: float  # seconds between checks
     unhealthy_after: float  # seconds of /health failing without a break
-    stall_after: float  # seconds of running requests with no token counted
+    stall_after: float  # seconds of running requests with no token counted; 0: never judged
 
 
 class Observation(NamedTuple):
@@ -51,25 +58,26 @@ class Observation(NamedTuple):
     at: float  # monotonic seconds
     status: int | None  # /health's HTTP status; None: no answer
     error: str | None  # why there was none, in words ("connection refused", "timed out ...")
-    counters: Counters | None  # from /metrics; None: it did not answer 200
+    counters: tuple[Counters, ...] | None  # /metrics, one per engine; None: no 200 answer
     death: EngineDeath | None = None  # the first line where vLLM said its engine died
     wedged: str | None = None  # a kernel record: a device of the run was declared wedged
     reset: str | None = None  # the last kernel record of a hang or reset of one of them
 
 
 class Verdict(NamedTuple):
-    state: str  # healthy | unhealthy | stalled
+    state: str  # healthy | sleeping | unhealthy | stalled
     since: float  # monotonic seconds: when the run entered `state`
-    reason: str | None  # "unhealthy: ..." or "stalled: ..."
+    reason: str | None  # "unhealthy: ...", "stalled: ..." or "sleeping: ..."
 
     @property
     def healthy(self) -> bool:
-        return self.state == HEALTHY
+        """Alive and as asked: healthy, or sleeping (nothing to act on)."""
+        return self.state in (HEALTHY, SLEEPING)
 
 
 def _quote(line: str) -> str:
-    line = line.strip()
-    return f'"{line[:QUOTE]}{"..." if len(line) > QUOTE else ""}"'
+    """A line of the kernel's, escaped and capped (output/safetext.py)."""
+    return f'"{safe(line.strip(), QUOTE)}"'
 
 
 def health_said(status: int | None, error: str | None) -> str:
@@ -89,8 +97,9 @@ class Watch:
     def __init__(self, config: WatchConfig, now: float) -> None:
         self.config = config
         self.failing_since: float | None = None  # first /health failure of the current run of them
-        self.progress_at = now  # a token counted, or nothing running
-        self.tokens: tuple[float | None, float | None] | None = None
+        self.start = now
+        self.progress_at: dict[str, float] = {}  # per engine: a token counted, or nothing ran
+        self.tokens: dict[str, tuple[float | None, float | None]] = {}
         self.verdict = Verdict(HEALTHY, now, None)
 
     def feed(self, obs: Observation) -> Verdict:
@@ -106,10 +115,10 @@ class Watch:
             self.failing_since = None
         elif self.failing_since is None:
             self.failing_since = obs.at
-        stalled_for = self._stalled_for(obs)
+        stalled = self._stalled(obs)
         said = health_said(obs.status, obs.error)
-        if obs.death is not None:
-            return (f"unhealthy: {obs.death.what}: vLLM logged {_quote(obs.death.line)}; "
+        if obs.death is not None:  # its line comes escaped and capped (parse/enginedeath.py)
+            return (f'unhealthy: {obs.death.what}: vLLM logged "{obs.death.line}"; '
                     f"/health {said}")
         if obs.wedged is not None:
             return (f"unhealthy: the kernel declared a device of the run wedged: "
@@ -120,35 +129,62 @@ class Watch:
             kernel = f"; the kernel logged {_quote(obs.reset)}" if obs.reset else ""
             return (f"unhealthy: /health {said} at every check for "
                     f"{obs.at - self.failing_since:.1f}s{kernel}")
-        if stalled_for is not None and stalled_for + slack >= self.config.stall_after:
-            c = obs.counters
-            assert c is not None
-            return (f"stalled: {_number(c.running)} request(s) running and neither "
-                    f"vllm:generation_tokens_total ({_number(c.generation_tokens)}) nor "
-                    f"vllm:prompt_tokens_total ({_number(c.prompt_tokens)}) moved for "
-                    f"{stalled_for:.1f}s")
-        return None
+        if stalled is not None and self.config.stall_after > 0:
+            c, stalled_for = stalled
+            if stalled_for + slack >= self.config.stall_after:
+                return _stall_reason(c, stalled_for)
+        return _sleep_reason(obs.counters)
 
-    def _stalled_for(self, obs: Observation) -> float | None:
-        """Seconds since a token was last counted while requests run; None when nothing runs
-        or /metrics cannot tell (no answer, no running gauge, no token counter)."""
-        c = obs.counters
-        if c is None or c.running is None:
-            return None  # no news: the last progress stays where it was
-        tokens = (c.generation_tokens, c.prompt_tokens)
-        if c.running <= 0 or tokens == (None, None) or tokens != self.tokens:
-            self.progress_at = obs.at
-        self.tokens = tokens
-        if c.running <= 0 or tokens == (None, None):
+    def _stalled(self, obs: Observation) -> tuple[Counters, float] | None:
+        """The engine that has gone longest without a token counted while its requests run,
+        and for how long; None when none runs anything or /metrics cannot tell (no answer, no
+        running gauge, no token counter). A sleeping engine is not judged."""
+        worst: tuple[Counters, float] | None = None
+        for c in obs.counters or ():  # no answer: no news, the last progress stays
+            stalled_for = self._engine_stalled_for(c, obs.at)
+            if stalled_for is not None and (worst is None or stalled_for > worst[1]):
+                worst = (c, stalled_for)
+        return worst
+
+    def _engine_stalled_for(self, c: Counters, at: float) -> float | None:
+        if c.running is None:
             return None
-        return obs.at - self.progress_at
+        tokens = (c.generation_tokens, c.prompt_tokens)
+        idle = c.running <= 0 or tokens == (None, None) or bool(c.asleep)
+        if idle or tokens != self.tokens.get(c.engine):
+            self.progress_at[c.engine] = at
+        self.tokens[c.engine] = tokens
+        if idle:
+            return None
+        return at - self.progress_at.get(c.engine, self.start)
+
+
+def _stall_reason(c: Counters, stalled_for: float) -> str:
+    engine = f"engine {safe(c.engine, 40)}: " if c.engine else ""
+    return (f"stalled: {engine}{_number(c.running)} request(s) running and neither "
+            f"vllm:generation_tokens_total ({_number(c.generation_tokens)}) nor "
+            f"vllm:prompt_tokens_total ({_number(c.prompt_tokens)}) moved for "
+            f"{stalled_for:.1f}s")
+
+
+def _sleep_reason(counters: tuple[Counters, ...] | None) -> str | None:
+    """`sleeping: ...` when every engine that reports its sleep state is asleep."""
+    told = [c for c in counters or () if c.asleep is not None]
+    if not told or not all(c.asleep for c in told):
+        return None
+    states = sorted({c.sleep_state or "asleep" for c in told})
+    waiting = sum(c.waiting or 0.0 for c in told)
+    which = "the engine" if len(told) == 1 else f"all {len(told)} engines"
+    return (f"sleeping: {which} asleep ({', '.join(safe(s, 40) for s in states)}; "
+            f"vllm:engine_sleep_state); {_number(waiting)} request(s) waiting for it to wake")
 
 
 class Judged(NamedTuple):
     """A run as `xpuctl health` and doctor see it from its record."""
 
     healthy: bool
-    status: str  # starting | healthy | unhealthy | stalled | stale | unknown | stopping | stopped | failed
+    status: str  # starting | healthy | sleeping | unhealthy | stalled | stale | unknown |
+    #              stopping | stopped | failed
     detail: str  # one line for people
 
 
@@ -167,6 +203,6 @@ def judge(state: str, health: Health | None, now: float, reason: str | None = No
     if age > STALE_INTERVALS * health.interval:
         return Judged(False, "stale", f"stale: not checked for {age:.0f}s (every "
                                       f"{health.interval:g}s): its supervisor is stuck or gone")
-    if health.state in (HEALTHY, STARTING):
+    if health.state in ALIVE:
         return Judged(True, health.state, f"{health.state} (checked {age:.0f}s ago)")
     return Judged(False, health.state, health.reason or health.state)

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import http.client
-import re
 from typing import NamedTuple
 
-_METRIC_RE = re.compile(
-    r"^vllm:num_requests_(running|waiting)(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$", re.MULTILINE
-)
+from xpuctl.parse import metrics
 
 
 def local_host(bind: str | None) -> str:
@@ -52,24 +49,11 @@ def get(host: str, port: int, path: str, timeout: float = 1.0) -> tuple[int, str
     return None if reply.status is None else (reply.status, reply.body)
 
 
-def parse_in_flight(metrics_text: str) -> int | None:
-    """running + waiting requests summed over models, from vLLM's Prometheus text."""
-    total = 0.0
-    found = False
-    for _, value in _METRIC_RE.findall(metrics_text):
-        try:
-            total += float(value)
-            found = True
-        except ValueError:
-            continue
-    return int(total) if found else None
-
-
 def in_flight(host: str, port: int, timeout: float = 0.5) -> int | None:
     got = get(host, port, "/metrics", timeout)
     if got is None or got[0] != 200:
         return None
-    return parse_in_flight(got[1])
+    return metrics.in_flight(got[1])
 
 
 def ready(host: str, port: int, timeout: float = 1.0) -> bool:

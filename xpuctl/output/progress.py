@@ -36,6 +36,7 @@ from typing import IO, Protocol
 from xpuctl.core.waits import Wait
 from xpuctl.output.lines import phase_line, wait_line, wait_phase_line
 from xpuctl.output.safetext import emit, neutral_lines, safe
+from xpuctl.parse.redact import scrub
 from xpuctl.parse.vllmlog import READY, STARTING, Phase, phase_of, short_line
 
 
@@ -134,7 +135,7 @@ def _echo(line: str) -> None:
     import sys
 
     try:
-        emit(sys.stdout, safe(line))
+        emit(sys.stdout, safe(scrub(line)))  # vLLM logs its arguments, secrets included
     except (OSError, ValueError):
         pass
 
@@ -188,7 +189,7 @@ class LiveView(_Base):
             return lead + wait_line(self.waiting, time.monotonic(), max(20, width - 1 - len(lead)))
         elapsed = time.monotonic() - self.t0
         head = f"xpuctl: {self.name} {elapsed:5.0f}s {self.label}"
-        tail = safe(short_line(self.text), 512)
+        tail = safe(scrub(short_line(self.text)), 512)
         text = f"{head} | {tail}" if tail else head
         return text[: max(10, width - 1)]
 

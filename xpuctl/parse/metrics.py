@@ -14,7 +14,16 @@ series per engine; docs/vllm.md, "Metrics"):
   `vllm:generation_tokens` and `vllm:prompt_tokens` (prometheus_client adds `_total` to a
   counter's sample, and writes a `_created` sample beside it, which is not the count).
 
-Each is summed over its series (every engine of the server).
+- `vllm:num_requests_waiting` (gauge): requests queued (also those waiting for a sleeping
+  engine to wake);
+- `vllm:engine_sleep_state` (gauge, labels `engine` and `sleep_state`: `awake`,
+  `weights_offloaded`, `discard_all`; vLLM's `v1/metrics/loggers.py`, docs/vllm.md): the
+  `awake` sample is 1 while the engine is awake and 0 while it sleeps (issue 37 §4).
+
+The watch reads them per engine (`engines`: one `EngineCounters` per `engine` label; with
+`--data-parallel-size N` vLLM serves N series), so one hung engine is not hidden by another's
+progress. A shutdown's drain reads the running and waiting requests summed over every series
+(`in_flight`). This is xpuctl's one reader of vLLM's `/metrics` (issue 38 §4).
 """
 
 from __future__ import annotations
@@ -24,9 +33,11 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
 GENERATION_TOKENS = "vllm:generation_tokens_total"
 PROMPT_TOKENS = "vllm:prompt_tokens_total"
-WATCHED = frozenset({RUNNING, GENERATION_TOKENS, PROMPT_TOKENS})
+SLEEP_STATE = "vllm:engine_sleep_state"
+WATCHED = frozenset({RUNNING, WAITING, GENERATION_TOKENS, PROMPT_TOKENS, SLEEP_STATE})
 
 
 class Sample(NamedTuple):
@@ -38,11 +49,15 @@ class Sample(NamedTuple):
 
 
 class Counters(NamedTuple):
-    """What the watch reads of one `/metrics` answer; None: the server did not say."""
+    """What the watch reads of one engine in one `/metrics` answer; None: it did not say."""
 
     running: float | None
     generation_tokens: float | None
     prompt_tokens: float | None
+    engine: str = ""  # its `engine` label ("" when the server labels no engine)
+    waiting: float | None = None
+    asleep: bool | None = None  # None: no vllm:engine_sleep_state (sleep mode is off)
+    sleep_state: str | None = None  # asleep: weights_offloaded | discard_all (the 1 sample)
 
 
 _ESCAPES = {"\\": "\\", '"': '"', "n": "\n"}
@@ -144,11 +159,60 @@ def samples(text: str, names: Iterable[str] | None = None) -> list[Sample]:
     return out
 
 
-def counters(text: str) -> Counters:
-    """The running requests and the two token counters, each summed over its series (NaN
-    and infinite samples are left out); None for a metric the text does not hold."""
-    sums: dict[str, float] = {}
+def _label(labels: tuple[tuple[str, str], ...], key: str) -> str:
+    return next((v for k, v in labels if k == key), "")
+
+
+def _sleep(got: dict[str, float]) -> tuple[bool | None, str | None]:
+    """(asleep, the state it sleeps in) from one engine's vllm:engine_sleep_state samples."""
+    awake = got.get("awake")
+    if awake is None:
+        return None, None
+    if awake > 0:
+        return False, None
+    state = max((v, k) for k, v in got.items() if k != "awake")[1] if len(got) > 1 else None
+    return True, state
+
+
+def engines(text: str) -> tuple[Counters, ...]:
+    """One `Counters` per `engine` label, in the order of the labels (a number sorts as
+    one); each metric summed over that engine's series (several models); NaN and infinite
+    samples are left out. Empty when the text holds none of the metrics."""
+    sums: dict[str, dict[str, float]] = {}
+    sleep: dict[str, dict[str, float]] = {}
     for s in samples(text, WATCHED):
+        if not math.isfinite(s.value):
+            continue
+        engine = _label(s.labels, "engine")
+        if s.name == SLEEP_STATE:
+            sleep.setdefault(engine, {})[_label(s.labels, "sleep_state")] = s.value
+            continue
+        got = sums.setdefault(engine, {})
+        got[s.name] = got.get(s.name, 0.0) + s.value
+    out = []
+    for engine in sorted(set(sums) | set(sleep), key=lambda e: (not e.isdigit(), e.zfill(9))):
+        got = sums.get(engine, {})
+        asleep, state = _sleep(sleep.get(engine, {}))
+        out.append(Counters(got.get(RUNNING), got.get(GENERATION_TOKENS), got.get(PROMPT_TOKENS),
+                            engine, got.get(WAITING), asleep, state))
+    return tuple(out)
+
+
+def counters(text: str) -> Counters:
+    """The running requests and the two token counters summed over every series (every
+    engine); None for a metric the text does not hold."""
+    sums: dict[str, float] = {}
+    for s in samples(text, (RUNNING, WAITING, GENERATION_TOKENS, PROMPT_TOKENS)):
         if math.isfinite(s.value):
             sums[s.name] = sums.get(s.name, 0.0) + s.value
-    return Counters(sums.get(RUNNING), sums.get(GENERATION_TOKENS), sums.get(PROMPT_TOKENS))
+    return Counters(sums.get(RUNNING), sums.get(GENERATION_TOKENS), sums.get(PROMPT_TOKENS),
+                    waiting=sums.get(WAITING))
+
+
+def in_flight(text: str) -> int | None:
+    """Running plus waiting requests over every series (what a drain waits for); None when
+    the text holds neither gauge."""
+    c = counters(text)
+    if c.running is None and c.waiting is None:
+        return None
+    return int((c.running or 0.0) + (c.waiting or 0.0))

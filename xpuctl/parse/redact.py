@@ -6,26 +6,32 @@ carries nothing doctor does not need: environ keeps only the variables doctor an
 engineer look at, maps only the lines naming /dev/shm or /tmp, /proc/stat only `btime`,
 /proc/net/unix only the sockets bound under /dev/shm or /tmp.
 
-Secrets keep their names and lose their values (`REDACTED`), wherever an environment or a
-command line leaves the host (archives, JSON, tables):
+Secrets keep their names and lose their values (`<redacted>`), wherever an environment, a
+command line or a log leaves the host (archives, JSON, tables, lines, records). Names are
+matched as words (split at `-`, `_`, `.`), never as substrings: a secret word is `key`,
+`keys`, `apikey`, `token`, `auth`, `authorization`, or a word ending in `password`, `passwd`,
+`secret`, `credential(s)` (so `monkey` and `max_num_batched_tokens` are no secrets):
 
-- an environment variable whose name contains KEY, TOKEN, SECRET, PASSWORD, PASSWD,
-  CREDENTIAL or AUTH (any case): `HF_TOKEN=<redacted>` (`secret_name`);
-- in a command line, the value of an option named like one (`--api-key X`, `--api-key=X`,
-  `--hf-token`, `--password`, `--client_secret`: a word of the option's name ending in
-  key, token, secret, password, passwd, credential(s) or auth, so `--tokenizer` and
-  `--max-num-batched-tokens` keep theirs), and `NAME=VALUE` words with a secret NAME
-  (`serve -e HF_TOKEN=...`) (`argv`);
-- in free text (log lines, a run's last lines), `NAME=X`, `NAME: X`, `--NAME X` with NAME
-  ending like a secret option's word, `Bearer X`, Python's `'api_key': 'X'` of vLLM's
-  argument dump, and every secret value found in the environments and command lines of the
-  same capture (`scrub`; a value under MIN_SCRUBBED characters is not searched for).
+- an environment variable with a secret word anywhere in its name: `HF_TOKEN`,
+  `AWS_SECRET_ACCESS_KEY`, `PGPASSWORD` (`secret_name`);
+- in a command line (`argv`), every value of an option whose name *ends* with a secret word
+  (`--api-key K1 K2`: vLLM takes several; `--api-key=K`, `--hf-token`, `--password`), so
+  `--return-tokens-as-token-ids MODEL` and `--ssl-keyfile F` keep theirs; `NAME=VALUE` words
+  with a secret NAME (`serve -e HF_TOKEN=...`); and inside any word, the shapes below
+  (`--hf-overrides '{"hf_token": "x"}'`, a URL with `user:password@`);
+- in free text (`scrub`) and inside words: JSON and Python-repr dicts and keyword arguments
+  whose key ends with a secret word (`{"hf_token": "x"}`, vLLM's `non-default args:
+  {'api_key': ['K1', 'K2']}`, `api_key='K'`, `HF_TOKEN=x`), `--NAME VALUE...` options,
+  `Authorization:` headers and `Bearer X`, URL user info (`https://user:pw@host`), and every
+  secret value found in the environments and command lines of the same capture (a value under
+  MIN_SCRUBBED characters is not searched for).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from xpuctl.parse.net import format_unix, parse_unix_paths
 
@@ -39,25 +45,39 @@ ARTIFACT_DIRS = ("/dev/shm/", "/tmp/")
 
 #: What a secret's value is replaced with.
 REDACTED = "<redacted>"
-SECRET_WORDS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "AUTH")
-#: an option's name is secret when one of its words ends like this
-_OPTION_ENDS = ("key", "token", "secret", "password", "passwd", "credential", "credentials",
-                "auth")
+_WHOLE_WORDS = frozenset({"key", "keys", "apikey", "apikeys", "token", "auth",
+                          "authorization"})
+_WORD_ENDS = ("password", "passwd", "secret", "secrets", "credential", "credentials")
+_WORDS = re.compile(r"[-_.]+")
 _ENV_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 #: a value shorter than this is not searched for in free text (it would hit ordinary words)
 MIN_SCRUBBED = 4
 
 
+def _secret_word(word: str) -> bool:
+    word = word.lower()
+    return word in _WHOLE_WORDS or word.endswith(_WORD_ENDS)
+
+
+def _words(name: str) -> list[str]:
+    return [w for w in _WORDS.split(name.strip("-_.")) if w]
+
+
 def secret_name(name: str) -> bool:
-    """An environment variable whose value is a secret (by its name)."""
-    upper = name.upper()
-    return any(word in upper for word in SECRET_WORDS)
+    """An environment variable whose value is a secret: a secret word in its name."""
+    return any(_secret_word(w) for w in _words(name))
+
+
+def secret_key(name: str) -> bool:
+    """An option or a key whose value is a secret: its name's last word is a secret word
+    (`--api-key`, `hf_token`, `Authorization`; not `--return-tokens-as-token-ids`)."""
+    words = _words(name)
+    return bool(words) and _secret_word(words[-1])
 
 
 def secret_option(option: str) -> bool:
-    """`--api-key`, `--hf_token`, `-password`: an option whose value is a secret."""
-    words = re.split(r"[-_.]+", option.lstrip("-").lower())
-    return any(w.endswith(_OPTION_ENDS) for w in words if w)
+    """`--api-key`, `--hf_token`, `-password`: an option whose values are secrets."""
+    return secret_key(option)
 
 
 def keeps_var(key: str) -> bool:
@@ -85,27 +105,28 @@ def env_dict(env: dict[str, str]) -> dict[str, str]:
 
 
 def argv(args: Sequence[str]) -> list[str]:
-    """A command line with the values of secret options and `NAME=VALUE` words replaced
-    (argv[0], the program, is kept as it is)."""
+    """A command line with every value of a secret option, the value of a secret
+    `NAME=VALUE` word, and the secret shapes inside any other word replaced (argv[0], the
+    program, is kept as it is). A secret option's values are the words up to the next option
+    (vLLM's `--api-key` takes several)."""
     out = list(args[:1])
-    hide_next = False
+    hiding = False
     for arg in args[1:]:
-        if hide_next and not arg.startswith("--"):
+        if hiding and not arg.startswith("-"):
             out.append(REDACTED)
-            hide_next = False
             continue
-        hide_next = False
+        hiding = False
         name, eq, _ = arg.partition("=")
         if arg.startswith("-") and len(name) > 1 and secret_option(name):
             if eq:
                 out.append(f"{name}={REDACTED}")
             else:
                 out.append(arg)
-                hide_next = True
+                hiding = True
         elif eq and _ENV_WORD.match(name) and secret_name(name):
             out.append(f"{name}={REDACTED}")
         else:
-            out.append(arg)
+            out.append(_scrub_shapes(arg))
     return out
 
 
@@ -125,29 +146,104 @@ def secret_values(args: Iterable[str] = (), env: dict[str, str] | None = None) -
     found: set[str] = set()
     words = list(args)
     for word, shown in zip(words, argv(words), strict=True):
-        if word != shown:
-            found.add(word.partition("=")[2] if shown.endswith("=" + REDACTED) else word)
+        if shown == REDACTED:
+            found.add(word)
+        elif shown.endswith("=" + REDACTED) and "=" in word and REDACTED not in word:
+            found.add(word.partition("=")[2])
+        elif shown != word:
+            found |= _shape_values(word)
     for name, value in (env or {}).items():
         if secret_name(name):
             found.add(value)
     return {v for v in found if len(v) >= MIN_SCRUBBED and v != REDACTED}
 
 
-_ENDS = "|".join(_OPTION_ENDS)
-_TEXT_SHAPES = (  # (pattern, replacement), in this order
-    (re.compile(r"(?i)(\bBearer)(\s+)(?!<redacted>)([A-Za-z0-9._~+/=-]+)"),
-     rf"\g<1>\g<2>{REDACTED}"),
-    # NAME=VALUE, NAME: VALUE, NAME ending like a secret option (an env dump, a config line;
-    # not every name containing a word: `max_num_batched_tokens=8192` stays)
-    (re.compile(rf"(?i)\b([A-Za-z0-9_]*(?:{_ENDS}))(\s*[=:]\s*)"
-                r"(?!<redacted>|Bearer\s)([^\s,;'\"}\]]+)"), rf"\g<1>\g<2>{REDACTED}"),
-    # --api-key VALUE / --api-key=VALUE
-    (re.compile(rf"(?i)(--?[A-Za-z0-9_-]*(?:{_ENDS}))(=|\s+)"
-                r"(?!<redacted>)(?!--)(\S+)"), rf"\g<1>\g<2>{REDACTED}"),
-    # 'api_key': 'VALUE' / "hf_token": ["VALUE"] (vLLM logs its non-default arguments)
-    (re.compile(rf"(?i)(['\"][A-Za-z0-9_-]*(?:{_ENDS})['\"])(\s*:\s*\[?\s*)"
-                r"(?!['\"]<redacted>)['\"][^'\"\n]*['\"]"), rf"\g<1>\g<2>'{REDACTED}'"),
-)
+# -- the shapes of secrets in text ----------------------------------------------------------
+
+_QUOTED = r"'(?:[^'\\\n]|\\.)*'|" + r'"(?:[^"\\\n]|\\.)*"'
+_BARE = r"""(?:(?i:bearer|basic|token)\s+)?[^\s,;'"}\])]+"""
+_ITEM = rf"(?:{_QUOTED}|[^\s,\]]+)"
+#: `key: value`, `key=value`, `'key': ['v1', 'v2']`, `"key": "v"`, `key='v'`
+_KEYED = re.compile(
+    rf"""(?P<q>['"]?)(?P<name>[A-Za-z0-9][A-Za-z0-9_.-]*)(?P=q)(?P<sep>\s*[:=]\s*)"""
+    rf"(?P<value>\[\s*(?:{_ITEM}(?:\s*,\s*{_ITEM})*)?\s*\]|{_QUOTED}|{_BARE})")
+#: `--api-key K1 K2` (every word up to the next option or a `NAME=`/`NAME:` word), `--api-key=K`
+_OPTION = re.compile(r"(?P<name>(?<![\w-])--?[A-Za-z0-9][A-Za-z0-9_.-]*)"
+                     r"(?P<sep>=|\s+)(?P<value>(?!-)\S+(?:[ \t]+(?!-)[^\s=:]+(?!\S))*)")
+_BEARER = re.compile(r"(?i)(?P<name>\bBearer)(?P<sep>\s+)(?P<value>[A-Za-z0-9._~+/=-]+)")
+#: scheme://userinfo@host: the user info goes whole (a token can be its user part)
+_USERINFO = re.compile(r"(?P<name>\b[A-Za-z][A-Za-z0-9+.-]*://)(?P<sep>)"
+                       r"(?P<value>[^\s/@'\"<>]+)(?=@)")
+_SCHEMES = frozenset({"bearer", "basic", "token"})
+_ITEMS = re.compile(_QUOTED + r"|[^\s,\[\]]+")
+
+
+def _hidden(value: str) -> str:
+    """What a secret value becomes: a list keeps its brackets, a quoted one its quotes."""
+    if value.startswith("["):
+        return f"['{REDACTED}']"
+    if value[:1] in "'\"" and len(value) > 1:
+        return f"{value[0]}{REDACTED}{value[0]}"
+    return REDACTED
+
+
+def _keyed(m: re.Match[str]) -> str:
+    value = m.group("value")
+    head = m.group(0)[: m.start("value") - m.start()]
+    if not secret_key(m.group("name")):  # a dict inside a string (`'hf_overrides': '{...}'`)
+        return head + _KEYED.sub(_keyed, value) if len(value) > 2 else m.group(0)
+    if REDACTED in value:
+        return m.group(0)
+    return head + _hidden(value)
+
+
+def _always(m: re.Match[str]) -> str:
+    """Bearer and URL user info: a secret whatever its name."""
+    if REDACTED in m.group("value"):
+        return m.group(0)
+    return f"{m.group('name')}{m.group('sep')}{REDACTED}"
+
+
+def _option(m: re.Match[str]) -> str:
+    """`--NAME VALUE...` in text: hidden when NAME ends with a secret word."""
+    if REDACTED in m.group("value") or not secret_option(m.group("name")):
+        return m.group(0)
+    return f"{m.group('name')}{m.group('sep')}{REDACTED}"
+
+
+_Sub = Callable[[re.Match[str]], str]
+
+
+def _scrub_shapes(text: str) -> str:
+    shapes: tuple[tuple[re.Pattern[str], _Sub], ...] = (
+        (_BEARER, _always), (_USERINFO, _always), (_KEYED, _keyed), (_OPTION, _option))
+    for shape, replace in shapes:
+        text = shape.sub(replace, text)
+    return text
+
+
+def _keyed_values(text: str) -> set[str]:
+    found: set[str] = set()
+    for m in _KEYED.finditer(text):
+        value = m.group("value")
+        if not secret_key(m.group("name")):
+            found |= _keyed_values(value) if len(value) > 2 else set()
+            continue
+        for item in _ITEMS.findall(value):
+            if item.lower() not in _SCHEMES:  # `Bearer X`: X is the secret
+                found.add(item[1:-1] if item[:1] in "'\"" else item)
+    return found
+
+
+def _shape_values(text: str) -> set[str]:
+    """The secret values the shapes find in `text` (each list item and quoted string
+    without its quotes)."""
+    found = _keyed_values(text)
+    for m in _USERINFO.finditer(text):
+        found.add(m.group("value"))
+    for m in _BEARER.finditer(text):
+        found.add(m.group("value"))
+    return {v for v in found if v and v != REDACTED}
 
 
 def scrub(text: str, values: Iterable[str] = ()) -> str:
@@ -156,9 +252,25 @@ def scrub(text: str, values: Iterable[str] = ()) -> str:
     for value in sorted(set(values), key=len, reverse=True):
         if len(value) >= MIN_SCRUBBED:
             text = text.replace(value, REDACTED)
-    for shape, replacement in _TEXT_SHAPES:
-        text = shape.sub(replacement, text)
-    return text
+    return _scrub_shapes(text)
+
+
+def run_record(data: dict[str, Any]) -> dict[str, Any]:
+    """A run record's fields as they may be written (state/runs.py): its command line
+    through `argv`, its reason, last lines and health reason scrubbed of every secret shape
+    and of the command line's secret values (vLLM logs its arguments: `non-default args:
+    {'api_key': [...]}`)."""
+    out = dict(data)
+    command = [str(w) for w in data.get("command") or []]
+    found = secret_values(command)
+    out["command"] = argv(command)
+    if isinstance(data.get("reason"), str):
+        out["reason"] = scrub(data["reason"], found)
+    out["last_lines"] = [scrub(str(line), found) for line in data.get("last_lines") or []]
+    health = data.get("health")
+    if isinstance(health, dict) and isinstance(health.get("reason"), str):
+        out["health"] = {**health, "reason": scrub(health["reason"], found)}
+    return out
 
 
 #: Libraries whose mapping doctor reads as a proof (a oneCCL KVS listener's process maps

@@ -59,10 +59,60 @@ BY_KEY = {p.key: p for p in (STARTING, *PHASES, READY)}
 
 
 _PREFIX = re.compile(
-    r"^(?:\((?P<who>[A-Za-z_]+[A-Za-z0-9_]*) pid=\d+\) )?"
+    r"^(?:\((?P<who>[A-Za-z_][\w.-]*) pid=\d+\) )?"
     r"(?P<level>DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)? "
-    r"\[[^\]]*\] "
+    r"\[(?P<src>[^\]:\s]+):(?P<lineno>\d+)\] "
 )
+#: the colours of vLLM's ColoredFormatter (vllm/logging_utils/formatter.py), when it is on
+_SGR = re.compile(r"\x1b\[[0-9;]*m")
+
+
+class LogLine(NamedTuple):
+    """A line of vLLM's own logger: `(EngineCore_DP0 pid=7) ERROR 12-01 10:00:00 [core.py:123]
+    message`. vLLM 0.32's format (vllm/logger.py `_FORMAT`: `(%(vllm_process_name)s
+    pid=%(process)d) %(levelname)s %(asctime)s [%(fileinfo)s:%(lineno)d] %(message)s`, dates
+    `%m-%d %H:%M:%S`; older versions have no process tag; `fileinfo` is the file's name, or a
+    shortened path such as `entrypoints/.../serving.py` at DEBUG). A traceback logged with it carries the same prefix
+    on every line (NewLineFormatter)."""
+
+    who: str | None  # the process tag: APIServer, EngineCore_DP0, Worker_TP1, ...
+    level: str
+    source: str  # the file that logged it, without its directories: core_client.py
+    message: str
+
+
+def parse_line(line: str) -> LogLine | None:
+    """The line as vLLM's logger wrote it, or None: another program's text (oneCCL, torch,
+    uvicorn's access log, a raw traceback)."""
+    if "\x1b" in line:
+        line = _SGR.sub("", line)
+    m = _PREFIX.match(line)
+    if m is None:
+        return None
+    return LogLine(m.group("who"), m.group("level"), m.group("src").rsplit("/", 1)[-1],
+                   line[m.end():].rstrip())
+
+
+#: files of vLLM that log what a client sent or got (`--enable-log-requests`: the sampling
+#: parameters, stop strings included; `--enable-log-outputs`: the generated text):
+#: vllm/entrypoints/serve/utils/request_logger.py (0.32; `entrypoints/logger.py` before)
+_CLIENT_SOURCES = frozenset({"request_logger.py", "logger.py"})
+#: their messages, whichever file logs them (request_logger.py: `Received request %s:
+#: params: %s, lora_request: %s.`, `Generated response %s%s: output: %r, ...`, `Request %s
+#: details: prompt: %r ...`, `Request %s JSON body: %s`)
+_CLIENT_MESSAGES = ("Received request ", "Generated response ", "Request ")
+#: uvicorn's access log (`INFO:     10.1.6.81:16983 - "POST /v1/... HTTP/1.1" 500 ...`,
+#: vLLM #42362), under vLLM's process tag or not: the request line is the client's
+_ACCESS = re.compile(r'^(?:\([A-Za-z_][A-Za-z0-9_]* pid=\d+\) )?[A-Z]+:\s+\S+ - "')
+
+
+def client_text(line: str) -> bool:
+    """A line that carries what a client of the server wrote (a request logged by vLLM, its
+    output, an access log line): never evidence of anything about the server."""
+    parsed = parse_line(line)
+    if parsed is None:
+        return _ACCESS.match(line) is not None
+    return parsed.source in _CLIENT_SOURCES or parsed.message.startswith(_CLIENT_MESSAGES)
 
 
 def log_lines(data: bytes) -> list[str]:
@@ -95,7 +145,9 @@ def short_line(line: str) -> str:
 
 
 def phase_of(line: str) -> Phase | None:
-    """The phase a log line starts, or None."""
+    """The phase a log line starts, or None (never a line that carries a client's text)."""
+    if client_text(line):
+        return None
     for phase in PHASES:
         for marker in phase.markers:
             if marker in line:
@@ -190,6 +242,8 @@ def hang_signatures(lines: list[str], ever_ready: bool) -> list[LogSignature]:
     out: list[LogSignature] = []
     seen: set[str] = set()
     for line in lines:
+        if client_text(line):
+            continue  # a request's text (a stop string, an output) is not the server's
         for key, what, kind, rx in _SIGNATURES:
             if rx.search(line):  # a line is its first signature (the specific before the general)
                 if key not in seen:

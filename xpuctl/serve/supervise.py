@@ -365,8 +365,8 @@ class RunSupervisor:
 
     def _said(self, verdict: Verdict) -> None:
         """A change of the watch's verdict, on the terminal (or the run log)."""
-        if verdict.healthy:
-            self.say(f"xpuctl: {self.rec.name} is healthy again")
+        if verdict.healthy:  # healthy again, or sleeping (vLLM's sleep mode: as asked)
+            self.say(f"xpuctl: {self.rec.name} is {safe(verdict.reason or 'healthy again', 600)}")
             return
         if self._stopped_by_other():
             then = "a shutdown is stopping it"

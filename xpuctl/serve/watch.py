@@ -91,7 +91,7 @@ class Observer:
         if health.status is not None:  # nothing answered /health: /metrics would not either
             got = http.request(self.server, self.port, "/metrics", self.timeout, METRICS_LIMIT)
             if got.status == 200:
-                counters = metrics.counters(got.body)
+                counters = metrics.engines(got.body)
         for event in self.kernel.read():
             if self.devices and event.bdf not in self.devices:
                 continue

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from xpuctl.parse.vllmlog import log_lines
+from xpuctl.parse.vllmlog import client_text, log_lines
 
 _LOG_MARKERS = ("[shutdown]", "XPUWorker shutdown", "force killing", "sending SIGKILL", "sending SIGTERM")
 
@@ -39,6 +39,8 @@ class LogTail:
         for line in log_lines(data[:cut]):  # exact in JSON; escaped when shown
             if line.startswith("xpuctl:"):
                 continue  # the supervisor's own lines (a detached run logs here too)
+            if client_text(line):
+                continue  # a request's stop string or output is not one of vLLM's phases
             if any(m in line for m in _LOG_MARKERS):
                 idx = line.find("[shutdown]")
                 out.append((line[idx:] if idx >= 0 else line.split("] ", 1)[-1]).strip())

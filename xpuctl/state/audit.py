@@ -219,8 +219,9 @@ def signal(pid: int, start_ticks: int, label: str, sig: int, result: str) -> Non
     command line xpuctl shows is (4 KiB, `…[+N bytes]` when cut: parse/procfs)."""
     if _sink is not None:
         from xpuctl.parse.procfs import shown_command
+        from xpuctl.parse.redact import scrub
 
-        label = shown_command([label])
+        label = shown_command([scrub(label)])  # a command line's secret shapes never written
         try:
             name = _signal.Signals(sig).name
         except ValueError:

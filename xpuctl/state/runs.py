@@ -29,6 +29,7 @@ from typing import Any, ClassVar, NamedTuple
 from xpuctl.core.model import Health, Unread
 from xpuctl.errors import LockedError, UsageError, XpuctlError
 from xpuctl.output.safetext import safe
+from xpuctl.parse import redact
 from xpuctl.state import atomic
 from xpuctl.state.fields import FieldError, typed_fields
 from xpuctl.state.flock import flock_within
@@ -205,9 +206,10 @@ def _runs_dir(state_dir: str, pinned: PinnedRuns | None) -> str:
 
 def write_record(state_dir: str, rec: RunRecord, pinned: PinnedRuns | None = None) -> None:
     """Write `rec` atomically into `state_dir/runs` (into the pinned directory when given:
-    see PinnedRuns)."""
+    see PinnedRuns), its secrets redacted (parse/redact.py `run_record`)."""
     path = os.path.join(_runs_dir(state_dir, pinned), f"{rec.name}.json")
-    atomic.replace(path, json.dumps(rec.to_dict(), indent=2).encode())
+    shown = redact.run_record(rec.to_dict())  # no secret reaches the disk (issue 36 §9)
+    atomic.replace(path, json.dumps(shown, indent=2).encode())
 
 
 class StateDirChangedError(OSError):
