@@ -224,3 +224,40 @@ def test_follow_interrupted_exits_130(tmp_path, proc_token):
     finally:
         sup.kill()
         sup.wait(10)
+
+
+# vLLM 0.32 logs its own arguments at start (vllm/entrypoints/utils.py, log_non_default_args:
+# "non-default args: {...}"), the API keys among them; a client's Authorization header can
+# reach an access log. `xpuctl logs` is an output of xpuctl: secrets of these shapes never
+# leave through it (issue 36 item 9), in a pipe or on a terminal; every other byte is kept.
+SECRET_LOG = (
+    b"(APIServer pid=4242) INFO 12-06 04:00:00 [utils.py:253] non-default args: "
+    b"{'model': 'tiny', 'api_key': ['sk-first-secret', 'sk-second-secret']}\n"
+    b"INFO:     127.0.0.1:5555 - Authorization: Bearer sk-header-secret\n"
+    b"a line without secrets, a stray byte \xff\n"
+    b"hf_overrides={\"hf_token\": \"hf_jsonsecret\"} and no newline at the end"
+)
+
+
+def test_logs_redact_secret_shapes_in_a_pipe_and_keep_every_other_byte(tmp_path):
+    make_run(tmp_path / "s", "vllm-8000", SECRET_LOG)
+    out = xpuctl(tmp_path / "s", "logs", "vllm-8000")
+    assert out.returncode == 0, out.stderr
+    for secret in (b"sk-first-secret", b"sk-second-secret", b"sk-header-secret",
+                   b"hf_jsonsecret"):
+        assert secret not in out.stdout, out.stdout
+    assert b"'model': 'tiny'" in out.stdout
+    assert b"a line without secrets, a stray byte \xff\n" in out.stdout
+    assert out.stdout.endswith(b"and no newline at the end")  # nothing added
+    assert out.stdout.count(b"\n") == SECRET_LOG.count(b"\n")
+
+
+def test_logs_redact_secret_shapes_on_a_terminal(tmp_path):
+    make_run(tmp_path / "s", "vllm-8000", SECRET_LOG)
+    env = {**os.environ, "XPUCTL_STATE_DIR": str(tmp_path / "s")}
+    rc, out = _run_on_a_terminal([*XPUCTL, "logs", "vllm-8000"], env)
+    assert rc == 0
+    shown = out.decode()
+    assert "'model': 'tiny'" in shown
+    for secret in ("sk-first-secret", "sk-second-secret", "sk-header-secret", "hf_jsonsecret"):
+        assert secret not in shown, shown

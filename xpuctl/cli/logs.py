@@ -32,7 +32,8 @@ def logs(
     """Print a run's log (vLLM's output and, for --detach, the supervisor's lines).
 
     On a terminal every line is escaped (control characters shown as \\x1b...). Into a pipe
-    or a file the log's bytes are copied unchanged.
+    or a file the log's bytes are copied unchanged, but for secrets of a known shape (vLLM
+    logs its own arguments, an API key among them): those read <redacted> everywhere.
 
     Exit 0; 1: its record is damaged or unreadable (the line names it); 3: no run of that
     name.
@@ -60,12 +61,7 @@ def logs(
         emit(sys.stderr, f"xpuctl: {msg}")
 
     tty = a.stdout_tty
-    if tty:
-        out: Any = run_logs.LineWriter(lambda text: emit(sys.stdout, text), safe)
-    else:
-        def out(data: bytes) -> None:
-            passthrough(sys.stdout.buffer, data)
-
+    out = _sink(tty)
     try:
         run_logs.copy(rec.log_path, lines, follow, alive, out, note)
     except FileNotFoundError:
@@ -77,5 +73,43 @@ def logs(
         raise XpuctlError(f"run {safe(name)!r}: its log {safe(rec.log_path)} cannot be read: "
                           f"{safe(exc.strerror or str(exc))}") from None
     finally:
-        if tty:
-            out.close()
+        out.close()
+
+
+def _scrubbed(line: bytes) -> bytes:
+    """One log line with every secret of a known shape redacted (parse/redact.py): vLLM's
+    `non-default args: {'api_key': [...]}` line among them. Other bytes are kept as they are."""
+    from xpuctl.parse import redact
+
+    text = line.decode("utf-8", "surrogateescape")
+    clean = redact.scrub(text)
+    return line if clean == text else clean.encode("utf-8", "surrogateescape")
+
+
+def _sink(tty: bool) -> Any:
+    """Where the log's lines go: escaped on a terminal, copied into a pipe or a file; whole
+    lines both ways, each scrubbed of secrets first."""
+    from xpuctl import logs as run_logs
+
+    if tty:
+        return run_logs.LineWriter(lambda text: emit(sys.stdout, text),
+                                   lambda line: safe(_scrubbed(line)))
+    return _Copy()
+
+
+class _Copy:
+    """Into a pipe or a file: the log's bytes as they are, whole lines (the last one as it
+    ends, newline or not), each scrubbed of secrets."""
+
+    def __init__(self) -> None:
+        self.partial = b""
+
+    def __call__(self, data: bytes) -> None:
+        *whole, self.partial = (self.partial + data).split(b"\n")
+        if whole:
+            passthrough(sys.stdout.buffer, b"".join(_scrubbed(line) + b"\n" for line in whole))
+
+    def close(self) -> None:
+        if self.partial:
+            passthrough(sys.stdout.buffer, _scrubbed(self.partial))
+            self.partial = b""
