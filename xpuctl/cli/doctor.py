@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from xpuctl.cli import headstart
 from xpuctl.cli.context import AppContext, app_context, open_source
 from xpuctl.cli.group import command_app
 from xpuctl.cli.guard import guard
@@ -96,11 +95,6 @@ def doctor(
     from xpuctl import doctor as doctor_core
     from xpuctl.state.statedir import resolve_state_dir
 
-    # the head start (cli/headstart.py) is for a run whose first act is a scan of this host:
-    # claimed below; any other run ends it now (--ray leaves no pass running)
-    scans_first = from_ is None and ray is None and not (collective or deep)
-    if not scans_first:
-        headstart.end()
     a = app_context(ctx)
     out_fmt = _format(fmt, as_json, textfile)
     _check_sources(ray, from_, deep, wait_clean)
@@ -110,8 +104,6 @@ def doctor(
         on_cluster(a, "doctor", ray, {"devices": list(device or []), "port": port,
                                       "strict": strict, "expect_idle": expect_idle}, out_fmt, textfile)
     host, environ, replayed = open_source(ctx, from_)
-    if scans_first:
-        host = headstart.claim(host)
     sdir = resolve_state_dir(host, state_dir, environ)
     deep_opts = _deep(deep, replayed, probe_timeout, unattributed_threshold, sdir)
     # --collective runs once: a --wait-clean re-check carries its first result; while it

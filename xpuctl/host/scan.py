@@ -31,7 +31,6 @@ from xpuctl.host.processes import (
     read_optional,
     scan_processes,
     stat_of,
-    taken_pass,
 )
 from xpuctl.host.reads.protocol import BlockedRead
 from xpuctl.host.seam import Host
@@ -52,10 +51,7 @@ DEFAULT_PORT = 8000
 
 
 def _pass(host: Host, skip: frozenset[int], files: bool) -> tuple[float, FdTable]:
-    """(when it was taken, the pass over /proc): the one started ahead, else a new one."""
-    ahead = taken_pass(host, skip)
-    if ahead is not None:
-        return ahead
+    """(when it was taken, the pass over /proc)."""
     return host.now(), scan_processes(host, skip, files=files)
 
 
