@@ -122,8 +122,9 @@ def profile_size(a: argparse.Namespace) -> int:
     return min(a.sizes, key=lambda s: abs(s - 1000))
 
 
-#: doctor under cProfile, as the installed entry runs it, but without its exit (cli.leave ends the process with os._exit: the profiler would never
-#: print); the statistics go to stderr, the command's output to stdout.
+#: doctor under cProfile, as the installed entry runs it, but without its exit (cli.leave
+#: ends the process with os._exit: the profiler would never print); the statistics go to
+#: stderr, the command's output to stdout.
 PROFILED = """
 import cProfile, pstats, sys
 prof = cProfile.Profile()
