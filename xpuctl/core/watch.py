@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from xpuctl.core.model import Health
+from xpuctl.core.runrecords import Health
 from xpuctl.parse.enginedeath import EngineDeath
 from xpuctl.parse.metrics import Counters
 

@@ -35,7 +35,8 @@ import time
 from collections.abc import Callable, Sequence
 
 from xpuctl.core import rules, waits
-from xpuctl.core.model import AloneRun, CollectiveRank, CollectiveResult, Device
+from xpuctl.core.collective import AloneRun, CollectiveRank, CollectiveResult
+from xpuctl.core.model import Device
 from xpuctl.core.waits import Wait
 from xpuctl.host.devices import scan_devices
 from xpuctl.host.seam import Host
