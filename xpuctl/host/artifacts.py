@@ -105,25 +105,27 @@ def _facts(holds: Holdings, start_time: StartTime, path: str, kind: str, info: F
     """What the host says about one candidate: who has it open or mapped (a socket is never
     mapped), what is bound to it, the process its name's pid names, who went uninspected.
 
-    A regular file that no process found holds is asked once more by its inode, on the
-    kernel's /proc: a write lease (Holdings.lease) is refused while any open file
-    description of it exists, whoever holds it: a process that could not be inspected, one
-    that was handed it over a unix socket, one the pass did not see it in."""
-    open_by = holds.open_by(path)
+    A regular file on the kernel's /proc is asked first by its inode: a write lease
+    (Holdings.lease) is refused while any open file description of it exists (an fd, or a
+    mapping, which keeps its file open), whoever holds it: a process that could not be
+    inspected, one that was handed it over a unix socket, one the pass did not see it in.
+    Granted, nothing holds it, and no process's fds or mappings are read for it (the cost of
+    the rule falls on the files some process holds); refused, they are, to name who."""
+    held: bool | None = None
+    if info.is_regular and holds.host.identity_checked:  # a fake tree's are texts: no lease
+        held = holds.lease(path)
+    open_by = () if held is False else holds.open_by(path)
     mapped_by: tuple[int, ...] = ()
     bound: bool | None = False
     bound_by: tuple[int, ...] = ()
     unseen: tuple[int, ...] = ()
-    held: bool | None = None
     if info.is_socket:
         bound, bound_by = holds.bound(path)
     elif not open_by:
-        mapped_by = holds.mapped_by(path)
+        mapped_by = () if held is False else holds.mapped_by(path)
         if not mapped_by:
-            if holds.host.identity_checked:  # a fake tree's processes are texts: no lease tells
-                held = holds.lease(path)
             # refused: anyone uninspected may be the holder; else those who could open it
-            unseen = holds.unseen(info, anyone=bool(held))
+            unseen = holds.unseen(info, anyone=bool(held), maps=held is not False)
     named = None
     pid = named_pid(kind, path.rsplit("/", 1)[-1])
     if pid is not None and (raw := holds.fds.procs.get(pid)) is not None and raw.stat.state != "Z":
