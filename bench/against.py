@@ -14,14 +14,18 @@ a venv, both removed after), in the same rounds. Then `--version` against
 `python -c "import typer"` (and REV's `--version`).
 
 Ratios are paired: each round's doctor time over the same round's other command, the median
-of those (the machine's noise falls on both). Every run's output is checked: doctor, fuser
-and lsof must name exactly the holders.
+of those (the machine's noise falls on both). Each command runs under a small wrapper that
+adopts its orphans (a subreaper) and waits for them: the wall time is from its start to its
+own exit, the CPU time (user + system) is its own and that of every process it started,
+the reader and the split helper included, which stays meaningful on a loaded machine. Every
+run's output is checked: doctor, fuser and lsof must name exactly the holders.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -43,7 +47,6 @@ from harness import (
     check_floor,
     check_fuser,
     check_lsof,
-    interleave,
     preflight,
     pt,
     say,
@@ -51,6 +54,62 @@ from harness import (
 )
 
 HERE = Path(__file__).resolve().parent
+
+#: Runs argv, adopting and waiting for whatever it leaves (PR_SET_CHILD_SUBREAPER); prints
+#: its output, then [wall to its own exit, CPU of it and its descendants, exit status] on
+#: stderr.
+WRAP = r"""
+import ctypes, json, os, resource, subprocess, sys, time
+ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)
+t = time.perf_counter()
+r = subprocess.run(sys.argv[1:], stdin=subprocess.DEVNULL, capture_output=True)
+wall = time.perf_counter() - t
+while True:
+    try:
+        os.wait()
+    except ChildProcessError:
+        break
+ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+sys.stdout.buffer.write(r.stdout)
+sys.stderr.write(json.dumps([wall, ru.ru_utime + ru.ru_stime, r.returncode]) + "\n")
+"""
+
+
+def timed(cmd: Cmd) -> tuple[float, float]:
+    """(wall, CPU) of one checked run of `cmd`."""
+    if cmd.before:
+        cmd.before()
+    try:
+        r = subprocess.run([sys.executable, "-c", WRAP, *cmd.argv], env=cmd.env,
+                           stdin=subprocess.DEVNULL, capture_output=True, timeout=600)
+    finally:
+        if cmd.after:
+            cmd.after()
+    wall, cpu, code = json.loads(r.stderr.decode().splitlines()[-1])
+    if code not in cmd.ok:
+        raise BenchError(f"{cmd.label} exited {code}")
+    done = subprocess.CompletedProcess(cmd.argv, code, r.stdout, b"")
+    problem = cmd.check(done) if cmd.check is not None else None
+    if problem:
+        raise BenchError(f"{cmd.label}: {problem}")
+    return wall, cpu
+
+
+def interleave(cmds: list[Cmd], rounds: int) -> tuple[dict[str, list[float]],
+                                                      dict[str, list[float]]]:
+    """A warm-up round, then `rounds` rounds, round i starting at command i mod len: the
+    wall and CPU samples of each command."""
+    wall: dict[str, list[float]] = {c.key: [] for c in cmds}
+    cpu: dict[str, list[float]] = {c.key: [] for c in cmds}
+    for c in cmds:
+        timed(c)
+    for i in range(rounds):
+        k = i % len(cmds)
+        for c in cmds[k:] + cmds[:k]:
+            w, u = timed(c)
+            wall[c.key].append(w)
+            cpu[c.key].append(u)
+    return wall, cpu
 
 
 def build(rev: str, where: str) -> str:
@@ -127,10 +186,11 @@ def scenario(a: argparse.Namespace, n: int, builds: dict[str, str], env: dict[st
                  Cmd("loop", "loop: python bench/floor.py", [sys.executable, str(HERE / "floor.py")],
                      env, (0,), check_floor(n * 35))]
         say(f"N={n}: {len(holders)} holders; {a.rounds} rounds of {len(cmds)} commands")
-        s = interleave(cmds, a.rounds, f"N={n}")
-        print(f"\nN={n} x 35 fds, {len(holders)} holding the node; medians [min-max] of {a.rounds}")
+        s, cpu = interleave(cmds, a.rounds)
+        print(f"\nN={n} x 35 fds, {len(holders)} holding the node; wall medians [min-max] of "
+              f"{a.rounds}, CPU medians")
         for c in cmds:
-            print(f"  {c.label:48s} {spread(s[c.key])}")
+            print(f"  {c.label:48s} {spread(s[c.key])}  cpu {statistics.median(cpu[c.key]):.3f} s")
         print("  ratios (paired medians):")
         for tag in builds:
             for what in ("doctor", "real", "stale"):
@@ -140,7 +200,7 @@ def scenario(a: argparse.Namespace, n: int, builds: dict[str, str], env: dict[st
                 for other in (["fuser", "lsof", "loop"] if what == "doctor" else []) + [
                         f"{what}{t}" for t in builds if t != tag]:
                     line += f"  /{other} {paired(s[what + tag], s[other]):.2f}"
-                print(line)
+                print(line + f"   (CPU /loop {paired(cpu[what + tag], cpu['loop']):.2f})")
     finally:
         with shielded():
             if pop is not None:
@@ -154,8 +214,8 @@ def start(a: argparse.Namespace, builds: dict[str, str], env: dict[str, str]) ->
             for tag, x in builds.items()]
     cmds.append(Cmd("typer", 'python -c "import typer"', [sys.executable, "-c", "import typer"],
                     env))
-    s = interleave(cmds, 3 * a.rounds, "start")
-    print(f"\nstart-up, medians [min-max] of {3 * a.rounds}")
+    s, _ = interleave(cmds, 3 * a.rounds)
+    print(f"\nstart-up, wall medians [min-max] of {3 * a.rounds}")
     for c in cmds:
         print(f"  {c.label:48s} {spread(s[c.key])}")
     for tag in builds:

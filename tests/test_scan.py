@@ -445,7 +445,7 @@ Sp.in_two(work, list(range(2000)), marshal.dumps, marshal.loads)
 
 
 def test_the_helper_stops_once_the_process_that_forked_it_is_gone(tmp_path, proc_token):
-    """A reader killed mid-pass (a head start ended, a read that blocked) leaves no helper
+    """A reader killed mid-pass (a read that blocked) leaves no helper
     working on for nobody: it takes no chunk once its parent is gone."""
     mark = tmp_path / "helper"
     p = subprocess.Popen([PY, "-c", _ORPHANED, str(mark)], env=token_env(proc_token),
