@@ -1,7 +1,7 @@
 """The collective check (`doctor --collective`, serve's `--preflight collective`): will the
 next launch's oneCCL/XCCL init and first all_reduce on these devices finish?
 
-    result = run_collective(host, bdfs, env, timeout)   # -> core.model.CollectiveResult
+    result = run_collective(host, bdfs, env, timeout)   # -> core.collective.CollectiveResult
 
 One rank per device (`probes/children/collective_rank`), all started by one leader
 (`probes/children/collective_group`) in one new session; the leader's process group is
