@@ -250,10 +250,15 @@ def med(xs: list[float]) -> float:
 
 class Population:
     def __init__(self, py: str, n: int, k: int, node: str, n_hold: int, mode: str = "exec",
-                 timeout: float = 300) -> None:
+                 timeout: float = 300, shared: str | None = None) -> None:
+        """`shared`: a directory for issue 38's layout (holders.py `shared:DIR`): every fd on
+        five files there, one child in n / n_hold holding the node as an extra fd."""
         self.n, self.k, self.node, self.n_hold = n, k, node, n_hold
+        self.shared = shared
         self.pids: list[int] = []
-        self.proc = subprocess.Popen([py, str(HERE / "holders.py"), str(n), str(k), node, str(n_hold), mode],
+        extra = [f"shared:{shared}"] if shared else []
+        self.proc = subprocess.Popen([py, str(HERE / "holders.py"), str(n), str(k), node, str(n_hold), mode,
+                                      *extra],
                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                      start_new_session=True)  # Ctrl-C reaches us, not it
         try:
@@ -283,8 +288,25 @@ class Population:
                 buf += chunk
         return buf.decode()
 
+    @property
+    def holders(self) -> list[int]:
+        """The pids that hold the node."""
+        if not self.shared:
+            return self.pids[:self.n_hold]
+        every = max(1, self.n // self.n_hold) if self.n_hold else 0
+        return [p for i, p in enumerate(self.pids) if every and i % every == 0]
+
     def verify(self) -> None:
-        """Every sampled child holds exactly K fds; the first n_hold hold the node as fd K-1."""
+        """Every sampled child holds exactly K fds; the first n_hold hold the node as fd K-1
+        (shared layout: every holder holds it as fd K, an extra one)."""
+        if self.shared:
+            held = set(self.holders)
+            for pid in self.pids[::max(1, self.n // 50)] + self.holders[:5]:
+                fds = os.listdir(f"/proc/{pid}/fd")
+                want = self.k + (pid in held)
+                if len(fds) != want:
+                    raise BenchError(f"holder {pid} has {len(fds)} fds, not {want}")
+            return
         step = max(1, self.n // 50)
         for i in list(range(0, self.n, step)) + list(range(self.n_hold)):
             pid = self.pids[i]

@@ -1,6 +1,6 @@
 """Hold N idle processes with K open fds each; the first HOLDERS of them also hold NODE.
 
-Usage: python holders.py N K NODE HOLDERS [exec|fork]
+Usage: python holders.py N K NODE HOLDERS [exec|fork] [shared:DIR]
 
 One parent forks N children. Every child has exactly K fds open (0, 1 and 2 included):
 /dev/null, pipe ends, unix socket pairs, an eventfd, a few regular files and /dev/null
@@ -12,6 +12,11 @@ The parent writes "ready <pid> <pid> ..." to its stdout once every child has its
 fd set (through a pipe each child closes when ready: by exec, or after writing a byte),
 then waits. On SIGTERM, SIGINT or SIGHUP it SIGKILLs and reaps its own children and exits.
 Children carry PR_SET_PDEATHSIG=SIGKILL, so they die with the parent if it is killed.
+
+shared:DIR (issue 38's population): every child's K fds are all on five regular files
+DIR/shared-0..4 (the parent makes them), fd i on file i mod 5; and one child in
+N / HOLDERS (every tenth for HOLDERS = N / 10), spread over the population, holds NODE as
+an extra fd K.
 """
 
 import ctypes
@@ -58,9 +63,28 @@ def fill_fds(k: int) -> None:
         os.set_inheritable(fd, True)  # kept across exec in "exec" mode
 
 
+def fill_shared(k: int, files: list[str]) -> None:
+    """Leave this process holding exactly fds 0..k-1 (plus REPORT_FD), fd i on files[i % 5]."""
+    os.closerange(0, REPORT_FD)
+    os.closerange(READY_W + 1, 1 << 16)
+    for i in range(k):
+        fd = os.open(files[i % len(files)], os.O_RDONLY)
+        if fd != i:
+            raise RuntimeError(f"expected fd {i}, got {fd}")
+        os.set_inheritable(fd, True)
+
+
 def main() -> None:
     n, k, node, n_hold = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
     mode = sys.argv[5] if len(sys.argv) > 5 else "exec"
+    shared = sys.argv[6].removeprefix("shared:") if len(sys.argv) > 6 else None
+    files: list[str] = []
+    if shared is not None:
+        for j in range(5):
+            files.append(os.path.join(shared, f"shared-{j}"))
+            with open(files[-1], "wb") as f:
+                f.write(b"x")
+    every = max(1, n // n_hold) if n_hold else 0
     sleep = shutil.which("sleep") or "/bin/sleep"
     if mode not in ("exec", "fork"):
         sys.exit("mode must be exec or fork")
@@ -74,7 +98,10 @@ def main() -> None:
         os.close(r)
     if w not in (READY_R, READY_W):
         os.close(w)
-    fill_fds(k)
+    if shared is None:
+        fill_fds(k)
+    else:
+        fill_shared(k, files)
     libc = ctypes.CDLL(None, use_errno=True)
     parent = os.getpid()
     kids: list[int] = []
@@ -109,7 +136,13 @@ def main() -> None:
                         signal.signal(s, signal.SIG_DFL)
                     if os.getppid() != parent:
                         os._exit(0)
-                    if i < n_hold:
+                    if shared is not None and every and i % every == 0:
+                        fd = os.open(node, os.O_RDWR)
+                        if fd != k:
+                            os.dup2(fd, k)
+                            os.close(fd)
+                        os.set_inheritable(k, True)
+                    elif shared is None and i < n_hold:
                         fd = os.open(node, os.O_RDWR)
                         os.dup2(fd, last)
                         os.close(fd)

@@ -57,7 +57,7 @@ def build_report(c: Ctx) -> tuple[str, list[dict]]:
     scans = res.get("scan", {})
     for n, s in sorted(scans.items()):
         scn = "idle N=0" if n == 0 else f"scan N={n}"  # N=0: every idle stage, pooled
-        for key in ("doctor", "doctor_stale", "doctor_nohead", "fuser", "lsof", "floor"):
+        for key in ("doctor", "doctor_stale", "fuser", "lsof", "floor"):
             if key in s["samples"]:
                 L.append(row(scn, s["labels"][key], s["samples"][key]))
         L.append(row(scn, "doctor peak RSS (/usr/bin/time -v)", [x / 1024 for x in s["rss_kib"]], "MiB"))
@@ -86,8 +86,6 @@ def build_report(c: Ctx) -> tuple[str, list[dict]]:
                      f"({(m['doctor'] - d0) / n * 1000:.3f}s per 1000 procs)")
         if "doctor_stale" in m:
             extra += f"   one stale file adds {m['doctor_stale'] - m['doctor']:+.3f}s"
-        if "doctor_nohead" in m:
-            extra += f"   the head start saves {m['doctor_nohead'] - m['doctor']:+.3f}s"
         L.append(f"  N={n:<5} doctor/fuser {m['doctor'] / m['fuser']:.2f}   doctor/lsof {m['doctor'] / m['lsof']:.2f}"
                  f"   doctor/floor {m['doctor'] / m['floor']:.2f}   fuser/floor {m['fuser'] / m['floor']:.2f}"
                  f"   lsof/floor {m['lsof'] / m['floor']:.2f}{extra}")
@@ -193,10 +191,8 @@ def growth_figure(scans: dict, key: str = "doctor", stat: Callable[[list[float]]
     """(first pair's smaller N, last pair's larger N, seconds per added process in the last
     pair / in the first, limit).
 
-    Time above idle is no base for a ratio: doctor's pass runs beside its start-up
-    (cli/headstart.py), so some of a small population's pass is hidden in it, and the time
-    above idle grows faster than the population while the cost of each process does not.
-    The slope between two sizes has no such offset."""
+    The slope between two sizes is the cost of each added process, whatever start-up costs
+    (a head start once hid part of a small population's pass in it)."""
     pairs = slopes(scans, key, stat)
     if len(pairs) < 2 or pairs[0][2] <= 0:
         return None

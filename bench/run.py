@@ -10,7 +10,7 @@ with Python's `time.perf_counter` (wall clock), rounds interleaved in rotating o
   scan      N idle processes with K open fds each (10 of them hold a stand-in render node
             under a root R whose `proc` links to /proc): `xpuctl --root R doctor --json`,
             `fuser` and `lsof -w` on the node, and a bare Python loop (bench/floor.py) as
-            the floor; doctor also without its head start (the group alone). N = 0 (idle)
+            the floor. N = 0 (idle)
             and every --sizes value.
   start     `xpuctl --version`, a completion request, `xpuctl doctor --json` on the idle
             host, against `python -c "import typer"` and `python -c pass`.

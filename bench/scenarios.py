@@ -57,9 +57,6 @@ class Ctx:
 
 
 STALE_SHM = "/dev/shm/psm_b3nch5ta1e"  # matches the psm_* rule; nobody has it open or mapped
-#: doctor without its head start (cli/headstart.py): the group's entry, not the installed one
-WITHOUT_HEAD_START = ("import sys; from xpuctl.cli.group import main; sys.argv[0] = 'xpuctl'; "
-                      "main()")
 
 
 def scan_cmds(c: Ctx, root: str, node: str, expected: list[int], min_fds: int) -> list[Cmd]:
@@ -79,9 +76,6 @@ def scan_cmds(c: Ctx, root: str, node: str, expected: list[int], min_fds: int) -
         Cmd("doctor_stale", "  same, one stale file in R/dev/shm (extra)",
             [c.xpuctl, "--root", root, "doctor", "--json"], c.env, (0, 1),
             check_doctor_stale(expected, STALE_SHM), make_stale, remove_stale),
-        Cmd("doctor_nohead", "  same, no head start: the group alone (extra)",
-            [c.py, "-c", WITHOUT_HEAD_START, "--root", root, "doctor", "--json"], c.env, (0, 1),
-            check_doctor(expected)),
         Cmd("fuser", "fuser R/dev/dri/renderD128", ["fuser", node], c.env,
             (0,) if expected else (1,), check_fuser(expected)),
         Cmd("lsof", "lsof -w R/dev/dri/renderD128", ["lsof", "-w", node], c.env,
@@ -128,15 +122,13 @@ def profile_size(a: argparse.Namespace) -> int:
     return min(a.sizes, key=lambda s: abs(s - 1000))
 
 
-#: doctor under cProfile, as the installed entry runs it (the head start, then the group),
-#: but without its exit (cli.leave ends the process with os._exit: the profiler would never
-#: print); the statistics go to stderr, the command's output to stdout.
+#: doctor under cProfile, as the installed entry runs it, but without its exit (cli.leave
+#: ends the process with os._exit: the profiler would never print); the statistics go to
+#: stderr, the command's output to stdout.
 PROFILED = """
-import cProfile, os, pstats, sys
+import cProfile, pstats, sys
 prof = cProfile.Profile()
 prof.enable()
-from xpuctl.cli import headstart
-headstart.begin(sys.argv[1:], os.environ)
 from xpuctl.cli.group import main
 sys.argv = ["xpuctl"] + sys.argv[1:]
 try:

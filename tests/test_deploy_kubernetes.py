@@ -195,7 +195,7 @@ def test_liveness_probe_runs_xpuctl_health_on_the_run(pod, tmp_path):
     # while the record says healthy, 1 once it says unhealthy
     import time
 
-    from xpuctl.core.model import Health
+    from xpuctl.core.runrecords import Health
     from xpuctl.state.runs import RunRecord, ensure_state_dir, write_record
 
     sdir = ensure_state_dir(str(tmp_path / "state"))

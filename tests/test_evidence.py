@@ -29,7 +29,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from xpuctl.core.model import Health
+from xpuctl.core.runrecords import Health
 from xpuctl.core.watch import (
     HEALTHY,
     SLEEPING,

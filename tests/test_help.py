@@ -93,8 +93,7 @@ def test_start_up_loads_only_what_it_uses(args):
     loaded = set(out.stderr.split())
     assert "xpuctl.cli.group" in loaded, out.stderr
     commands = {m for m in loaded if m.startswith("xpuctl.cli.") and m not in
-                ("xpuctl.cli.group", "xpuctl.cli.guard", "xpuctl.cli.headstart",
-                 "xpuctl.cli.paramtypes")}
+                ("xpuctl.cli.group", "xpuctl.cli.guard", "xpuctl.cli.paramtypes")}
     assert commands == ({"xpuctl.cli.doctor", "xpuctl.cli.options", "xpuctl.cli.context"} & commands
                         if args[0] == "doctor" else set()), commands
     if args[0] == "doctor":

@@ -174,16 +174,16 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_circle():
     """No module imports, at any depth and however lazily, a module that imports it back
-    (issue 32 §1: host/ahead.py and host/scan.py were one)."""
+    (issue 32 §1: a pass posted ahead and host/scan.py were one)."""
     found = cycles(import_graph(modules()))
     assert not found, "import circles:\n" + "\n".join(" <-> ".join(c) for c in found)
 
 
 def test_the_circle_checker_sees_a_lazy_circle():
     a = ast.parse("from xpuctl.host.scan import take_scan\n")
-    b = ast.parse("def f():\n    from xpuctl.host.ahead import start_pass\n")
+    b = ast.parse("def f():\n    from xpuctl.host.processes import scan_processes\n")
     c = ast.parse("import xpuctl.errors\n")
-    graph = import_graph([(SRC / "host/ahead.py", "xpuctl.host.ahead", a),
+    graph = import_graph([(SRC / "host/processes.py", "xpuctl.host.processes", a),
                           (SRC / "host/scan.py", "xpuctl.host.scan", b),
                           (SRC / "errors.py", "xpuctl.errors", c)])
-    assert cycles(graph) == [["xpuctl.host.ahead", "xpuctl.host.scan"]]
+    assert cycles(graph) == [["xpuctl.host.processes", "xpuctl.host.scan"]]

@@ -440,7 +440,7 @@ def test_a_file_that_appears_after_the_pass_is_still_matched_by_identity(standin
     kept = Holdings(host, fds, {"/dev/shm/psm_after_the_pass": info})
     assert kept.open_by("/dev/shm/psm_after_the_pass") == (p.pid,)
     # the same judged on a pass that began before the file was there
-    fds_before = host.call(scan_processes, frozenset(), None, True)
+    fds_before = host.call(scan_processes, frozenset(), True)
     fds_before.paths, fds_before.paths_for = [], None
     again = Holdings(host, fds_before, {"/dev/shm/psm_after_the_pass": info})
     assert again.open_by("/dev/shm/psm_after_the_pass") == (p.pid,)

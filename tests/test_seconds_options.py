@@ -93,16 +93,6 @@ def test_read_timeout_from_the_environment_goes_through_the_same_type():
         assert "above 0 and at most 3600" in result.stderr
 
 
-def test_read_timeout_head_start_takes_only_what_the_group_takes():
-    """doctor's head start reads the bound from the environment (it reads no option); what
-    the group refuses there, it refuses too (cli/headstart.py)."""
-    from xpuctl.cli import headstart
-
-    for value in ("nan", "1e308", "7200", "1_0"):
-        assert headstart.plan(["doctor"], {"XPUCTL_READ_TIMEOUT": value}) is None, value
-    assert headstart.plan(["doctor"], {"XPUCTL_READ_TIMEOUT": "0.5"}) == ("/", 0.5)
-
-
 def test_good_values_and_defaults():
     span = Span(0)
     for text, want in (("0", 0.0), ("1.5", 1.5), ("+2", 2.0), (".5", 0.5), ("3.", 3.0),

@@ -10,8 +10,8 @@ import struct
 import pytest
 
 from xpuctl.host import sockdiag
-from xpuctl.host.scan import listening_sockets
 from xpuctl.host.seam import Host
+from xpuctl.host.sockdiag import listening_sockets
 from xpuctl.parse.net import TcpSocket, parse_tcp
 from xpuctl.parse.sockdiag import (
     AF_INET,

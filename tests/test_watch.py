@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from xpuctl.core.model import Health
+from xpuctl.core.runrecords import Health
 from xpuctl.core.watch import (
     HEALTHY,
     STALLED,

@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from xpuctl.core.model import Process, RunRow, Scan, Unread
+from xpuctl.core.model import Process, Scan
+from xpuctl.core.runrecords import RunRow, Unread
 from xpuctl.host.seam import Host
 
 

@@ -1,12 +1,9 @@
 """The command line: `group` (the xpuctl group, lazy loading), `guard` (errors to exit
 codes), `options` (the shared option declarations), `context` (what a command runs with),
-`headstart` (doctor's pass begins before parsing), and one module per command, named after
-it.
+and one module per command, named after it.
 
-`main` is the installed entry point. It gives doctor its head start before it imports
-typer and the group (which is why the group is imported here only when asked for), loads
-the modules with the garbage collector paused, and leaves without the interpreter's
-teardown (`leave`)."""
+`main` is the installed entry point. It loads the modules with the garbage collector paused
+and leaves without the interpreter's teardown (`leave`)."""
 
 from __future__ import annotations
 
@@ -24,9 +21,6 @@ def main() -> None:
     # worth collecting, and each collection walks them all. The group turns the collector on
     # again once the command is loaded (Group.get_command).
     gc.disable()
-    from xpuctl.cli import headstart
-
-    headstart.begin(sys.argv[1:], os.environ)
     from xpuctl.cli.group import main as run
 
     try:

@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 import typer
 
-from xpuctl.cli import headstart
 from xpuctl.cli.context import AppContext, app_context, open_source
 from xpuctl.cli.group import command_app
 from xpuctl.cli.guard import guard
@@ -99,10 +98,6 @@ def doctor(
     """
     from xpuctl.state.statedir import resolve_state_dir
 
-    # the head start (cli/headstart.py): claimed by a run that scans this host first, else ended
-    scans_first = from_ is None and ray is None and not (collective or deep)
-    if not scans_first:
-        headstart.end()
     a = app_context(ctx)
     asked = _Asked(list(device or []), port, expect_idle, strict, wait_clean,
                    _format(fmt, as_json, textfile), textfile,
@@ -112,8 +107,6 @@ def doctor(
         on_cluster(a, "doctor", ray, {"devices": asked.devices, "port": port, "strict": strict,
                                       "expect_idle": expect_idle}, asked.fmt, textfile)
     host, environ, replayed = open_source(ctx, from_)
-    if scans_first:
-        host = headstart.claim(host)
     sdir = resolve_state_dir(host, state_dir, environ)
     _check(a, asked, host, environ, sdir, _deep(deep, replayed, probe_timeout,
                                                  unattributed_threshold, sdir))

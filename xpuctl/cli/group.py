@@ -67,11 +67,7 @@ class Group(TyperGroup):
             return loaded[cmd_name]
         module = importlib.import_module(COMMANDS[cmd_name][0])
         command = loaded[cmd_name] = typer.main.get_command(module.app)
-        # paused while the modules loaded (xpuctl.cli.main); the command may run long. What
-        # was made until now lives as long as the process: frozen, the collector never walks
-        # it again (the first collection after the pause walked all of it: ~20 ms for doctor)
-        gc.freeze()
-        gc.enable()
+        gc.enable()  # paused while the modules loaded (xpuctl.cli.main); the command may run long
         return command
 
     def format_commands(self, ctx: Any, formatter: Any) -> None:
@@ -259,10 +255,8 @@ def _main(
     ] = False,
 ) -> None:
     from xpuctl.cli.context import AppContext
-    from xpuctl.cli.headstart import for_command
     from xpuctl.host.seam import Host
 
-    for_command(ctx.invoked_subcommand)  # doctor's head start: only doctor may claim it
     if isinstance(ctx.obj, AppContext):
         return
     if root is not None and not os.path.isdir(root):

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from xpuctl.core.model import Health
+from xpuctl.core.runrecords import Health
 from xpuctl.output.safetext import safe
 from xpuctl.parse.enginedeath import QUOTE, EngineDeath
 from xpuctl.parse.metrics import Counters

@@ -34,6 +34,9 @@ class ContainerLookup:
         self._names: dict[tuple[str | None, str], tuple[str | None, Names | None]] = {}
         self._namespaces: list[str] | None = None
         self._pod_logs: dict[str, str] | None = None  # pod uid -> its log directory name
+        #: cgroup file text -> what it names: the processes of one service or container
+        #: share it, so each text is parsed once
+        self._refs: dict[str, CgroupRef | None] = {}
 
     def of(self, pid: int) -> Container | None:
         """The container of `pid`, or None (a host process, or its cgroup unreadable)."""
@@ -41,7 +44,9 @@ class ContainerLookup:
             text = self.host.read_text(f"/proc/{pid}/cgroup", CGROUP_LIMIT)
         except OSError:
             return None
-        ref = parse_cgroup(text)
+        if text not in self._refs:
+            self._refs[text] = parse_cgroup(text)
+        ref = self._refs[text]
         if ref is None:
             return None
         key = (ref.runtime, ref.id)

@@ -18,6 +18,14 @@ _NODE_RE = re.compile(r"^(card|renderD)(\d+)$")
 _GPU_DRIVERS = ("xe", "i915")
 
 
+def _record(bdf: str | None, info: Any, dev: Device | None, name: str) -> dict[str, Any]:
+    """A new DRM client's record, before its pids and sizes are added."""
+    return {"bdf": bdf, "client_id": info.client_id if info else None,
+            "driver": (info.driver if info else None) or (dev.driver if dev else None),
+            "memory": None, "shared": None, "resident": None, "pids": [],
+            "node": f"/dev/dri/{name}"}
+
+
 def drm_clients(
     host: Host, fds: FdTable, devices: list[Device]
 ) -> tuple[list[DrmClient], dict[int, set[str]]]:
@@ -49,19 +57,9 @@ def drm_clients(
             key: tuple[Any, ...] = ("client", bdf, info.client_id)
         else:
             key = ("fd", pid, fd)
-        rec = agg.setdefault(
-            key,
-            {
-                "bdf": bdf,
-                "client_id": info.client_id if info else None,
-                "driver": (info.driver if info else None) or (dev.driver if dev else None),
-                "memory": None,
-                "shared": None,
-                "resident": None,
-                "pids": [],
-                "node": f"/dev/dri/{name}",
-            },
-        )
+        rec = agg.get(key)
+        if rec is None:
+            rec = agg[key] = _record(bdf, info, dev, name)
         if pid not in rec["pids"]:
             rec["pids"].append(pid)
         if info is not None and info.memory_bytes is not None:

@@ -398,11 +398,14 @@ class Holdings:
         answer: bool | None = self.host.call(lease_probe, path, self.candidates[path])
         return answer
 
-    def unseen(self, info: FileInfo, anyone: bool = False) -> tuple[int, ...]:
+    def unseen(self, info: FileInfo, anyone: bool = False, maps: bool = True) -> tuple[int, ...]:
         """The live processes whose fds or maps could not be read (blocked reads are the
         scan's own matter) and that could hold this file: by their credentials (`could_open`),
-        or, with `anyone`, every one of them (a file can be handed over a unix socket)."""
-        pids = set(self.fds.unreadable) | set(self._fd_denied) | set(self._mapped().denied)
+        or, with `anyone`, every one of them (a file can be handed over a unix socket). Without
+        `maps`, those whose maps were not read are not asked about (a lease was granted)."""
+        pids = set(self.fds.unreadable) | set(self._fd_denied)
+        if maps:
+            pids |= set(self._mapped().denied)
         out = []
         for pid in sorted(pids):
             p = self.fds.procs.get(pid)

@@ -1,15 +1,14 @@
 """One pass over /proc: every process's stat, and every fd's link text.
 
 The cmdline is read only when `comm` could be vLLM. Only fds that matter are kept: DRM
-nodes (fdinfo later), dma-bufs (fdinfo later), sockets (inode, for ports) and files under
-/dev/shm and /tmp (for stale-artifact checks). When files are matched by identity
-(`Host.identity_checked`: the kernel's /proc) every fd that may lead to a file is also kept
-by number (`FdTable.paths`): whether it holds a candidate file is
-decided by its device and inode (a stat, made only when there are candidates), not by its
-link text, which names the path its process sees (another mount namespace, a bind mount).
-A process that vanishes mid-scan is skipped;
-one whose fds cannot be read is counted. On a busy host the pass is split over two
-processes (host/split.py). Equivalent: `fuser -v /dev/dri/*`, `lsof /dev/dri/*`.
+nodes (fdinfo later), dma-bufs (fdinfo later), sockets (inode, for ports) and the fds that
+may hold a file to judge in /dev/shm and /tmp. When files are matched by identity
+(`Host.identity_checked`: the kernel's /proc) those are kept by number (`FdTable.paths`), and
+only when some file there is a candidate: whether one holds a candidate is decided by its
+device and inode (a stat each), not by its link text, which names the path its process sees
+(another mount namespace, a bind mount). Only a fake tree keeps them by link text. A
+process that vanishes mid-scan is skipped; one whose fds cannot be read is counted. On a
+busy host the pass is split over two processes (host/split.py). Equivalent: `fuser -v /dev/dri/*`, `lsof /dev/dri/*`.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from __future__ import annotations
 import marshal
 import os
 import stat as _stat
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from xpuctl.core.rules import match
@@ -59,22 +58,13 @@ class RawProcess:
 
 class FdTable:
     """The open files of every process, as the pass over /proc found them (not a Scan: the
-    scan is built from it).
+    scan is built from it)."""
 
-    The pass keeps the text of every fd link under /dev/dri, /dev/shm and /tmp, and under the
-    root it was made for (`root`, `dirs`): what those fds are, a DRM node (`drm_fds`) or a
-    file to judge (`files`), is read from the text for that root (`_classify`). So a pass
-    can serve a scan of another root that reads the same /proc when it kept every fd that
-    root's pass would keep (`for_root`)."""
+    __slots__ = ("dmabuf_fds", "drm_fds", "files", "listeners", "malformed", "paths",
+                 "paths_for", "procs", "sockets", "sockets_for", "unreadable")
 
-    __slots__ = ("dirs", "dmabuf_fds", "drm_fds", "files", "kept", "listeners", "malformed",
-                 "paths", "paths_for", "procs", "root", "sockets", "sockets_for", "unreadable")
-
-    def __init__(self, root: str = "") -> None:
-        self.root = root  # the Host's root the pass was made for ("" for /)
-        self.dirs = kept_dirs(root)  # the links kept whole: under these
+    def __init__(self) -> None:
         self.procs: dict[int, RawProcess] = {}
-        self.kept: list[tuple[int, str, str]] = []  # (pid, fd, link text) under `dirs`
         self.drm_fds: list[tuple[int, str, str]] = []  # (pid, fd, host path)
         self.dmabuf_fds: list[tuple[int, str]] = []  # (pid, fd)
         self.sockets: dict[int, list[int]] = {}  # inode -> pids
@@ -82,7 +72,10 @@ class FdTable:
         self.sockets_for: frozenset[int] | None = None
         #: the TCP listeners the pass kept the sockets of (None: not read by the pass)
         self.listeners: list[TcpSocket] | None = None
-        self.files: dict[str, list[int]] = {}  # /dev/shm|/tmp path -> pids
+        #: /dev/shm|/tmp host path -> pids, by link text: only where files are not matched
+        #: by identity (a fake tree); on the kernel's /proc an fd on a file to judge is found
+        #: by its device and inode (`paths`), whatever path its link shows
+        self.files: dict[str, list[int]] = {}
         # (pid, fd) of the fds that may lead to a file to judge, on the kernel's /proc (see
         # module): `paths_for` None, none kept; (), every fd that may lead to a file; else
         # those whose link ends with "/" + one of these names
@@ -93,135 +86,53 @@ class FdTable:
 
     def merge(self, other: FdTable) -> None:
         self.procs.update(other.procs)
-        self.kept.extend(other.kept)
+        self.drm_fds.extend(other.drm_fds)
         self.dmabuf_fds.extend(other.dmabuf_fds)
         for inode, owners in other.sockets.items():
             self.sockets.setdefault(inode, []).extend(owners)
+        for path, owners in other.files.items():
+            self.files.setdefault(path, []).extend(owners)
         self.paths.extend(other.paths)
         if other.paths_for != self.paths_for:  # parts of one pass agree; else trust neither
             self.paths, self.paths_for = [], None
         self.unreadable.extend(other.unreadable)
         self.malformed.extend(other.malformed)
 
-    def _classify(self) -> None:
-        """`drm_fds` and `files` from the kept links, for `root`: a link under the root is
-        cut to its host path; any other is a host path as it is (seam.Host.to_host)."""
-        root, cut = self.root, len(self.root)
-        drm: list[tuple[int, str, str]] = []
-        files: dict[str, list[int]] = {}
-        for pid, fd, link in self.kept:
-            if root and link.startswith(root) and link[cut:cut + 1] == "/":
-                link = link[cut:]
-            if link.startswith("/dev/dri/"):
-                drm.append((pid, fd, link))
-            elif link.startswith(("/dev/shm/", "/tmp/")):
-                files.setdefault(link, []).append(pid)
-        self.drm_fds, self.files = drm, files
-
-    def for_root(self, root: str) -> FdTable | None:
-        """This pass as a pass of the same /proc made for `root` would be (a Host's root:
-        "" for /), or None when it did not keep every fd such a pass keeps. Its fds kept by
-        number stay those of the names it kept them for (`paths_for`): liveness uses them
-        only when they cover the files it judges, and reads the fds again otherwise."""
-        if root == self.root:
-            return self
-        if not all(d.startswith(self.dirs) for d in kept_dirs(root)):
-            return None
-        out = FdTable(root)
-        for name in ("procs", "kept", "dmabuf_fds", "sockets", "sockets_for", "listeners",
-                     "paths", "paths_for", "unreadable", "malformed"):
-            setattr(out, name, getattr(self, name))
-        out._classify()
-        return out
-
     def dumps(self) -> bytes:
         """Plain containers for `marshal` (the helper's half of a split pass)."""
         procs = [(p.pid, tuple(p.stat), p.cmdline, p.role, p.rank, p.fds_readable,
                   p.cmdline_bytes) for p in self.procs.values()]
-        return marshal.dumps((self.root, procs, self.kept, self.dmabuf_fds, self.sockets,
+        return marshal.dumps((procs, self.drm_fds, self.dmabuf_fds, self.sockets, self.files,
                               self.paths, self.paths_for, self.unreadable, self.malformed))
 
     @classmethod
     def loads(cls, data: bytes) -> FdTable:
-        (root, procs, kept, dmabuf, sockets, paths, paths_for, unreadable,
+        (procs, drm, dmabuf, sockets, files, paths, paths_for, unreadable,
          malformed) = marshal.loads(data)
-        out = cls(root)
+        out = cls()
         for pid, st, argv, role, rank, readable, nbytes in procs:
             out.procs[pid] = RawProcess(pid, ProcStat(*st), argv, role, rank, readable, nbytes)
-        out.kept, out.dmabuf_fds = kept, dmabuf  # marshal keeps tuples tuples
-        out.sockets, out.paths, out.paths_for = sockets, paths, paths_for
+        out.drm_fds, out.dmabuf_fds = drm, dmabuf  # marshal keeps tuples tuples
+        out.sockets, out.files, out.paths, out.paths_for = sockets, files, paths, paths_for
         out.unreadable, out.malformed = unreadable, malformed
         return out
 
 
-#: Where the files a scan looks at live: fds whose link is under one of these (cut to the
-#: root's) are kept whole by the pass (FdTable.kept).
-_DIRS = ("/dev/dri/", "/dev/shm/", "/tmp/")
+#: Where the files a scan looks at live. A DRM node's fd is kept whole (FdTable.drm_fds);
+#: a file of /dev/shm or /tmp by its link text only where files are not matched by identity.
+_DRI = ("/dev/dri/",)
+_FILE_DIRS = ("/dev/shm/", "/tmp/")
 
 
-def kept_dirs(root: str) -> tuple[str, ...]:
-    """The link prefixes a pass made for `root` keeps whole: the host's own and the root's."""
-    return _DIRS + tuple(root + d for d in _DIRS) if root else _DIRS
-
-
-def pass_serves(made_for: str, host: Host) -> bool:
-    """Can a pass made for the root `made_for` (a Host's root: "" for /) serve a scan of
-    `host`? When both read the same /proc and the pass kept every fd that host's pass keeps
-    (FdTable.for_root), and, for another root, what that root's files need (`_covers`).
-    Those are read here, not in a reader: two listings of /dev/shm and /tmp and an lstat of
-    each candidate, no read of a process's files (docs/bounded-reads.md); a reader's fork
-    would cost more than the head start saves at N=1000."""
-    same = os.path.realpath(made_for + "/proc") == os.path.realpath(host.path("/proc"))
-    if not (same and all(d.startswith(kept_dirs(made_for)) for d in kept_dirs(host.root))):
-        return False
-    if made_for == host.root or not host.identity_checked:
-        return True
-    names, socket_files = _files_to_judge(Host(made_for or "/", read_timeout=None))
-    return _covers(names, not socket_files,
-                   *_files_to_judge(Host(host.origin, read_timeout=None)))
-
-
-def _pass_key(host: Host, skip: frozenset[int]) -> tuple[str, str, frozenset[int]]:
-    """What a pass made ahead is kept under: the /proc it read, the pids it left out."""
-    return ("pass", os.path.realpath(host.path("/proc")), skip)
-
-
-def keep_pass(host: Host, skip: frozenset[int], started: float, fds: FdTable) -> None:
-    """In a reader: keep a pass made ahead of the scan that will take it (host/ahead.py)."""
-    host.keep_ahead(_pass_key(host, skip), (started, fds))
-
-
-def taken_pass(host: Host, skip: frozenset[int]) -> tuple[float, FdTable] | None:
-    """(when it began, the pass) of the pass kept ahead for a scan of `host` that skips
-    `skip`, as that scan's own pass would be, once; None when there is none that can serve.
-    Whether it kept what this root's files need was asked when it was claimed
-    (`pass_serves`); a file that appeared since is judged by reading the fds again
-    (liveness.Holdings._stat_fds)."""
-    ahead = host.take_ahead(_pass_key(host, skip))
-    if ahead is None:
-        return None
-    started, fds = ahead
-    mine = fds.for_root(host.root)
-    return None if mine is None else (started, mine)
-
-
-def _covers(kept: tuple[str, ...] | None, listeners_only: bool,
-            names: tuple[str, ...] | None, socket_files: bool) -> bool:
-    """Does a pass that kept the fds by number of `kept` (FdTable.paths_for: () all that may
-    lead to a file, None none), and the sockets of TCP listeners only or every socket, keep
-    what is needed to judge the files `names` (the same form) and socket files, if any?"""
-    if socket_files and listeners_only:
-        return False
-    if names is None or kept == ():
-        return True
-    return kept is not None and names != () and set(names) <= set(kept)
+def _prefixes(root: str, dirs: tuple[str, ...]) -> tuple[str, ...]:
+    """The link prefixes of `dirs` for a pass of `root`: the host's own and the root's."""
+    return dirs + tuple(root + d for d in dirs) if root else dirs
 
 
 def own_pids(host: Host, also: frozenset[int] = frozenset()) -> frozenset[int]:
     """The pids a scan leaves out: this process and `also` (the caller's own, its probes),
     when the scanned /proc is the one we run in; none in a fake tree, whose pids are not
-    processes of ours. The one rule: the caller, its reader and a pass posted ahead
-    (host/ahead.py) all skip by it."""
+    processes of ours. The one rule: the caller and its reader both skip by it."""
     return frozenset({os.getpid()}) | also if host.proc_is_live else frozenset()
 
 
@@ -351,17 +262,15 @@ _NOT_FILES = ("/dev/null", "/dev/pts/", "/dev/tty", "/dev/urandom", "/dev/random
 def _scan_some(host: Host, pids: Iterable[int], skip: frozenset[int], out: FdTable,
                names: tuple[str, ...] | None, sockets_for: frozenset[str] | None) -> None:
     procs = out.procs
-    kept = out.kept
     dmabuf = out.dmabuf_fds
     sockets = out.sockets
     root = host.root
-    cut = len(root)
     out.paths_for = names  # the fds matched with files by identity (FdTable.paths)
-    by_number = names is not None
-    dirs = out.dirs
-    keep = dirs + _KEEP + (("/",) if names == () else ())
+    by_text = not host.identity_checked  # a fake tree: files by their link text
+    keep = _prefixes(root, _DRI + (_FILE_DIRS if by_text else ())) + _KEEP + (
+        ("/",) if names == () else ())
     ends = tuple("/" + name for name in names or ())
-    paths = out.paths
+    by_number = names is not None
     fd_links = host.fd_links
     full_argv = not host.comm_trusted  # a fake tree's comm may not match its argv
     for pid in pids:
@@ -388,15 +297,7 @@ def _scan_some(host: Host, pids: Iterable[int], skip: frozenset[int], out: FdTab
         for fd, link in links:
             c = link[:1]
             if c == "/":
-                if by_number:
-                    shown = link[cut:] if root and link.startswith(root) and \
-                        link[cut:cut + 1] == "/" else link
-                    if not shown.startswith(_NOT_FILES) and (not ends or shown.endswith(ends)):
-                        paths.append((pid, fd))
-                if link.startswith(dirs):
-                    kept.append((pid, fd, link))
-                elif link.startswith("/dmabuf:"):
-                    dmabuf.append((pid, fd))
+                _path_fd(out, pid, fd, link, root, by_number, ends, by_text)
             elif c == "s":
                 if sockets_for is None or link in sockets_for:
                     try:
@@ -407,10 +308,27 @@ def _scan_some(host: Host, pids: Iterable[int], skip: frozenset[int], out: FdTab
                 dmabuf.append((pid, fd))  # anon_inode:dmabuf
 
 
+def _path_fd(out: FdTable, pid: int, fd: str, link: str, root: str, by_number: bool,
+             ends: tuple[str, ...], by_text: bool) -> None:
+    """One kept fd whose link is a path: a link under the root is cut to its host path, any
+    other is a host path as it is (seam.Host.to_host). `by_number`: fds that may lead to a
+    file to judge are kept by number (FdTable.paths), those whose link ends with `ends` when
+    it names some."""
+    if root and link.startswith(root) and link[len(root):len(root) + 1] == "/":
+        link = link[len(root):]
+    if by_number and not link.startswith(_NOT_FILES) and (not ends or link.endswith(ends)):
+        out.paths.append((pid, fd))
+    if link.startswith("/dev/dri/"):
+        out.drm_fds.append((pid, fd, link))
+    elif link.startswith("/dmabuf:"):
+        out.dmabuf_fds.append((pid, fd))
+    elif by_text and link.startswith(_FILE_DIRS):
+        out.files.setdefault(link, []).append(pid)
+
+
 def scan_processes(host: Host, skip_pids: frozenset[int] = frozenset(),
-                   meanwhile: Callable[[], object] | None = None, files: bool = True) -> FdTable:
-    """The pass. `meanwhile` runs in this process while a split helper starts on its share
-    (before the pass when it is not split): work that need not wait for the pass. `files`:
+                   files: bool = True) -> FdTable:
+    """The pass. `files`:
     the scan judges files in /dev/shm and /tmp; then, when files are matched by identity and
     some file there may be judged by who holds it, every fd that may lead to a file is kept
     (`FdTable.paths`; a pass without them costs less, and `file_fds` reads them later).
@@ -429,17 +347,16 @@ def scan_processes(host: Host, skip_pids: frozenset[int] = frozenset(),
     wanted = None if inodes is None else frozenset(f"socket:[{i}]" for i in inodes)
 
     def work(some: Iterable[int]) -> FdTable:
-        part = FdTable(host.root)
+        part = FdTable()
         _scan_some(host, some, skip_pids, part, names, wanted)
         return part
 
     out, *rest = in_two(work, pids, FdTable.dumps, FdTable.loads,
                         split=host.splittable and host.reader is None,
-                        in_helper=host.in_split_helper, meanwhile=meanwhile)
+                        in_helper=host.in_split_helper)
     for part in rest:
         out.merge(part)
     out.listeners, out.sockets_for = listeners, inodes
-    out._classify()
     return out
 
 

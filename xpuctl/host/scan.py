@@ -3,26 +3,22 @@
 from __future__ import annotations
 
 from xpuctl.core.model import (
-    Artifact,
     Device,
     DmabufHold,
     DrmClient,
-    FileInfo,
     Issue,
     Launcher,
-    Port,
     Process,
     RecordedRun,
     Scan,
     Unreadable,
 )
-from xpuctl.core.oneccl import KVS, kvs_port
-from xpuctl.core.rules import CCL_USED, Facts, Starter, judge, match, named_pid
-from xpuctl.core.trees import Member, resolve
+from xpuctl.core.trees import Member, Placement, resolve
+from xpuctl.host.artifacts import judge_files
 from xpuctl.host.containers import ContainerLookup
 from xpuctl.host.devices import scan_devices
 from xpuctl.host.drm import dmabufs_held, drm_clients
-from xpuctl.host.liveness import Holdings
+from xpuctl.host.ports import ports_of
 from xpuctl.host.processes import (
     FdTable,
     RawProcess,
@@ -31,15 +27,12 @@ from xpuctl.host.processes import (
     read_optional,
     scan_processes,
     stat_of,
-    taken_pass,
 )
 from xpuctl.host.reads.protocol import BlockedRead
 from xpuctl.host.seam import Host
-from xpuctl.host.sockdiag import listening_sockets
 from xpuctl.parse.envvars import mask_indices
 from xpuctl.parse.procfs import (
     ProcStat,
-    maps_library,
     parse_boot_time,
     parse_environ,
     parse_status_uid,
@@ -52,10 +45,7 @@ DEFAULT_PORT = 8000
 
 
 def _pass(host: Host, skip: frozenset[int], files: bool) -> tuple[float, FdTable]:
-    """(when it was taken, the pass over /proc): the one started ahead, else a new one."""
-    ahead = taken_pass(host, skip)
-    if ahead is not None:
-        return ahead
+    """(when it was taken, the pass over /proc)."""
     return host.now(), scan_processes(host, skip, files=files)
 
 
@@ -94,181 +84,6 @@ def _details(host: Host, pid: int, want_env: bool) -> tuple[int | None, dict[str
         data = read_optional(host, f"/proc/{pid}/environ")
         env = parse_environ(data) if data else {}
     return uid, env
-
-
-def _candidates(host: Host) -> tuple[list[tuple[str, str, FileInfo]], list[Issue]]:
-    """The files of /dev/shm and /tmp whose names a rule knows, with their lstat."""
-    issues: list[Issue] = []
-    candidates: list[tuple[str, str, FileInfo]] = []
-    for directory in ("/dev/shm", "/tmp"):
-        try:
-            names = host.listdir(directory)
-        except FileNotFoundError:
-            continue
-        except OSError as exc:
-            issues.append(Issue(directory, f"cannot list: {exc.strerror or exc}"))
-            continue
-        for name in names:
-            m = match(directory, name)
-            if m is None:
-                continue
-            path = f"{directory}/{name}"
-            try:
-                info = host.lstat(path)
-            except OSError:
-                continue
-            kind, socket_only = m
-            if socket_only and not info.is_socket:
-                continue
-            candidates.append((path, kind, info))
-    return sorted(candidates), issues
-
-
-def _artifacts(
-    host: Host, fds: FdTable, lazy: _Lazy, procs: list[Process], now: float,
-    stuck: dict[int, BlockedRead],
-) -> tuple[list[Artifact], list[Issue]]:
-    candidates, issues = _candidates(host)
-    if not candidates:
-        return [], issues
-    holds = Holdings(host, fds, {path: info for path, _, info in candidates},
-                     ccl_wanted=any(kind in CCL_USED for _, kind, _ in candidates))
-    vllm = tuple(Starter(p.pid, p.uid, p.start_time) for p in procs
-                 if p.role is not None and not p.is_zombie)
-    ccl: tuple[Starter, ...] | None = None
-    out: list[Artifact] = []
-    unjudged = 0
-    for path, kind, info in candidates:
-        facts = Facts((), (), False, None, vllm)
-        if kind != "cache" and (info.is_regular or info.is_socket):
-            facts = _facts(holds, lazy, path, kind, info, facts)
-            if kind in CCL_USED and not facts.open_by and not facts.mapped_by:
-                if ccl is None:
-                    ccl = tuple(Starter(pid, holds.uid_of(pid), lazy.start_time(pid))
-                                for pid in sorted(set(holds.ccl_users())))
-                facts = facts._replace(ccl=ccl)
-        verdict = judge(path, kind, info, facts)
-        stale, reason = verdict.stale, verdict.reason
-        if stale and stuck:
-            # a process that did not answer may have it open or mapped, or be the vLLM
-            # process whose FileStore it is: nothing is stale on the strength of that
-            stale, reason = False, (f"not judged: pid(s) {', '.join(map(str, sorted(stuck)))} "
-                                    "did not answer, their open files and mappings are unknown")
-        unjudged += bool(verdict.unseen)
-        out.append(
-            Artifact(
-                path=path,
-                kind=kind,
-                stale=stale,
-                reason=reason,
-                open_by=tuple(sorted(set(facts.open_by + facts.mapped_by))),
-                owner_uid=info.uid,
-                size_bytes=info.size,
-                age_seconds=max(0.0, now - info.mtime),
-                inode=info.inode,
-                dev=info.dev,
-                kept_by=verdict.kept_by,
-                unseen=verdict.unseen,
-            )
-        )
-    if unjudged:
-        seen = max(a.unseen for a in out)
-        issues.append(Issue("/proc", f"{unjudged} file(s) in /dev/shm and /tmp kept unjudged: "
-                                     f"{seen} process(es) that could hold them could not be "
-                                     "inspected"))
-    return out, issues
-
-
-def _facts(holds: Holdings, lazy: _Lazy, path: str, kind: str, info: FileInfo,
-           facts: Facts) -> Facts:
-    """What the host says about one candidate: who has it open or mapped (a socket is never
-    mapped), what is bound to it, the process its name's pid names, who went uninspected.
-
-    A regular file that no process found holds is asked once more by its inode, on the
-    kernel's /proc: a write lease (Holdings.lease) is refused while any open file
-    description of it exists, whoever holds it: a process that could not be inspected, one
-    that was handed it over a unix socket, one the pass did not see it in."""
-    open_by = holds.open_by(path)
-    mapped_by: tuple[int, ...] = ()
-    bound: bool | None = False
-    bound_by: tuple[int, ...] = ()
-    unseen: tuple[int, ...] = ()
-    held: bool | None = None
-    if info.is_socket:
-        bound, bound_by = holds.bound(path)
-    elif not open_by:
-        mapped_by = holds.mapped_by(path)
-        if not mapped_by:
-            if holds.host.identity_checked:  # a fake tree's processes are texts: no lease tells
-                held = holds.lease(path)
-            # refused: anyone uninspected may be the holder; else those who could open it
-            unseen = holds.unseen(info, anyone=bool(held))
-    named = None
-    pid = named_pid(kind, path.rsplit("/", 1)[-1])
-    if pid is not None and (raw := holds.fds.procs.get(pid)) is not None and raw.stat.state != "Z":
-        named = (pid, lazy.start_time(pid))
-    return facts._replace(open_by=open_by, mapped_by=mapped_by, bound=bound, named=named,
-                          unseen=unseen, held=held, bound_by=bound_by)
-
-
-def _kvs_owners(host: Host, port: int, pids: list[int], procs: dict[int, Process],
-                cache: dict[int, bool]) -> set[int]:
-    """The pids among a listener's owners that prove it is oneCCL's KVS (core/oneccl.py): the
-    port is the KVS's and the process maps libccl (its maps read once, bounded)."""
-    out = set()
-    for pid in pids:
-        p = procs.get(pid)
-        if not kvs_port(port, p.env if p is not None else None):
-            continue
-        if pid not in cache:
-            data = read_optional(host, f"/proc/{pid}/maps", 64 << 20)
-            text = data.decode("utf-8", "surrogateescape") if data else ""
-            cache[pid] = maps_library(text, "libccl")
-        if cache[pid]:
-            out.add(pid)
-    return out
-
-
-def _ports(host: Host, fds: FdTable, procs: dict[int, Process], port: int | None) -> list[Port]:
-    listeners = fds.listeners if fds.listeners is not None else listening_sockets(host)
-    host.found_listeners(listeners)
-    out: list[Port] = []
-    seen: set[tuple[int, int | None]] = set()
-    serving_found = False
-    maps_ccl: dict[int, bool] = {}
-    for sock in listeners:
-        pids = fds.sockets.get(sock.inode, [])
-        owners = [procs.get(pid) for pid in pids]
-        # Ray's own listeners (GCS, dashboard, agents) are not the run's ports, even when the
-        # run started that Ray
-        vllm_owners = [p for p in owners if p is not None and p.role not in (None, RAY)]
-        is_serving = port is not None and sock.port == port
-        kvs = _kvs_owners(host, sock.port, pids, procs, maps_ccl)
-        if not is_serving and not vllm_owners and not kvs:
-            continue
-        for pid in pids or (None,):
-            p = procs.get(pid) if pid is not None else None
-            if not is_serving and pid not in kvs and (p is None or p.role in (None, RAY)):
-                continue
-            key = (sock.port, pid)
-            if key in seen:
-                continue
-            seen.add(key)
-            serving_found |= is_serving
-            out.append(
-                Port(
-                    sock.port,
-                    sock.address,
-                    pid,
-                    "listen",
-                    p.role if p else None,
-                    bool(p and p.orphan),
-                    KVS if pid in kvs else None,
-                )
-            )
-    if port is not None and not serving_found:
-        out.append(Port(port, None, None, "free"))
-    return sorted(out, key=lambda x: (x.port, x.pid or 0))
 
 
 def _tag_run_leaders(fds: FdTable, runs: tuple[RecordedRun, ...]) -> None:
@@ -413,13 +228,14 @@ def take_scan(
     clients, held, dmabufs = _holdings(host, fds, devices)
     procs = _processes(host, fds, lazy, clients, held, stuck, want_env, devices, runs)
     ordered = sorted(procs.values(), key=lambda p: (p.top or p.pid, p.pid))
-    found, art_issues = _artifacts(host, fds, lazy, ordered, now, stuck) if artifacts else ([], [])
+    found, art_issues = judge_files(host, fds, lazy.start_time, ordered, now, stuck) \
+        if artifacts else ([], [])
     issues.extend(art_issues)
     if fds.unreadable:
         issues.append(_unreadable_fds(host, fds.unreadable))
     if fds.malformed:
         issues.append(Issue("/proc", f"could not parse {len(fds.malformed)} process(es)"))
-    ports = _ports(host, fds, procs, port)
+    ports = ports_of(host, fds, procs, port)
     return Scan(
         root=host.origin,
         taken_at=now,
@@ -497,6 +313,25 @@ def _launcher_of(host: Host, fds: FdTable, pid: int, stuck: dict[int, BlockedRea
     return Launcher(pid, " ".join(argv) if argv else f"[{raw.stat.comm}]")
 
 
+def _memory_by_pid(clients: list[DrmClient]) -> dict[int, int]:
+    """The device memory each pid's DRM clients hold, where fdinfo says."""
+    out: dict[int, int] = {}
+    for c in clients:
+        if c.memory_bytes is not None:
+            for pid in c.pids:
+                out[pid] = out.get(pid, 0) + c.memory_bytes
+    return out
+
+
+def _reported(place: Placement | None, placements: dict[int, Placement], holds: bool) -> bool:
+    """Is a process of the pass one the scan describes? Not an unrelated multiprocessing
+    helper (no place in a tree), nor a Ray cluster's own process that is no run's, unless it
+    holds a device."""
+    if holds:
+        return True
+    return place is not None and not (place.role == RAY and placements[place.top].role == RAY)
+
+
 def _processes(host: Host, fds: FdTable, lazy: _Lazy, clients: list[DrmClient],
                held: dict[int, set[str]], stuck: dict[int, BlockedRead], want_env: bool,
                devices: list[Device], runs: tuple[RecordedRun, ...]) -> dict[int, Process]:
@@ -518,20 +353,13 @@ def _processes(host: Host, fds: FdTable, lazy: _Lazy, clients: list[DrmClient],
     launchers = {o: _launcher_of(host, fds, o, stuck)
                  for o in {pl.owner for pl in placements.values() if pl.owner is not None}}
     boot = lazy.boot_time()
-    mem_by_pid: dict[int, int] = {}
-    for c in clients:
-        if c.memory_bytes is not None:
-            for pid in c.pids:
-                mem_by_pid[pid] = mem_by_pid.get(pid, 0) + c.memory_bytes
+    mem_by_pid = _memory_by_pid(clients)
     procs: dict[int, Process] = {}
     containers = ContainerLookup(host)
     for pid, raw in relevant.items():
         place = placements.get(pid)
-        if place is None and pid not in held:
-            continue  # an unrelated multiprocessing helper
-        if place is not None and place.role == RAY and placements[place.top].role == RAY \
-                and pid not in held:
-            continue  # a Ray cluster's own process, no run's: nothing to report
+        if not _reported(place, placements, pid in held):
+            continue
         st = raw.stat
         uid, env = details[pid]
         run_id = tags.get(pid)

@@ -20,7 +20,7 @@ from xpuctl.host.reads import protocol as _protocol
 from xpuctl.host.reads.caller import Reader
 from xpuctl.host.reads.protocol import DEFAULT_BOUND, BlockedRead
 
-if TYPE_CHECKING:  # imported in lstat: a pass over /proc (host/ahead.py) needs no record types
+if TYPE_CHECKING:  # imported in lstat: a pass over /proc needs no record types
     from xpuctl.core.model import FileInfo
     from xpuctl.parse.net import TcpSocket
 
@@ -74,15 +74,6 @@ class Host:
         if reader is not None:
             return reader.call(fn, self, *args)
         return fn(self, *args)
-
-    def keep_ahead(self, key: Any, value: Any) -> None:
-        """In a reader: keep work done ahead of the request that will ask for it (posted with
-        `Reader.post`). Elsewhere nothing is kept."""
-        self._reads.keep_ahead(key, value)
-
-    def take_ahead(self, key: Any) -> Any:
-        """The work kept under `key`, once; None when there is none."""
-        return self._reads.take_ahead(key)
 
     def in_split_helper(self) -> None:
         """Called in a forked split helper (host/split.py): its reads are its own to publish."""

@@ -74,34 +74,20 @@ def _take(queue: int, chunks: list[list[Any]], taken: list[int],
 
 def in_two(work: Callable[[Iterable[Any]], T], items: list[Any], dumps: Callable[[T], bytes],
            loads: Callable[[bytes], T], split: bool = True,
-           in_helper: Callable[[], None] | None = None,
-           meanwhile: Callable[[], object] | None = None) -> list[T]:
+           in_helper: Callable[[], None] | None = None) -> list[T]:
     """work(items) as one or two partial results: [work(items)] when a split does not pay,
     is not possible or not wanted (`split` False), else one result from here and one from a
     helper, over disjoint parts of `items` that together are all of it. `dumps`/`loads`
     carry a result through a pipe. `in_helper` runs first in the helper (in a reader:
-    Host.in_split_helper, so the helper publishes its reads in its own slot). `meanwhile`
-    runs here once the helper is on its way, before this process takes its first chunk (the
-    queue gives the helper more chunks meanwhile); without a helper, first of all."""
+    Host.in_split_helper, so the helper publishes its reads in its own slot)."""
     if not split or len(items) <= SPLIT_ABOVE or not can_split():
-        return _alone(work, items, meanwhile)
+        return [work(items)]
     size = max(CHUNK, -(-len(items) // _MAX_CHUNKS))
     chunks = [items[i:i + size] for i in range(0, len(items), size)]
-    try:
-        q_r, q_w = os.pipe()
-    except OSError:
-        return _alone(work, items, meanwhile)
-    try:
-        os.set_blocking(q_w, False)  # never wait on our own pipe; too small means no split
-        os.write(q_w, b"".join(n.to_bytes(_ID, "little") for n in range(len(chunks))))
-        os.close(q_w)
-        q_w = -1
-        r, w = os.pipe()
-    except OSError:
-        os.close(q_r)
-        if q_w >= 0:
-            os.close(q_w)
-        return _alone(work, items, meanwhile)
+    pipes = _queue(len(chunks))
+    if pipes is None:
+        return [work(items)]
+    q_r, r, w = pipes
     # Signals wait until the helper has dropped the caller's handlers (see _default_signals).
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
     parent = os.getpid()
@@ -110,19 +96,7 @@ def in_two(work: Callable[[Iterable[Any]], T], items: list[Any], dumps: Callable
     except OSError:
         child = -1
     if child == 0:  # the helper
-        code = 1
-        try:
-            _default_signals()
-            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-            if in_helper is not None:
-                in_helper()
-            os.close(r)
-            view = memoryview(dumps(work(_take(q_r, chunks, [], parent))))
-            while view:
-                view = view[os.write(w, view):]
-            code = 0
-        finally:
-            os._exit(code)
+        _helper(work, dumps, blocked, in_helper, q_r, chunks, parent, r, w)
     signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     os.close(w)
     mine: list[int] = []
@@ -131,8 +105,6 @@ def in_two(work: Callable[[Iterable[Any]], T], items: list[Any], dumps: Callable
         if child < 0:
             os.close(r)
             r = -1
-        if meanwhile is not None:
-            meanwhile()
         first = work(_take(q_r, chunks, mine))
     finally:
         os.close(q_r)
@@ -144,11 +116,44 @@ def in_two(work: Callable[[Iterable[Any]], T], items: list[Any], dumps: Callable
     return [first, theirs]
 
 
-def _alone(work: Callable[[Iterable[Any]], T], items: list[Any],
-           meanwhile: Callable[[], object] | None) -> list[T]:
-    if meanwhile is not None:
-        meanwhile()
-    return [work(items)]
+def _queue(n: int) -> tuple[int, int, int] | None:
+    """(the queue's read end, filled with the numbers of `n` chunks; the result pipe's read
+    and write ends), or None when the pipes cannot be had."""
+    try:
+        q_r, q_w = os.pipe()
+    except OSError:
+        return None
+    try:
+        os.set_blocking(q_w, False)  # never wait on our own pipe; too small means no split
+        os.write(q_w, b"".join(i.to_bytes(_ID, "little") for i in range(n)))
+        os.close(q_w)
+        q_w = -1
+        r, w = os.pipe()
+    except OSError:
+        os.close(q_r)
+        if q_w >= 0:
+            os.close(q_w)
+        return None
+    return q_r, r, w
+
+
+def _helper(work: Callable[[Iterable[Any]], T], dumps: Callable[[T], bytes],
+            blocked: Any, in_helper: Callable[[], None] | None, q_r: int,
+            chunks: list[list[Any]], parent: int, r: int, w: int) -> None:
+    """The forked helper: take chunks, send the result, leave (never returns)."""
+    code = 1
+    try:
+        _default_signals()
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        if in_helper is not None:
+            in_helper()
+        os.close(r)
+        view = memoryview(dumps(work(_take(q_r, chunks, [], parent))))
+        while view:
+            view = view[os.write(w, view):]
+        code = 0
+    finally:
+        os._exit(code)
 
 
 def _collect(child: int, r: int, loads: Callable[[bytes], T]) -> T | None:

@@ -14,23 +14,21 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, TypeAlias
 
 from xpuctl import __version__
+from xpuctl.core.collective import CollectiveResult
 from xpuctl.core.model import (
     Artifact,
-    CollectiveResult,
     Container,
     Device,
     Finding,
-    Health,
     Port,
     Process,
     RayActor,
     Report,
-    RunRow,
     RuntimeView,
     Scan,
-    Unread,
     Unreadable,
 )
+from xpuctl.core.runrecords import Health, RunRow, Unread
 from xpuctl.output.shapes import RebindPlan, Rebound, ResetDone, ResetPlan, Stopped, Tree
 from xpuctl.parse.probes import ProbeResult, result_to_dict
 

@@ -13,7 +13,8 @@ import textwrap
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from xpuctl.core.model import Finding, Report, RunRow, Scan, Version
+from xpuctl.core.model import Finding, Report, Scan, Version
+from xpuctl.core.runrecords import RunRow
 from xpuctl.core.units import human_age, human_bytes
 from xpuctl.output.safetext import safe
 from xpuctl.parse.procfs import ARGV_SHOWN_BYTES

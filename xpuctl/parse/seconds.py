@@ -39,8 +39,7 @@ class Span(NamedTuple):
 
 
 #: What `--read-timeout` (and XPUCTL_READ_TIMEOUT) takes: above 0, at most an hour (a read
-#: bound longer than that is a hang by another name). Here, not with the option: doctor's
-#: head start (cli/headstart.py) reads it before typer is imported.
+#: bound longer than that is a hang by another name).
 READ_BOUND_SPAN = Span(0.0, HOUR, low_open=True)
 
 

@@ -1,7 +1,7 @@
 """The collective check (`doctor --collective`, serve's `--preflight collective`): will the
 next launch's oneCCL/XCCL init and first all_reduce on these devices finish?
 
-    result = run_collective(host, bdfs, env, timeout)   # -> core.model.CollectiveResult
+    result = run_collective(host, bdfs, env, timeout)   # -> core.collective.CollectiveResult
 
 One rank per device (`probes/children/collective_rank`), all started by one leader
 (`probes/children/collective_group`) in one new session; the leader's process group is
@@ -40,7 +40,8 @@ import time
 from collections.abc import Callable, Sequence
 
 from xpuctl.core import rules, waits
-from xpuctl.core.model import AloneRun, CollectiveRank, CollectiveResult, Device
+from xpuctl.core.collective import AloneRun, CollectiveRank, CollectiveResult
+from xpuctl.core.model import Device
 from xpuctl.core.waits import Wait
 from xpuctl.host.devices import scan_devices
 from xpuctl.host.seam import Host

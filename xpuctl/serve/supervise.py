@@ -37,7 +37,7 @@ from xpuctl.actions.signals import (
     set_parent_death_signal,
     target_of,
 )
-from xpuctl.core.model import Health
+from xpuctl.core.runrecords import Health
 from xpuctl.core.watch import Observation, Verdict, WatchConfig
 from xpuctl.errors import ExitCode, XpuctlError
 from xpuctl.host import http

@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from xpuctl.core.model import Health
+from xpuctl.core.runrecords import Health
 from xpuctl.core.watch import (
     HEALTHY,
     STARTING,

@@ -11,7 +11,7 @@ from xpuctl.host.seam import Host
 
 if TYPE_CHECKING:  # types only: the modules load where used (a dry run needs no signals)
     from xpuctl.actions.signals import Target
-    from xpuctl.core.model import Unread
+    from xpuctl.core.runrecords import Unread
     from xpuctl.shutdown.targets import ServerTree
 
 

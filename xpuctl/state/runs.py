@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
-from xpuctl.core.model import Health, Unread
+from xpuctl.core.runrecords import Health, Unread
 from xpuctl.errors import LockedError, UsageError, XpuctlError
 from xpuctl.output.safetext import safe
 from xpuctl.parse import redact

@@ -17,7 +17,6 @@ vLLM runs, rather than leave a run nobody can find or stop by name.
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Mapping
 
 from xpuctl.errors import UsageError
@@ -56,6 +55,8 @@ PROBE_BYTES = 16 * 1024
 def check_writable(state_dir: str) -> None:
     """UsageError (exit 2) unless `runs/` and `logs/` of `state_dir` each take PROBE_BYTES
     (written, fsynced and removed again): a read-only or full filesystem is found here."""
+    import tempfile  # here: every command imports this module, only serve writes
+
     for sub in ("runs", "logs"):
         try:
             fd, tmp = tempfile.mkstemp(prefix=".xpuctl-room.", dir=os.path.join(state_dir, sub))

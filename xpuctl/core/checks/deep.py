@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from xpuctl.core.checks.registry import Ctx, check
-from xpuctl.core.model import CollectiveResult, Finding, RuntimeView
+from xpuctl.core.collective import CollectiveResult
+from xpuctl.core.model import Finding, RuntimeView
 from xpuctl.core.units import human_bytes
 
 

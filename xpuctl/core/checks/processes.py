@@ -144,36 +144,30 @@ def device_holders(c: Ctx) -> list[Finding]:
                     pids(mine),
                 )
             )
-        for p in holders:
-            if p.role is not None or p.pid in embedded:
-                continue
-            if p.blocked:
-                continue  # whether it is vLLM is unknown: see blocked-reads
-            on_dev = memory_on(c, p.pid, dev.bdf)
-            idle = 0 < on_dev <= IDLE_CONTEXT_BYTES
-            has_mem = bool(on_dev) and not idle
-            sev = "fail" if c.opts.expect_idle else ("warn" if has_mem else "info")
-            mem = f" with {human_bytes(on_dev)} of device memory" if has_mem else ""
-            if idle:
-                mem = (f" with an idle Level Zero context ({human_bytes(on_dev)}; every process "
-                       "that initialises Level Zero keeps about 20 MiB on each card): not a leak")
-            what = f"pid {p.pid} ({shorten(p.command)}){_in(p)}"
-            if p.ray is not None:  # another Ray job's actor: named by Ray, never vLLM's
-                label = f"{p.ray.class_name or '?'}" + (f" '{p.ray.name}'" if p.ray.name else "")
-                what = f"Ray actor {label} of job {p.ray.job_id or '?'} (pid {p.pid}){_in(p)}"
-            out.append(
-                Finding(
-                    "device-holders",
-                    sev,
-                    f"{dev.bdf} is held by {what}, not part of a vLLM server{mem}",
-                    f"check what pid {p.pid} is doing; stop it before serving on {dev.bdf}"
-                    if sev != "info"
-                    else None,
-                    dev.bdf,
-                    (p.pid,),
-                )
-            )
+        # whether a blocked one is vLLM is unknown: see blocked-reads
+        out += [_not_vllm(c, dev.bdf, p) for p in holders
+                if p.role is None and p.pid not in embedded and not p.blocked]
     return out
+
+
+def _not_vllm(c: Ctx, bdf: str, p: Process) -> Finding:
+    """A device held by a process that is not part of a vLLM server."""
+    on_dev = memory_on(c, p.pid, bdf)
+    idle = 0 < on_dev <= IDLE_CONTEXT_BYTES
+    has_mem = bool(on_dev) and not idle
+    sev = "fail" if c.opts.expect_idle else ("warn" if has_mem else "info")
+    mem = f" with {human_bytes(on_dev)} of device memory" if has_mem else ""
+    if idle:
+        mem = (f" with an idle Level Zero context ({human_bytes(on_dev)}; every process "
+               "that initialises Level Zero keeps about 20 MiB on each card): not a leak")
+    what = f"pid {p.pid} ({shorten(p.command)}){_in(p)}"
+    if p.ray is not None:  # another Ray job's actor: named by Ray, never vLLM's
+        label = f"{p.ray.class_name or '?'}" + (f" '{p.ray.name}'" if p.ray.name else "")
+        what = f"Ray actor {label} of job {p.ray.job_id or '?'} (pid {p.pid}){_in(p)}"
+    fix = (f"check what pid {p.pid} is doing; stop it before serving on {bdf}"
+           if sev != "info" else None)
+    return Finding("device-holders", sev,
+                   f"{bdf} is held by {what}, not part of a vLLM server{mem}", fix, bdf, (p.pid,))
 
 
 @check("device-memory")

@@ -91,6 +91,8 @@ def env(c: Ctx) -> list[Finding]:
 def run_health(c: Ctx) -> list[Finding]:
     """A live run whose watch (serve's --health-interval) found it unhealthy or stalled, or
     whose supervisor has not checked it for more than three intervals."""
+    if not c.scan.runs:
+        return []  # and the watch's rules are not loaded
     from xpuctl.core.watch import judge
 
     out = []

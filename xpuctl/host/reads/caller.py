@@ -114,7 +114,7 @@ def _fork(req_r: int, rep_w: int, page: mmap.mmap, parent_ends: tuple[int, ...])
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
     # Objects made before the fork are left out of the reader's garbage collections: a
     # collection touches every object it visits, and each page touched is copied. Objects
-    # this process had frozen itself (cli/group.py) stay frozen here.
+    # this process had frozen itself stay frozen here.
     frozen = gc.get_freeze_count()
     gc.freeze()
     try:
@@ -240,8 +240,6 @@ class Reader:
         self._lock = threading.Lock()  # one request at a time on the pipe (serve has threads)
         #: Round trips made (requests sent, retries included), for tests and bench.
         self.round_trips = 0
-        #: Requests posted (Reader.post) and not yet followed by a call that waits.
-        self.posted = 0
 
     def __repr__(self) -> str:
         return f"Reader(bound={self.bound:g})"
@@ -265,12 +263,6 @@ class Reader:
     def in_split_helper(self) -> None:
         """A split pass runs in the reader, never beside a Reader: nothing to do."""
 
-    def keep_ahead(self, key: Any, value: Any) -> None:
-        """Work done ahead is kept in the reader (child.Published), never here."""
-
-    def take_ahead(self, key: Any) -> Any:
-        return None
-
     def _ensure(self) -> _Child:
         if self._child is not None and self._owner != os.getpid():
             # a forked copy of this process (a split helper): the reader is the parent's
@@ -290,20 +282,6 @@ class Reader:
     def read(self, root: str, kind: str, hostpath: str, limit: int) -> bytes:
         return self.call(_child_side.read, self, root, kind, hostpath, limit)  # type: ignore[no-any-return]
 
-    def post(self, fn: Callable[..., Any], *args: Any) -> None:
-        """fn(*args) in the reader, started now and not waited for: there is no reply, and
-        an exception of it is dropped. For work done ahead of the request that will ask for
-        it (`host.ahead.start_pass`): fn keeps its result in the reader (`keep_ahead`).
-
-        Its reads are bounded like any other's: the next call watches the reader from the
-        moment it is sent, so a posted read that blocks is found there, the reader is
-        abandoned and that call runs in a fresh one, without the posted work. A reader with
-        posted work no call has waited for is killed at exit: nobody would read its work."""
-        with self._lock:
-            child = self._ensure()
-            send(child.requests, self._request(fn, args, {}, wanted=False))
-            self.posted += 1
-
     def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """fn(*args, **kwargs) in the reader: one round trip. Hosts among the arguments read
         there through the reader's side. Reads that block are recorded, and the call runs
@@ -312,14 +290,14 @@ class Reader:
         with self._lock:
             return self._call(fn, args, kwargs)
 
-    def _request(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-                 wanted: bool = True) -> bytes:
+    def _request(self, fn: Callable[..., Any], args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> bytes:
         import io
 
         out = io.BytesIO()
         pickler = _pickler()(out, protocol=5)
         pickler.reads = self
-        pickler.dump((fn, args, kwargs, tuple(self.blocked.values()), self.bound, wanted))
+        pickler.dump((fn, args, kwargs, tuple(self.blocked.values()), self.bound))
         return out.getvalue()
 
     def _call(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -329,7 +307,6 @@ class Reader:
             child = self._ensure()
             try:
                 self.round_trips += 1
-                self.posted = 0  # what was posted is this call's to wait through
                 send(child.requests, request)
                 reply = self._wait(child)
             except (EOFError, BrokenPipeError):
@@ -459,8 +436,6 @@ def _at_exit() -> None:
     for reader in list(_live()):
         child, reader._child = reader._child, None
         if child is not None:
-            if reader.posted:
-                _kill(child.pidfd)  # busy with work nobody will ask for
             _release(child)
 
 
@@ -470,8 +445,6 @@ def _close(state: dict[str, Any]) -> None:
     child = state.get("_child")
     state["_child"] = None
     if child is not None:
-        if state.get("posted"):
-            _kill(child.pidfd)  # busy with work nobody will ask for: do not wait for it
         _release(child)  # the idle reader reads end-of-file and leaves
         # a pidfd is readable once its process has exited: no polling
         exited = select.poll()

@@ -44,7 +44,7 @@ class Published:
     """Reads made in a reader (or its split helper): each one published in a slot of the
     shared page while it runs, and refused at once when its group did not answer before."""
 
-    __slots__ = ("ahead", "blocked", "bound", "offset", "page", "pid", "reads", "seq")
+    __slots__ = ("blocked", "bound", "offset", "page", "pid", "reads", "seq")
     reader = None
 
     def __init__(self, page: mmap.mmap, slot: int) -> None:
@@ -55,7 +55,6 @@ class Published:
         self.blocked: frozenset[str] = frozenset()  # groups that did not answer
         self.reads: tuple[BlockedRead, ...] = ()  # and the files that showed it
         self.bound = DEFAULT_BOUND
-        self.ahead: dict[Any, Any] = {}  # work done before it was asked for (Reader.post)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(DIRECT), ())  # a Host in a reply reads where it lands, unbounded
@@ -84,15 +83,6 @@ class Published:
     def leave(self) -> None:
         self.seq += 1
         HEAD.pack_into(self.page, self.offset, self.seq, self.pid, 0)
-
-    def keep_ahead(self, key: Any, value: Any) -> None:
-        """Keep a result made ahead of the request that will ask for it (Reader.post)."""
-        self.ahead[key] = value
-
-    def take_ahead(self, key: Any) -> Any:
-        """The result kept under `key`, once (None when there is none): a later request
-        makes its own."""
-        return self.ahead.pop(key, None)
 
     def in_split_helper(self) -> None:
         """In a forked split helper: publish in its own slot."""
@@ -138,8 +128,8 @@ def _failure(exc: BaseException) -> tuple[bool, Any, str]:
 
 
 def serve(requests: int, replies: int, page: mmap.mmap) -> None:
-    """The reader's loop: run each request, publish reads, reply (unless the request was
-    posted: Reader.post); return when the pipe ends."""
+    """The reader's loop: run each request, publish reads, reply; return when the pipe
+    ends."""
     # _pickle, not pickle: the Python module costs ~2 ms more to import, on every command
     import _pickle
     import gc
@@ -156,18 +146,10 @@ def serve(requests: int, replies: int, page: mmap.mmap) -> None:
             data = receive(requests)
         except EOFError:
             return
-        fn, args, kwargs, reads, bound, wanted = Unpickler(io.BytesIO(data)).load()
+        fn, args, kwargs, reads, bound = Unpickler(io.BytesIO(data)).load()
         published.reads, published.bound = reads, bound
         published.blocked = frozenset(group_of(r.path) for r in reads)
         gc.disable()  # a request builds a scan, nothing that must be collected meanwhile
-        if not wanted:  # posted: it keeps what it made (Published.keep_ahead); no reply
-            try:
-                fn(*args, **kwargs)
-            except Exception:
-                pass  # the request that asks for its work makes it again, and sees the error
-            finally:
-                gc.enable()
-            continue
         try:
             try:
                 reply: tuple[Any, ...] = (True, fn(*args, **kwargs))

@@ -219,13 +219,6 @@ class Direct:
     def in_split_helper(self) -> None:
         """Called in a forked split helper (host/split.py): nothing to move here."""
 
-    def keep_ahead(self, key: Any, value: Any) -> None:
-        """Nothing is kept: reads here are made when they are asked for (child.Published
-        keeps what a reader did ahead)."""
-
-    def take_ahead(self, key: Any) -> Any:
-        return None
-
     def __reduce__(self) -> tuple[Any, ...]:
         return (Direct, ())
 
