@@ -34,6 +34,8 @@ CHECKS = {
     "device-lost",
     "device-survivability",
     "probe-timeout",
+    "device-health",
+    "known-issues",
     "device-wedged",
     "gpu-hang",
     "devcoredump",

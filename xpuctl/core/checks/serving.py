@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from xpuctl.core.checks.registry import Ctx, check
-from xpuctl.core.model import Finding
+from xpuctl.core.model import Finding, Process
 from xpuctl.parse import envvars
 
 
@@ -21,54 +21,47 @@ def ports(c: Ctx) -> list[Finding]:
             top = p.top if p and p.top else port.pid
             orphan_ports.setdefault(top, []).append(port.port)
         elif port.port == opts.port:
-            if p is not None and p.role is not None:
-                top = p.top or p.pid
-                tree_devs = sorted({b for q in scan.processes if (q.top or q.pid) == top
-                                    for b in q.tied})
-                if not opts.port_explicit and not c.on_wanted(tree_devs):
-                    continue  # --device, default port: a server on other devices is not theirs
-                out.append(
-                    Finding(
-                        "ports",
-                        "fail" if opts.expect_idle else "info",
-                        f"port {port.port} is served by the live vLLM server {p.top or p.pid}",
-                        None,
-                        None,
-                        (port.pid,),
-                    )
-                )
-            else:
-                out.append(
-                    Finding(
-                        "ports",
-                        "fail" if opts.port_explicit or opts.expect_idle else "warn",
-                        f"port {port.port} is in use by pid {port.pid}, not a vLLM server; a "
-                        "server on it will fail with 'Address already in use'",
-                        f"pick another --port or stop pid {port.pid}",
-                        None,
-                        (port.pid,),
-                    )
-                )
+            out += _serving_port(c, port.port, port.pid, p)
     for top, numbers in sorted(orphan_ports.items()):
-        tree_devs = sorted({b for m in c.trees.get(top, []) for b in m.tied})
-        if not c.on_wanted(tree_devs):
-            continue
-        numbers = sorted(set(numbers))
-        pids = tuple(sorted({pt.pid for pt in scan.ports if pt.orphan and pt.pid and pt.port in numbers}))
-        shown = ", ".join(map(str, numbers[:8])) + (f" and {len(numbers) - 8} more" if len(numbers) > 8 else "")
-        serving = opts.port in numbers
-        out.append(
-            Finding(
-                "ports",
-                # with --device, another device's orphans only matter if they hold our port
-                "fail" if serving or not (c.wanted and not tree_devs) else "warn",
-                f"orphaned vLLM processes of tree {top} still listen on port(s) {shown}",
-                f"xpuctl shutdown --pid {top}",
-                None,
-                pids,
-            )
-        )
+        out += _orphan_ports(c, top, sorted(set(numbers)))
     return out
+
+
+def _serving_port(c: Ctx, number: int, pid: int, p: Process | None) -> list[Finding]:
+    """The serving port, held by a live vLLM server (info; fail with --expect-idle) or by
+    something else (warn; fail when the port was named)."""
+    opts = c.opts
+    if p is None or p.role is None:
+        return [Finding(
+            "ports", "fail" if opts.port_explicit or opts.expect_idle else "warn",
+            f"port {number} is in use by pid {pid}, not a vLLM server; a server on it will "
+            "fail with 'Address already in use'",
+            f"pick another --port or stop pid {pid}", None, (pid,))]
+    top = p.top or p.pid
+    tree_devs = sorted({b for q in c.scan.processes if (q.top or q.pid) == top for b in q.tied})
+    if not opts.port_explicit and not c.on_wanted(tree_devs):
+        return []  # --device, default port: a server on other devices is not theirs
+    return [Finding("ports", "fail" if opts.expect_idle else "info",
+                    f"port {number} is served by the live vLLM server {top}", None, None,
+                    (pid,))]
+
+
+def _orphan_ports(c: Ctx, top: int, numbers: list[int]) -> list[Finding]:
+    """The ports an orphaned tree still listens on (with --device, only its devices' trees)."""
+    tree_devs = sorted({b for m in c.trees.get(top, []) for b in m.tied})
+    if not c.on_wanted(tree_devs):
+        return []
+    pids = tuple(sorted({pt.pid for pt in c.scan.ports
+                         if pt.orphan and pt.pid and pt.port in numbers}))
+    shown = ", ".join(map(str, numbers[:8])) + (
+        f" and {len(numbers) - 8} more" if len(numbers) > 8 else "")
+    serving = c.opts.port in numbers
+    return [Finding(
+        "ports",
+        # with --device, another device's orphans only matter if they hold our port
+        "fail" if serving or not (c.wanted and not tree_devs) else "warn",
+        f"orphaned vLLM processes of tree {top} still listen on port(s) {shown}",
+        f"xpuctl shutdown --pid {top}", None, pids)]
 
 
 @check("env")
