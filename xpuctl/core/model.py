@@ -375,6 +375,7 @@ class RunRow(NamedTuple):
     run_id: str
     recorded_state: str | None = None  # a stale run: the state its record still says
     health: Health | None = None  # serve's watch: its last verdict and check (core/watch.py)
+    exit_code: int | None = None  # vLLM's own exit status, once it exited (serve's is apart)
 
 
 class Unread(NamedTuple):

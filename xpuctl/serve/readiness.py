@@ -7,12 +7,13 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from xpuctl.actions.signals import own_identity
 from xpuctl.errors import ExitCode, XpuctlError
-from xpuctl.host import http
 from xpuctl.output.safetext import safe
 from xpuctl.parse.vllmlog import STARTING
 from xpuctl.serve.exits import ExitJudge
 from xpuctl.serve.launch import ray_python
+from xpuctl.serve.reach import READY, startup_complete
 from xpuctl.serve.watch import starting_health
 
 if TYPE_CHECKING:  # types only: the log's parser is imported where used
@@ -30,6 +31,8 @@ class Readiness(ExitJudge):
         self.lines.feed(line, self.ready)
         if self.ready:
             return
+        if startup_complete(line):
+            self.started = True
         with self.track_lock:
             changed = self.tracker.feed(line, time.monotonic())
         if changed is not None:
@@ -55,7 +58,6 @@ class Readiness(ExitJudge):
         before the engine starts and answers once it is up, so readiness is noticed within
         about POLL + one probe of /health first answering."""
         deadline = self.t0 + self.opts.ready_timeout
-        local = http.local_host(self.plan.bind)
         phase = STARTING.label  # launch() said what it waits for
         next_beat = time.monotonic()
         while True:
@@ -64,7 +66,7 @@ class Readiness(ExitJudge):
                 return code
             if self.signals:
                 return "signal"
-            if http.ready(local, self.plan.port, READY_PROBE_TIMEOUT):
+            if self.prober.ready(READY_PROBE_TIMEOUT, self.started) == READY:
                 return "ready"
             now = time.monotonic()
             if now >= deadline:
@@ -140,6 +142,8 @@ class Readiness(ExitJudge):
         from xpuctl.core import advice
 
         assert self.pump is not None
+        # stopping from now on (the diagnosis may take a while): never "starting" then stale
+        self._set(state="stopping", stopping_by=own_identity())
         lines = list(self.pump.tail)
         with self.track_lock:
             phase = self.tracker.phase

@@ -10,7 +10,6 @@ import time
 
 from xpuctl.actions.signals import Target, own_identity
 from xpuctl.core.model import Health
-from xpuctl.host import http
 from xpuctl.host.notify import Notifier
 from xpuctl.host.seam import Host
 from xpuctl.output import progress
@@ -18,6 +17,7 @@ from xpuctl.output.safetext import safe
 from xpuctl.serve.budget import worst_stop_seconds
 from xpuctl.serve.launch import LaunchPlan, ServeOptions
 from xpuctl.serve.pump import Pump
+from xpuctl.serve.reach import Prober
 from xpuctl.serve.watch import LineWatch, Observer, Watcher
 from xpuctl.state import audit
 from xpuctl.state.runs import (
@@ -44,6 +44,7 @@ class RecordKeeper:
         self.view = view
         self.foreground = foreground
         self.signals = 0
+        self.interruptible = False  # a second signal may raise Interrupted (the ladder only)
         self.proc: subprocess.Popen[bytes] | None = None
         self.pump: Pump | None = None
         self.t0 = time.monotonic()
@@ -61,7 +62,10 @@ class RecordKeeper:
         self.lines = LineWatch()
         self.watcher: Watcher | None = None
         self.observer: Observer | None = None
-        self.url = f"http://{http.local_host(plan.bind)}:{plan.port}"
+        # the server reached the way it is configured (TLS, a unix socket, its API key)
+        self.prober = Prober(plan.reach, opts.probe_cert, opts.probe_key, self.say)
+        self.url = self.prober.url
+        self.started = False  # vLLM said "Application startup complete."
         self.stop_budget = worst_stop_seconds(opts.drain_timeout, opts.teardown_timeout,
                                               opts.kill_after)
 

@@ -17,8 +17,9 @@ if TYPE_CHECKING:  # types only: the ladder is imported where used
     from xpuctl.shutdown.targets import ServerTree
 
 
-class Interrupted(Exception):
-    """A second signal during a stop: kill the tree now."""
+class Interrupted(BaseException):
+    """A second signal during the ladder: kill the tree now (a BaseException: no `except
+    Exception` on the ladder's way swallows it)."""
 
 
 class Stopping(RecordKeeper):
@@ -41,7 +42,7 @@ class Stopping(RecordKeeper):
                     session=self.rec.session, devices=tuple(self.plan.bdfs), port=self.plan.port,
                     bind=self.plan.bind, shutdown_timeout=self.plan.shutdown_timeout,
                     log_path=self.rec.log_path, record=self.rec, known=[top],
-                    never_ready=not self.ready)
+                    never_ready=not self.ready, endpoint=self.prober.endpoint)
 
     def _show(self, ev: Event) -> None:
         """One step of a stop's timeline. vLLM's own lines (`vllm` steps, read from its log)
@@ -61,26 +62,41 @@ class Stopping(RecordKeeper):
 
     def stop_tree(self, why: str) -> StopResult:
         """The ladder on our own tree. A server that never became ready has nothing to
-        drain: the tree gets the teardown budget only (ServerTree.never_ready)."""
-        from xpuctl.shutdown.ladder import stop
-
+        drain: the tree gets the teardown budget only (ServerTree.never_ready). A second
+        signal (before or during the ladder) kills the tree now: the kill pass, which no
+        further signal interrupts; the release is proven either way."""
         self.notify.stopping(why, self.stop_budget)
         self._set(state="stopping", stopping_by=own_identity())
         try:
-            return stop(self.host, [self._tree()], kill_after=self.opts.kill_after,
-                        release_timeout=self.opts.teardown_timeout, on_event=self._show,
-                        on_wait=self.view.wait)
+            if self.signals < 2:
+                return self._ladder(interruptible=True)
         except Interrupted:
+            pass
+        finally:
+            self.interruptible = False
+        try:
             self.view.wait(None)
             self.say("xpuctl: second interrupt: killing the tree now")
-            return stop(self.host, [self._tree()], kill_after=0,
-                        release_timeout=self.opts.teardown_timeout, on_event=self._show,
-                        skip_drain=True, on_wait=self.view.wait)
+            return self._ladder(interruptible=False)
         finally:
             if self.foreground and self.pump is not None:
                 # the tree is gone: vLLM's last lines reach the terminal (they are left out
                 # of the timeline there) before anything else is said
                 self.pump.join(timeout=1.0)
+
+    def _ladder(self, interruptible: bool) -> StopResult:
+        """The ladder (drain and escalation), or the kill pass (no drain, SIGKILL now)."""
+        from xpuctl.shutdown.ladder import stop
+
+        self.interruptible = interruptible  # only here may a second signal raise Interrupted
+        result = stop(self.host, [self._tree()],
+                      kill_after=self.opts.kill_after if interruptible else 0,
+                      release_timeout=self.opts.teardown_timeout, on_event=self._show,
+                      skip_drain=not interruptible, on_wait=self.view.wait)
+        self.interruptible = False
+        if interruptible and self.foreground and self.pump is not None:
+            self.pump.join(timeout=1.0)
+        return result
 
     def _stop_on_signal(self) -> int:
         self.say("xpuctl: stopping (signal received; press Ctrl-C again to kill)")

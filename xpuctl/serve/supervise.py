@@ -40,8 +40,12 @@ class RunSupervisor(WatchLoop):
     (how the run ended), `readiness`, `watchloop`."""
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        """Count it; a second one raises only inside the ladder (stopping.Stopping._ladder),
+        where it means "kill now": anywhere else it is counted, and acted on at the next
+        step (never an exception out of a record write, a probe or the kill pass)."""
         self.signals += 1
-        if self.signals >= 2:
+        if self.signals >= 2 and self.interruptible:
+            self.interruptible = False
             raise Interrupted()
 
     def launch(self) -> None:
@@ -59,9 +63,8 @@ class RunSupervisor(WatchLoop):
             close_fds=True,
         )
         # the kernel's records are read from here on: a device wedged while vLLM starts counts
-        self.observer = Observer(self.host, self.plan.bind, self.plan.port, self.plan.bdfs,
-                                 self.lines, probe_timeout(self.opts.health_interval,
-                                                           self.notify.watchdog))
+        self.observer = Observer(self.host, self.prober, self.plan.bdfs, self.lines,
+                                 probe_timeout(self.opts.health_interval, self.notify.watchdog))
         assert self.proc.stdout is not None  # stdout=PIPE
         self.pump = Pump(self.proc.stdout, log_fd, self._on_line,
                           self.view.echo if self.foreground else None)

@@ -280,10 +280,11 @@ def _wait_exit(ld: _Ladder, timeout: float | None) -> None:
                 # no request left, or the tops are gone: what is left is vLLM's teardown
                 phase = waits.TEARDOWN
             for tree in ld.trees:
-                if tree.port and not tree.orphan and not tree.never_ready and tree.top.alive(ld.host):
+                reach = tree.reach()
+                if reach and not tree.orphan and not tree.never_ready and tree.top.alive(ld.host):
                     from xpuctl.host import http  # only when there is a drain to watch
 
-                    n = http.in_flight(http.local_host(tree.bind), tree.port, 0.3)
+                    n = http.in_flight(reach, 0.3)
                     if n is not None and n != last_flight.get(tree.top.pid):
                         last_flight[tree.top.pid] = n
                         ld.emit("in-flight", f"{n} request(s) running or waiting on :{tree.port}")
