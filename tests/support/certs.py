@@ -42,7 +42,7 @@ def _write(d: Path, stem: str, cert: x509.Certificate, key: ec.EllipticCurvePriv
 
 def _cert(cn: str, key: ec.EllipticCurvePrivateKey, issuer: x509.Name,
           signer: ec.EllipticCurvePrivateKey, ca: bool, server: bool) -> x509.Certificate:
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     b = (x509.CertificateBuilder().subject_name(_name(cn)).issuer_name(issuer)
          .public_key(key.public_key()).serial_number(x509.random_serial_number())
          .not_valid_before(now - datetime.timedelta(minutes=5))
