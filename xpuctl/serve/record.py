@@ -44,7 +44,6 @@ class RecordKeeper:
         self.view = view
         self.foreground = foreground
         self.signals = 0
-        self.interruptible = False  # a second signal may raise Interrupted (the ladder only)
         self.proc: subprocess.Popen[bytes] | None = None
         self.pump: Pump | None = None
         self.t0 = time.monotonic()

@@ -72,8 +72,6 @@ class Stopping(RecordKeeper):
                 return self._ladder(interruptible=True)
         except Interrupted:
             pass
-        finally:
-            self.interruptible = False
         try:
             self.view.wait(None)
             self.say("xpuctl: second interrupt: killing the tree now")
@@ -84,16 +82,21 @@ class Stopping(RecordKeeper):
                 # of the timeline there) before anything else is said
                 self.pump.join(timeout=1.0)
 
+    def _hurry(self) -> None:
+        """The ladder's hook between the steps of its waits: a second signal ends it there
+        (never inside a read of the host: the reader's protocol stays whole)."""
+        if self.signals >= 2:
+            raise Interrupted()
+
     def _ladder(self, interruptible: bool) -> StopResult:
         """The ladder (drain and escalation), or the kill pass (no drain, SIGKILL now)."""
         from xpuctl.shutdown.ladder import stop
 
-        self.interruptible = interruptible  # only here may a second signal raise Interrupted
         result = stop(self.host, [self._tree()],
                       kill_after=self.opts.kill_after if interruptible else 0,
                       release_timeout=self.opts.teardown_timeout, on_event=self._show,
-                      skip_drain=not interruptible, on_wait=self.view.wait)
-        self.interruptible = False
+                      skip_drain=not interruptible, on_wait=self.view.wait,
+                      hurry=self._hurry if interruptible else None)
         if interruptible and self.foreground and self.pump is not None:
             self.pump.join(timeout=1.0)
         return result

@@ -25,7 +25,6 @@ from types import FrameType
 
 from xpuctl.actions.signals import become_subreaper, set_parent_death_signal, target_of
 from xpuctl.serve.pump import Pump, open_log
-from xpuctl.serve.stopping import Interrupted
 from xpuctl.serve.watch import Observer, probe_timeout
 from xpuctl.serve.watchloop import WatchLoop
 
@@ -40,13 +39,11 @@ class RunSupervisor(WatchLoop):
     (how the run ended), `readiness`, `watchloop`."""
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        """Count it; a second one raises only inside the ladder (stopping.Stopping._ladder),
-        where it means "kill now": anywhere else it is counted, and acted on at the next
-        step (never an exception out of a record write, a probe or the kill pass)."""
+        """Count it, nothing more: the steps read the count where it is safe (a second one
+        during the ladder means "kill now", at the ladder's next wait: stopping._hurry). An
+        exception raised from here could land inside a read of the host and break the
+        reader's protocol: the exit 70 of two quick Ctrl-C (issue 36)."""
         self.signals += 1
-        if self.signals >= 2 and self.interruptible:
-            self.interruptible = False
-            raise Interrupted()
 
     def launch(self) -> None:
         become_subreaper()
