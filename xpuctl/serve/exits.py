@@ -66,7 +66,7 @@ class ExitJudge(Stopping):
                  f"nobody asked serve for is a failure; vLLM's own exit status {code} is in "
                  "the run record)")
         if not ready:
-            self.end(f"exit {int(ExitCode.PROBLEMS)}")
+            self.end(f"exit {code}")  # vLLM's own: the front says it, and exits 1
         return ExitCode.PROBLEMS
 
     def _mark_exited(self, code: int, passive: bool) -> None:
