@@ -230,6 +230,20 @@ def test_mutual_tls_with_the_probe_cert_probes(rig, certs):
     rig.assert_clean()
 
 
+def test_mutual_tls_with_a_probe_cert_the_server_refuses_is_never_stopped(rig, certs):
+    """serve's certificate is one the server's CA does not vouch for: the server refuses the
+    handshake (an alert, or a closed connection); said once, ready from vLLM's startup line,
+    and the refusals never count against the run."""
+    fg = rig.serve_bg(*tls_args(certs.server, certs.ca, 2), opts=[
+        *WATCH, "--probe-cert", certs.self_signed.cert, "--probe-key", certs.self_signed.key])
+    try:
+        healthy_and_untouched(rig, fg)
+    finally:
+        assert stop(fg) == 0, str(fg)
+    assert fg.err().count("cannot prove who it is") == 1, str(fg)
+    rig.assert_clean()
+
+
 @pytest.mark.parametrize("probe_cert", [False, True])
 def test_mutual_tls_control_engine_death_caught(rig, certs, probe_cert):
     mine = ["--probe-cert", certs.client.cert, "--probe-key", certs.client.key]

@@ -336,7 +336,7 @@ class Health(NamedTuple):
     """A run's health as serve's watch last judged it: the run record's `health` field
     (core/watch.py judges it; docs/serve-exits.md)."""
 
-    state: str  # starting | healthy | unhealthy | stalled
+    state: str  # starting | healthy | unhealthy | stalled | exited (vLLM's API server gone)
     since: float  # wall-clock seconds: when the run entered `state`
     reason: str | None  # unhealthy or stalled: why, starting "unhealthy:" or "stalled:"
     checked_at: float  # wall-clock seconds of the watch's last check

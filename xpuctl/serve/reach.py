@@ -97,9 +97,19 @@ class Prober:
                        "verification (its own server, on this host)")
             self.endpoint = dataclasses.replace(self.endpoint, ca=None)
             reply = http.request(self.endpoint, path, timeout, limit, auth)
+        if not reply.denied and self._refused_cert(reply):
+            reply = reply._replace(refused_tls=True)
         if reply.denied:
             self._denied(path, reply)
         return reply
+
+    def _refused_cert(self, reply: http.Reply) -> bool:
+        """Under mutual TLS a server that will not take serve's certificate may just close
+        the connection (a reset, an empty answer) instead of a TLS alert: that too is a
+        refusal, not a server that is unwell. Refused connections and timeouts still count."""
+        if not self.reach.mutual or reply.status is not None or reply.error is None:
+            return False
+        return reply.error != "connection refused" and not reply.error.startswith("timed out")
 
     def _denied(self, path: str, reply: http.Reply) -> None:
         why = (f"answered {reply.status}" if reply.status is not None
