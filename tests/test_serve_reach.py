@@ -295,27 +295,29 @@ def test_unix_socket_control_engine_death_caught(rig):
 
 def test_vllm_exit_status_4_is_serves_1_and_the_record_says_it_at_once(rig):
     """vLLM exits 4 by itself (it would read as serve's "not ready"): serve exits 1, vLLM's 4
-    is in the record and serve's last line. A worker that ignores SIGTERM keeps the ladder
-    running after the API server is gone: the record already says stopping and exited then,
-    and `xpuctl health` says 1, never "stuck"."""
+    is in the record and serve's last line. Its EngineCore is left behind (it watches nobody)
+    with workers that ignore SIGTERM: the ladder runs for seconds after the API server is
+    gone, and the record already says stopping and exited while EngineCore still runs;
+    `xpuctl health` says 1, never "stuck"; `ps --json` has vLLM's 4."""
     env = {"FAKE_VLLM_FAULTS": "exit-status,worker-ignores-sigterm",
-           "FAKE_VLLM_FAULT_FILE": str(rig.tmp / "fault-now"), "FAKE_VLLM_EXIT_STATUS": "4"}
-    fg = rig.serve_bg(opts=WATCH, env=env, kill_after=20)
+           "FAKE_VLLM_FAULT_FILE": str(rig.tmp / "fault-now"), "FAKE_VLLM_EXIT_STATUS": "4",
+           "FAKE_VLLM_EXIT_LEAVES_ENGINE": "1"}
+    fg = rig.serve_bg(opts=WATCH, env=env, kill_after=20, teardown=10)
     wait_ready(rig, fg)
     api = rig.record(fg.name)["pid"]
+    engine = rig.tree(api)[0]
     (rig.tmp / "fault-now").touch()
     assert wait_for(lambda: not running(api), 60, 0.05), str(fg)
     assert wait_for(lambda: rig.record(fg.name)["state"] != "ready", 60, 0.05)
     rec = rig.record(fg.name)
-    workers_left = [p for p in rig.alive() if p != fg.proc.pid]
+    assert running(engine), str(fg)  # the ladder has not ended: EngineCore still runs
     assert rec["state"] == "stopping" and rec["health"]["state"] == "exited", rec
     assert rec["exit_code"] == 4 and "code 4" in rec["health"]["reason"], rec
-    if workers_left and fg.proc.poll() is None:  # the ladder still runs: health is not 0
-        got = rig.xpuctl("health", fg.name, "--state-dir", rig.state)
-        assert got.rc == 1 and "stuck" not in got.out + got.err, str(got)
-        ps = json.loads(rig.xpuctl("ps", "--json", "--state-dir", rig.state).out)
-        runs = [r for r in ps.get("runs", []) if r["name"] == fg.name]
-        assert not runs or runs[0]["vllm_exit_code"] == 4, runs
+    got = rig.xpuctl("health", fg.name, "--state-dir", rig.state)
+    assert got.rc == 1 and "stuck" not in got.out + got.err, str(got)
+    ps = json.loads(rig.xpuctl("ps", "--json", "--state-dir", rig.state).out)
+    runs = [r for r in ps["runs"] if r["name"] == fg.name]
+    assert runs and runs[0]["vllm_exit_code"] == 4, ps
     assert fg.proc.wait(120) == 1, str(fg)
     rec = rig.record(fg.name)
     assert rec["state"] == "failed" and rec["exit_code"] == 4, rec
