@@ -85,7 +85,7 @@ class ExitJudge(Stopping):
     def _unhealthy_end(self, reason: str, verdict: str) -> int:
         lines = list(self.pump.tail) if self.pump is not None else []
         leftovers = verdict == "leftovers"
-        self._set(state="failed", exit_code=self.exit_code(), stopped_at=time.time(),
+        self._set(state="failed", exit_code=self.stopped_code(), stopped_at=time.time(),
                   reason=reason, last_lines=lines[-LAST_LINES:])
         code = ExitCode.PROBLEMS if leftovers else ExitCode.UNHEALTHY
         self.say(f"xpuctl: stopped: {verdict}: the run was {reason.split(':', 1)[0]}; serve "

@@ -17,6 +17,9 @@ if TYPE_CHECKING:  # types only: the ladder is imported where used
     from xpuctl.shutdown.targets import ServerTree
 
 
+REAP_WAIT = 5.0  # seconds: the longest a gone API server's status may take to be reaped
+
+
 class Interrupted(BaseException):
     """A second signal during the ladder: kill the tree now (a BaseException: no `except
     Exception` on the ladder's way swallows it)."""
@@ -31,6 +34,17 @@ class Stopping(RecordKeeper):
         code = EXITED.get(self.proc.pid)
         if code is not None:
             self.proc.returncode = code  # we reaped it, not Popen
+        return code
+
+    def stopped_code(self, wait: float = REAP_WAIT) -> int | None:
+        """vLLM's exit status once a stop proved it gone. The ladder counts a zombie as gone,
+        but a thread-group leader whose other threads still exit cannot be reaped yet: its
+        status comes a moment later (None when it never does)."""
+        end = time.monotonic() + wait
+        code = self.exit_code()
+        while code is None and time.monotonic() < end:
+            time.sleep(0.02)
+            code = self.exit_code()
         return code
 
     def _tree(self) -> ServerTree:
@@ -111,7 +125,7 @@ class Stopping(RecordKeeper):
     def _after_stop(self, result: StopResult) -> int:
         """A stop that was asked for: 0 once the release is proven (also after a SIGKILL,
         and during start-up), 1 when something was left."""
-        code = self.exit_code()
+        code = self.stopped_code()
         leftovers = result.verdict == "leftovers"
         self._set(state="stopped" if not leftovers else "failed", exit_code=code, stopped_at=time.time())
         self.say(f"xpuctl: stopped: {result.verdict}")
