@@ -227,6 +227,31 @@ def test_vllm_argv_readers_never_raise(argv):
 
 
 @FUZZ
+@given(vllm_argv, st.dictionaries(st.sampled_from(["VLLM_API_KEY", "OTHER"]), st.text(max_size=8)))
+def test_server_reach_never_raises_and_keys_come_from_argv_or_env(argv, env):
+    """vllmargs.server_reach (issue 36 item 1): any argv and environment; the keys are values
+    that stand in argv or VLLM_API_KEY's, never anything else."""
+    reach = vllmargs.server_reach(argv, env)
+    assert reach.port is None or reach.port >= 0
+    words = set(argv) | {a.partition("=")[2] for a in argv} | {env.get("VLLM_API_KEY")}
+    assert all(k in words for k in reach.keys)
+    assert reach.mutual <= reach.tls
+
+
+def test_server_reach_reads_vllms_options():
+    """vLLM 0.32 entrypoints/launchers/cli_args.py: --api-key takes one or more values (the
+    last --api-key wins, argparse), else VLLM_API_KEY; --uds; --ssl-* with --ssl-cert-reqs an
+    ssl.VerifyMode integer."""
+    r = vllmargs.server_reach(["m", "--api-key", "a", "b", "--port", "9", "--uds", "/s",
+                               "--ssl_keyfile=k", "--ssl-certfile", "c", "--ssl-cert-reqs", "2"],
+                              {"VLLM_API_KEY": "env"})
+    assert r.keys == ("a", "b") and r.port == 9 and r.uds == "/s" and r.tls and r.mutual
+    assert vllmargs.server_reach(["m"], {"VLLM_API_KEY": "env"}).keys == ("env",)
+    assert vllmargs.server_reach(["--api-key=x", "--api-key", "y"]).keys == ("y",)
+    assert not vllmargs.server_reach(["--ssl-keyfile", "k"]).tls  # uvicorn needs both
+
+
+@FUZZ
 @given(vllm_argv, st.sampled_from(["--port", "--host", "--shutdown-timeout"]))
 def test_strip_flag_removes_every_spelling_and_keeps_the_rest(argv, flag):
     rest, value, found = vllmargs.strip_flag(argv, flag)

@@ -113,3 +113,39 @@ def test_a_stopped_engine_core_with_a_request_running_is_stalled(xpuctl_foregrou
     assert gone, run.describe_tree()
     vllm_timings[request.node.name] = {
         "stop_to_stalled": round(rec["health"]["since"] - stopped_at, 2)}
+
+
+def test_api_key_becomes_ready_and_stays_untouched(xpuctl_foreground):
+    """`--api-key` (issue 36 item 1): vLLM 0.32's serve/middleware/authenticate.py answers 401
+    on /v1 without the key and leaves /health and /metrics open; serve probes /v1/models with
+    the key as a bearer token: the run becomes ready and its watch leaves it alone. The key
+    is in neither serve's own lines nor the record nor the audit log."""
+    import json
+    import urllib.request
+
+    key = "xpuctl-real-key-" + str(time.monotonic_ns())
+    run = xpuctl_foreground(opts=WATCH, vllm_args=("--api-key", key))
+    _ready(run)
+    status, _ = realvllm.http_json(run.base_url + "/v1/models")
+    assert status == 401, status  # the key guards /v1: the probe needed it
+    req = urllib.request.Request(run.base_url + "/v1/models",
+                                 headers={"Authorization": f"Bearer {key}"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        assert resp.status == 200
+    first = run.record()["health"]["checked_at"]
+    end = time.monotonic() + 120
+    while time.monotonic() < end and run.record()["health"]["checked_at"] < first + 5:
+        time.sleep(0.2)
+    rec = run.record()
+    assert rec["health"]["checked_at"] >= first + 5, rec  # five checks (--health-interval 1)
+    assert rec["state"] == "ready" and rec["health"]["state"] == "healthy", rec
+    assert run.fg.poll() is None, run.fg_stderr()[-3000:]
+    run.fg.send_signal(signal.SIGTERM)  # serve is this test's child: a stop asked for
+    rc = run.fg.wait(300)
+    assert rc == 0, f"rc {rc}\n{run.fg_stderr()[-3000:]}"
+    mine = "\n".join(line for line in run.fg_stderr().splitlines() if line.startswith("xpuctl:"))
+    audit = run.state_dir / "audit.jsonl"
+    for text in (mine, json.dumps(run.record()), audit.read_text() if audit.exists() else ""):
+        assert key not in text
+    gone, _ = run.wait_gone(60)
+    assert gone, run.describe_tree()

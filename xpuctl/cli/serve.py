@@ -85,95 +85,123 @@ def parse_preflight(value: str | None) -> set[str]:
     return chosen
 
 
-@app.command(
-    context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "allow_interspersed_args": False}
-)
+# -- the options, one alias each (the command's signature stays one line an option) --------
+
+ModelArg = Annotated[str, typer.Argument(metavar="MODEL", help="Model to serve (passed to vLLM).")]
+VllmArgs = Annotated[list[str] | None, typer.Argument(help="Arguments passed to vLLM.",
+                                                      show_default=False)]
+VllmOpt = Annotated[str, typer.Option("--vllm", envvar="XPUCTL_VLLM",
+                                      help="Command that starts vLLM (shell-split).")]
+DrainOpt = Annotated[float, typer.Option("--drain-timeout", click_type=Seconds(0),
+                                         help="Seconds to let in-flight requests finish.")]
+TeardownOpt = Annotated[float, typer.Option(
+    "--teardown-timeout", click_type=Seconds(0),
+    help="Seconds for Level Zero/oneCCL teardown after the drain.")]
+AbortOpt = Annotated[bool, typer.Option("--allow-abort",
+                                        help="Keep an explicit --shutdown-timeout 0.")]
+DevicesOpt = Annotated[list[str] | None, typer.Option(
+    "--devices", click_type=DeviceList(), autocompletion=complete_device, show_default=False,
+    help="Devices for vLLM (index, BDF or node; comma list): sets ZE_AFFINITY_MASK. Without "
+    "it, the run's devices are those ZE_AFFINITY_MASK of vLLM's environment names (the "
+    "caller's, --env, Ray's), else every card.")]
+EnvOpt = Annotated[list[str] | None, typer.Option("--env", "-e", show_default=False,
+                                                  help="KEY=VALUE for vLLM (repeatable).")]
+ForceOpt = Annotated[bool, typer.Option("--force",
+                                        help="Start even when the preflight doctor fails.")]
+NameOpt = Annotated[str | None, typer.Option("--name", help="Run name.", show_default="vllm-PORT")]
+ReadyTimeoutOpt = Annotated[float, typer.Option(
+    "--ready-timeout", click_type=Seconds(1),
+    help="Seconds to wait for /health and /v1/models (asked the way vLLM is configured: its "
+    "--host/--port or --uds, HTTPS, its API key).")]
+DetachOpt = Annotated[bool, typer.Option(
+    "--detach", help="Return once ready (exit 0) or failed; keep supervising in the background.")]
+PreflightOpt = Annotated[str | None, typer.Option(
+    "--preflight", metavar="KIND[,KIND]", show_default="fast",
+    help="fast: doctor from /proc and sysfs; deep: doctor --deep (also asks the devices: "
+    "unattributed memory, lost devices, hung runtimes); collective: doctor --collective on the "
+    "run's devices in the run's environment (ranks on the Python running xpuctl). Comma list: "
+    "deep,collective. Without it, the collective check runs when the last run on these "
+    "devices did not end cleanly; an explicit fast skips it. --force skips every preflight.")]
+CollectiveTimeoutOpt = Annotated[float, typer.Option(
+    "--collective-timeout", click_type=Seconds(0.5, HOUR),
+    help="The collective preflight's bound (and again for its runs alone).")]
+QuietOpt = Annotated[bool, typer.Option(
+    "--quiet", "-q", help="No live status line or phase lines while vLLM starts, no countdown "
+    "while it stops.")]
+PortOpt = Annotated[int | None, port_option(
+    "vLLM's port, passed on to vLLM (before or after MODEL).", "8000", short=False)]
+BindOpt = Annotated[str | None, typer.Option(
+    "--host", show_default=False,
+    help="vLLM's bind address, passed on to vLLM (before or after MODEL).")]
+# -- reaching the server (issue 36 item 1): serve's own client certificate for mutual TLS --
+ProbeCertOpt = Annotated[str | None, typer.Option(
+    "--probe-cert", metavar="FILE", show_default=False,
+    help="A client certificate (PEM) for serve's probes, when vLLM asks for one (mutual TLS, "
+    "--ssl-cert-reqs 2). Without it serve judges readiness from vLLM's log and processes.")]
+ProbeKeyOpt = Annotated[str | None, typer.Option(
+    "--probe-key", metavar="FILE", show_default=False,
+    help="The private key of --probe-cert (when the certificate file does not hold it).")]
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
+                               "allow_interspersed_args": False})
 @guard
 def serve(
-    ctx: typer.Context,
-    model: Annotated[str, typer.Argument(metavar="MODEL", help="Model to serve (passed to vLLM).")],
-    vllm_args: Annotated[list[str] | None, typer.Argument(help="Arguments passed to vLLM.", show_default=False)] = None,
-    vllm: Annotated[
-        str, typer.Option("--vllm", envvar="XPUCTL_VLLM", help="Command that starts vLLM (shell-split).")
-    ] = "vllm serve",
-    drain_timeout: Annotated[float, typer.Option("--drain-timeout", click_type=Seconds(0), help="Seconds to let in-flight requests finish.")] = 30.0,
-    teardown_timeout: Annotated[float, typer.Option("--teardown-timeout", click_type=Seconds(0), help="Seconds for Level Zero/oneCCL teardown after the drain.")] = 20.0,
-    allow_abort: Annotated[bool, typer.Option("--allow-abort", help="Keep an explicit --shutdown-timeout 0.")] = False,
-    devices: Annotated[
-        list[str] | None,
-        typer.Option("--devices", click_type=DeviceList(), help="Devices for vLLM (index, BDF or node; comma list): sets ZE_AFFINITY_MASK.",
-                     autocompletion=complete_device, show_default=False),
-    ] = None,
-    env: Annotated[list[str] | None, typer.Option("--env", "-e", help="KEY=VALUE for vLLM (repeatable).", show_default=False)] = None,
-    force: Annotated[bool, typer.Option("--force", help="Start even when the preflight doctor fails.")] = False,
-    name: Annotated[str | None, typer.Option("--name", help="Run name.", show_default="vllm-PORT")] = None,
-    state_dir: StateDirOpt = None,
-    ready_timeout: Annotated[float, typer.Option("--ready-timeout", click_type=Seconds(1), help="Seconds to wait for /health and /v1/models.")] = 900.0,
-    kill_after: KillAfterOpt = 10.0,
-    detach: Annotated[bool, typer.Option("--detach", help="Return once ready (exit 0) or failed; keep supervising in the background.")] = False,
-    preflight: Annotated[
-        str | None,
-        typer.Option("--preflight", metavar="KIND[,KIND]", show_default="fast",
-                     help="fast: doctor from /proc and sysfs; deep: doctor --deep (also asks the "
-                     "devices: unattributed memory, lost devices, hung runtimes); collective: "
-                     "doctor --collective on the run's devices in the run's environment (ranks on "
-                     "the Python running xpuctl). Comma list: deep,collective. Without it, the "
-                     "collective check runs when the last run on these devices did not end "
-                     "cleanly; an explicit fast skips it. --force skips every preflight."),
-    ] = None,
-    collective_timeout: Annotated[
-        float,
-        typer.Option("--collective-timeout", click_type=Seconds(0.5, HOUR),
-                     help="The collective preflight's bound (and again for its runs alone)."),
-    ] = 30.0,
-    probe_timeout: ProbeTimeoutOpt = 10.0,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No live status line or phase lines while vLLM starts, no countdown while it stops.")] = False,
-    port: Annotated[int | None, port_option("vLLM's port, passed on to vLLM (before or after MODEL).",
-                                               "8000", short=False)] = None,
-    bind: Annotated[
-        str | None,
-        typer.Option("--host", show_default=False, help="vLLM's bind address, passed on to vLLM (before or after MODEL)."),
-    ] = None,
-    health_interval: HealthIntervalOpt = 5.0,
-    unhealthy_after: UnhealthyAfterOpt = 30.0,
-    stall_after: StallAfterOpt = 300.0,
-    on_unhealthy: OnUnhealthyOpt = OnUnhealthy.stop,
+    ctx: typer.Context, model: ModelArg, vllm_args: VllmArgs = None, vllm: VllmOpt = "vllm serve",
+    drain_timeout: DrainOpt = 30.0, teardown_timeout: TeardownOpt = 20.0,
+    allow_abort: AbortOpt = False, devices: DevicesOpt = None, env: EnvOpt = None,
+    force: ForceOpt = False, name: NameOpt = None, state_dir: StateDirOpt = None,
+    ready_timeout: ReadyTimeoutOpt = 900.0, kill_after: KillAfterOpt = 10.0,
+    detach: DetachOpt = False, preflight: PreflightOpt = None,
+    collective_timeout: CollectiveTimeoutOpt = 30.0, probe_timeout: ProbeTimeoutOpt = 10.0,
+    quiet: QuietOpt = False, port: PortOpt = None, bind: BindOpt = None,
+    health_interval: HealthIntervalOpt = 5.0, unhealthy_after: UnhealthyAfterOpt = 30.0,
+    stall_after: StallAfterOpt = 300.0, on_unhealthy: OnUnhealthyOpt = OnUnhealthy.stop,
+    probe_cert: ProbeCertOpt = None, probe_key: ProbeKeyOpt = None,
 ) -> None:
     """Launch vLLM with a forced drain timeout and supervise it.
 
     Exit: 0 after a stop that was asked for (xpuctl shutdown, a signal to serve) once the GPU
     is released, even after a SIGKILL or during start-up; 7 when the watch found the run
-    unhealthy or stalled and stopped it; vLLM's code when it exits by itself (1 when that is
-    0, or when a signal from outside the run stopped it: an exit nobody asked serve for is a
-    failure); 1 when leftovers remain or the preflight fails; 4 when not ready in time; 5
-    when a device or the port is claimed by another run.
+    unhealthy or stalled and stopped it; 1 when vLLM exits by itself, whatever its own code
+    (its code is in the record, `ps --json` and serve's last line), when a signal from outside
+    the run stopped it, when leftovers remain or the preflight fails; 4 when not ready in
+    time; 5 when a device or the port is claimed by another run.
     """
-    from xpuctl.serve import launch, start
+    from xpuctl.serve import start
 
     a = app_context(ctx)
     passed = list(vllm_args or []) + list(ctx.args)
     _check_serve_args(ctx, model, passed)
     _check_watch_options(health_interval, unhealthy_after, stall_after)
-    kinds = parse_preflight(preflight)
-    from xpuctl.state.statedir import resolve_state_dir
-
-    sdir = resolve_state_dir(a.host, state_dir, a.environ)  # None: serve refuses this host
-    opts = launch.ServeOptions(
-        model=model, vllm_args=passed, vllm_cmd=vllm, drain_timeout=drain_timeout,
-        teardown_timeout=teardown_timeout, allow_abort=allow_abort, devices=list(devices or []),
-        env=list(env or []), force=force, name=name,
-        state_dir=sdir, ready_timeout=ready_timeout,
-        detach=detach, kill_after=kill_after,
-        deep_preflight=(deep_options(probe_timeout, "1GiB", sdir)
-                        if "deep" in kinds else None),
-        collective_preflight="collective" in kinds, collective_auto=preflight is None,
-        collective_timeout=collective_timeout,
-        quiet=quiet, port=port, bind=bind, health_interval=health_interval,
-        unhealthy_after=unhealthy_after, stall_after=stall_after,
-        on_unhealthy=on_unhealthy.value,
-    )
+    opts = _serve_options(a.host, a.environ, model, passed, dict(ctx.params))
     code = start.serve(a.host, opts, a.environ, _say, _print_preflight)
     raise typer.Exit(int(code))
+
+
+def _serve_options(host: Any, environ: dict[str, str], model: str, passed: list[str],
+                   p: dict[str, Any]) -> Any:
+    """serve's options (serve/launch.ServeOptions) from the command's parameters."""
+    from xpuctl.serve import launch
+    from xpuctl.state.statedir import resolve_state_dir
+
+    kinds = parse_preflight(p["preflight"])
+    sdir = resolve_state_dir(host, p["state_dir"], environ)  # None: serve refuses this host
+    return launch.ServeOptions(
+        model=model, vllm_args=passed, vllm_cmd=p["vllm"], drain_timeout=p["drain_timeout"],
+        teardown_timeout=p["teardown_timeout"], allow_abort=p["allow_abort"],
+        devices=list(p["devices"] or []), env=list(p["env"] or []), force=p["force"],
+        name=p["name"], state_dir=sdir, ready_timeout=p["ready_timeout"], detach=p["detach"],
+        kill_after=p["kill_after"],
+        deep_preflight=(deep_options(p["probe_timeout"], "1GiB", sdir)
+                        if "deep" in kinds else None),
+        collective_preflight="collective" in kinds, collective_auto=p["preflight"] is None,
+        collective_timeout=p["collective_timeout"], quiet=p["quiet"], port=p["port"],
+        bind=p["bind"], health_interval=p["health_interval"],
+        unhealthy_after=p["unhealthy_after"], stall_after=p["stall_after"],
+        on_unhealthy=OnUnhealthy(p["on_unhealthy"]).value,
+        probe_cert=p["probe_cert"], probe_key=p["probe_key"],
+    )
 
 
 def _say(msg: str) -> None:

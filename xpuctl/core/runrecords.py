@@ -21,7 +21,7 @@ class Health(NamedTuple):
     """A run's health as serve's watch last judged it: the run record's `health` field
     (core/watch.py judges it; docs/serve-exits.md)."""
 
-    state: str  # starting | healthy | unhealthy | stalled
+    state: str  # starting | healthy | sleeping | unhealthy | stalled | exited (API server gone)
     since: float  # wall-clock seconds: when the run entered `state`
     reason: str | None  # unhealthy or stalled: why, starting "unhealthy:" or "stalled:"
     checked_at: float  # wall-clock seconds of the watch's last check
@@ -60,6 +60,7 @@ class RunRow(NamedTuple):
     run_id: str
     recorded_state: str | None = None  # a stale run: the state its record still says
     health: Health | None = None  # serve's watch: its last verdict and check (core/watch.py)
+    exit_code: int | None = None  # vLLM's own exit status, once it exited (serve's is apart)
 
 
 class Unread(NamedTuple):

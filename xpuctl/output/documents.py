@@ -271,6 +271,7 @@ def run_dict(r: RunRow, now: float | None = None) -> Document:
         "name": r.name, "state": r.state, "age_seconds": r.age_seconds, "pid": r.pid,
         "port": r.port, "devices": list(r.devices), "run_id": r.run_id,
         "recorded_state": r.recorded_state, "health": None,
+        "vllm_exit_code": r.exit_code,  # vLLM's own status once it exited (serve's is apart)
     }
     if health is not None:
         from xpuctl.core.watch import judge

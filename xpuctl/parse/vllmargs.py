@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from xpuctl.errors import UsageError
 
@@ -107,3 +108,90 @@ def parallel_sizes(argv: Sequence[str]) -> tuple[int, int]:
         if _digits(value) and 0 < int(value) <= 4096:
             sizes[which] = int(value)
     return sizes[0], sizes[1]
+
+
+# -- how vLLM's API server is reached (vLLM 0.32 entrypoints/launchers/cli_args.py) --------
+
+#: CERT_NONE, CERT_OPTIONAL, CERT_REQUIRED: `--ssl-cert-reqs` is ssl's integer (default 0)
+CERT_REQUIRED = 2
+_REACH_FLAGS = {"--host": "host", "--port": "port", "--uds": "uds", "--api-key": "keys",
+                "--ssl-keyfile": "ssl_keyfile", "--ssl-certfile": "ssl_certfile",
+                "--ssl-ca-certs": "ssl_ca_certs", "--ssl-cert-reqs": "ssl_cert_reqs",
+                "--root-path": "root_path"}
+#: vLLM's own variable for the key, read when `--api-key` is not given (vllm/envs.py)
+API_KEY_VAR = "VLLM_API_KEY"
+
+
+class ServerReach(NamedTuple):
+    """How vLLM's API server listens, from its argv and environment. `keys` are secrets:
+    held in memory only, never printed or recorded."""
+
+    host: str | None = None
+    port: int | None = None
+    uds: str | None = None
+    keys: tuple[str, ...] = ()
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_cert_reqs: int = 0
+    root_path: str = ""
+
+    @property
+    def tls(self) -> bool:
+        """uvicorn serves HTTPS when given a key file and a certificate (vLLM passes both)."""
+        return bool(self.ssl_keyfile and self.ssl_certfile)
+
+    @property
+    def mutual(self) -> bool:
+        return self.tls and self.ssl_cert_reqs >= CERT_REQUIRED
+
+
+def _flag_name(arg: str) -> str:
+    """`--api_key` is `--api-key` (vLLM's parser takes both spellings)."""
+    return "--" + arg[2:].replace("_", "-") if arg.startswith("--") else arg
+
+
+def _reach_values(argv: Sequence[str]) -> dict[str, list[str]]:
+    """The last value list of each reach option (argparse: the last one wins); `--api-key`
+    takes every value up to the next option (nargs="+")."""
+    found: dict[str, list[str]] = {}
+    i = 0
+    while i < len(argv):
+        key, eq, value = argv[i].partition("=")
+        field = _REACH_FLAGS.get(_flag_name(key))
+        i += 1
+        if field is None:
+            continue
+        if eq:
+            found[field] = [value]
+            continue
+        values: list[str] = []
+        while i < len(argv) and not (argv[i].startswith("-") and len(argv[i]) > 1):
+            values.append(argv[i])
+            i += 1
+            if field != "keys":
+                break
+        found[field] = values
+    return found
+
+
+def server_reach(argv: Sequence[str], env: dict[str, str] | None = None) -> ServerReach:
+    """How to reach the server that `argv` (vLLM's command line) and `env` (its environment)
+    start: its address or unix socket, TLS, and the API keys (`--api-key`, else
+    `VLLM_API_KEY`)."""
+    got = _reach_values(argv)
+
+    def one(field: str) -> str | None:
+        values = got.get(field) or []
+        return values[0] if values and values[0] else None
+
+    port = one("port")
+    reqs = one("ssl_cert_reqs")
+    keys = tuple(k for k in got.get("keys", []) if k)
+    if not keys and env and env.get(API_KEY_VAR):
+        keys = (env[API_KEY_VAR],)
+    return ServerReach(host=one("host"), port=int(port) if port and _digits(port) else None,
+                       uds=one("uds"), keys=keys, ssl_keyfile=one("ssl_keyfile"),
+                       ssl_certfile=one("ssl_certfile"), ssl_ca_certs=one("ssl_ca_certs"),
+                       ssl_cert_reqs=int(reqs) if reqs and _digits(reqs) else 0,
+                       root_path=(one("root_path") or "").rstrip("/"))

@@ -97,10 +97,10 @@ def _outcome(msg: str, name: str, log_path: str, view: progress.View) -> int:
     if msg.startswith("failed"):
         view.say(f"xpuctl: {name} was not ready in time; stopped (see {log_path})")
         return ExitCode.NOT_READY
-    if msg.startswith("exit"):
+    if msg.startswith("exit"):  # vLLM's own code (or the supervisor's): serve exits 1
         code = int(msg.split()[1])
         view.say(f"xpuctl: {name} exited before it was ready (code {code}); see {log_path}")
-        return code or ExitCode.PROBLEMS
+        return ExitCode.PROBLEMS
     view.say(f"xpuctl: {name}: supervisor failed: {msg or 'no answer'}; see {log_path}")
     return ExitCode.PROBLEMS
 

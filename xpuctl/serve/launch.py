@@ -26,7 +26,14 @@ from xpuctl.host.devices import device_specs, scan_devices, select_devices
 from xpuctl.host.programs import interpreter_of
 from xpuctl.host.seam import Host
 from xpuctl.output.safetext import safe
-from xpuctl.parse.vllmargs import merge_shared, port_from_argv, strip_flag
+from xpuctl.parse.envvars import mask_indices
+from xpuctl.parse.vllmargs import (
+    ServerReach,
+    merge_shared,
+    port_from_argv,
+    server_reach,
+    strip_flag,
+)
 from xpuctl.serve.budget import (
     MIN_SHUTDOWN_TIMEOUT,
     VLLM_SIGTERM_GRACE,
@@ -73,6 +80,9 @@ class ServeOptions:
     unhealthy_after: float = 30.0
     stall_after: float = 300.0
     on_unhealthy: str = "stop"  # stop | report
+    # serve's own client certificate and key, for a server that asks for one (mutual TLS)
+    probe_cert: str | None = None
+    probe_key: str | None = None
 
 
 @dataclass
@@ -85,6 +95,8 @@ class LaunchPlan:
     bdfs: list[str]
     shutdown_timeout: int | None
     version: str | None
+    #: how the server listens (serve/reach.py); its API keys are held here, in memory only
+    reach: ServerReach = field(default_factory=ServerReach)
 
 
 def _version_tuple(v: str) -> tuple[int, ...]:
@@ -207,10 +219,6 @@ def _environment(opts: ServeOptions, host: Host, environ: dict[str, str],
         bdfs = [d.bdf for d in chosen]
         mask = ",".join(str(d.index) for d in chosen)
         env["ZE_AFFINITY_MASK"] = mask
-    else:
-        seen = [d for d in devices if d.is_intel and d.nodes]  # what Level Zero enumerates
-        _refuse_survivability(seen, chosen=False)
-        bdfs = [d.bdf for d in seen]
     env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     env.update(_parse_env(opts.env))
     _worker_timeout(env, opts.teardown_timeout, notes)
@@ -221,11 +229,38 @@ def _environment(opts: ServeOptions, host: Host, environ: dict[str, str],
         if order.strip() != "1":
             notes.append(f"{PCI_ORDER_VAR}={safe(order, 40)} kept (yours), but --devices gives "
                          f"ZE_AFFINITY_MASK={mask} in PCI order: Level Zero may pick other cards")
+    elif not opts.devices:
+        seen = [d for d in devices if d.is_intel and d.nodes]  # what Level Zero enumerates
+        seen = _masked(seen, env, notes)
+        _refuse_survivability(seen, chosen=False)
+        bdfs = [d.bdf for d in seen]
     env["XPUCTL_RUN_ID"] = run_id
     env["SPT_NOENV"] = "1"  # keep environ readable after setproctitle (the run tag!)
     if host.root:
         env["XPUCTL_ROOT"] = host.root
     return env, bdfs
+
+
+def _masked(seen: list[Device], env: dict[str, str], notes: list[str]) -> list[Device]:
+    """The cards vLLM sees: those `ZE_AFFINITY_MASK` of its environment names (the caller's,
+    `--env`, or Ray's), by index in enumeration order (PCI order here, as serve numbers
+    them; said when the environment leaves Level Zero in driver order); every card without
+    one. A mask that names none of them, or that cannot be read, leaves every card."""
+    value = env.get("ZE_AFFINITY_MASK")
+    if value is None:
+        return seen
+    indices = mask_indices(value)
+    picked = [d for d in seen if d.index is not None and d.index in (indices or [])]
+    if not indices or not picked:
+        if indices is None or indices:
+            notes.append(f"ZE_AFFINITY_MASK={safe(value, 40)} names no card of this host: the "
+                         "run's devices are every card")
+        return seen
+    if env.get(PCI_ORDER_VAR, "").strip() != "1":
+        notes.append(f"ZE_AFFINITY_MASK={safe(value, 40)} without {PCI_ORDER_VAR}=1: Level "
+                     "Zero numbers the cards in driver order; serve takes them in PCI order "
+                     "(the usual match)")
+    return picked
 
 
 def plan_launch(opts: ServeOptions, host: Host, environ: dict[str, str], run_id: str) -> LaunchPlan:
@@ -244,7 +279,8 @@ def plan_launch(opts: ServeOptions, host: Host, environ: dict[str, str], run_id:
         argv += ["--shutdown-timeout", str(shutdown_timeout)]
     port, bind = port_from_argv(args)
     env, bdfs = _environment(opts, host, environ, run_id, notes)
-    return LaunchPlan(argv, env, notes, port or 8000, bind, bdfs, shutdown_timeout, version)
+    return LaunchPlan(argv, env, notes, port or 8000, bind, bdfs, shutdown_timeout, version,
+                      server_reach(args, env))
 
 
 def ray_python(plan: LaunchPlan) -> str:

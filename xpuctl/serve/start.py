@@ -3,6 +3,7 @@ then supervise the run here (foreground) or in a detached child (serve/detach)."
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import uuid
@@ -18,6 +19,7 @@ from xpuctl.output import progress
 from xpuctl.output.lines import audit_warning
 from xpuctl.output.safetext import safe
 from xpuctl.serve.launch import LaunchPlan, ServeOptions, plan_launch, ray_python
+from xpuctl.serve.reach import check_probe_cert, recorded_command
 from xpuctl.serve.supervise import RunSupervisor
 from xpuctl.state import audit
 from xpuctl.state.runs import NAME_RE, Locks, RunRecord, ensure_state_dir
@@ -73,7 +75,8 @@ def _preflight(host: Host, opts: ServeOptions, plan: LaunchPlan,
     from xpuctl.doctor import diagnose
 
     coll = _collective(opts, plan, out, on_wait)
-    report = diagnose(host, plan.bdfs or None, plan.port, caller_env=plan.env,
+    port = None if plan.reach.uds else plan.port  # a unix socket has no port to find taken
+    report = diagnose(host, plan.bdfs or None, port, caller_env=plan.env,
                       deep=opts.deep_preflight, collective=coll)
     for f in report.findings:
         if f.check == "collective" and f.severity == "info":
@@ -147,6 +150,7 @@ def _plan(host: Host, opts: ServeOptions, environ: dict[str, str],
     assert opts.state_dir is not None  # resolve_state_dir gives one wherever /proc is live
     state_dir = ensure_state_dir(opts.state_dir)
     check_writable(state_dir)  # read-only or full: refused before anything starts
+    check_probe_cert(opts.probe_cert, opts.probe_key)
     run_id = uuid.uuid4().hex[:16]
     plan = plan_launch(opts, host, environ, run_id)
     for note in plan.notes:
@@ -154,8 +158,16 @@ def _plan(host: Host, opts: ServeOptions, environ: dict[str, str],
     name = opts.name or f"vllm-{plan.port}"
     if not NAME_RE.fullmatch(name):
         raise UsageError(f"--name {name!r}: use letters, digits, '.', '_' or '-'")
-    keys = [f"run-{name}", f"port-{plan.port}"] + [f"device-{b}" for b in plan.bdfs]
+    keys = [f"run-{name}", _address_key(plan)] + [f"device-{b}" for b in plan.bdfs]
     return _Planned(state_dir, plan, name, run_id, keys)
+
+
+def _address_key(plan: LaunchPlan) -> str:
+    """The lock of the run's address: its port, or its unix socket (`--uds`: no port)."""
+    if plan.reach.uds:
+        return "uds-" + hashlib.sha256(plan.reach.uds.encode("utf-8", "surrogateescape")
+                                       ).hexdigest()[:16]
+    return f"port-{plan.port}"
 
 
 def _prepare(host: Host, opts: ServeOptions, p: _Planned, out: Callable[[str], None],
@@ -171,7 +183,8 @@ def _prepare(host: Host, opts: ServeOptions, p: _Planned, out: Callable[[str], N
     plan, name = p.plan, p.name
     log_path = os.path.join(p.state_dir, "logs", f"{name}.log")
     rec = RunRecord(name=name, run_id=p.run_id, pid=None, start_ticks=None, session=None,
-                    command=plan.argv, devices=plan.bdfs, port=plan.port, bind=plan.bind or "127.0.0.1",
+                    command=recorded_command(plan.argv, plan.reach), devices=plan.bdfs,
+                    port=plan.port, bind=plan.bind or "127.0.0.1",
                     shutdown_timeout=plan.shutdown_timeout, drain_timeout=opts.drain_timeout,
                     teardown_timeout=opts.teardown_timeout, log_path=log_path,
                     notes=list(plan.notes), ray_cluster=cluster)

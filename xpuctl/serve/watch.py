@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from xpuctl.core.runrecords import Health
 from xpuctl.core.watch import (
@@ -31,6 +32,9 @@ from xpuctl.host.notify import Notifier
 from xpuctl.host.seam import Host
 from xpuctl.parse import metrics
 from xpuctl.parse.enginedeath import EngineDeath, engine_death, stop_triggered
+
+if TYPE_CHECKING:  # types only
+    from xpuctl.serve.reach import Prober
 
 #: the longest the supervisor's loop sleeps: how soon it sees vLLM's exit or a signal
 LOOP_SLEEP = 0.2
@@ -70,10 +74,9 @@ class LineWatch:
 class Observer:
     """One check of a ready run, in an `Observation`."""
 
-    def __init__(self, host: Host, bind: str | None, port: int, devices: list[str],
-                 lines: LineWatch, timeout: float) -> None:
-        self.server = http.local_host(bind)
-        self.port = port
+    def __init__(self, host: Host, prober: Prober, devices: list[str], lines: LineWatch,
+                 timeout: float) -> None:
+        self.prober = prober  # the server reached as it is configured (serve/reach.py)
         self.devices = set(devices)  # none named: vLLM sees every device
         self.lines = lines
         self.timeout = timeout
@@ -89,8 +92,8 @@ class Observer:
         health = self._health(at)
         counters = None
         if health.status is not None:  # nothing answered /health: /metrics would not either
-            got = http.request(self.server, self.port, "/metrics", self.timeout, METRICS_LIMIT)
-            if got.status == 200:
+            got = self.prober.metrics(self.timeout, METRICS_LIMIT)
+            if got is not None and got.status == 200:
                 counters = metrics.engines(got.body)
         for event in self.kernel.read():
             if self.devices and event.bdf not in self.devices:
@@ -107,14 +110,14 @@ class Observer:
         answer 200 for a moment (EngineCore's own line comes before the API server's monitor
         notices): it is asked again for up to DEATH_GRACE, so the reason says what it says
         once it knows."""
-        reply = http.request(self.server, self.port, "/health", self.timeout, limit=4096)
+        reply = self.prober.health(self.timeout, 4096)
         if self.lines.death is None or self.death_seen:
             return reply
         self.death_seen = True
         end = at + min(self.grace, DEATH_GRACE)
         while reply.status == 200 and time.monotonic() < end:
             time.sleep(0.1)
-            reply = http.request(self.server, self.port, "/health", self.timeout, limit=4096)
+            reply = self.prober.health(self.timeout, 4096)
         return reply
 
     def close(self) -> None:

@@ -92,6 +92,7 @@ class _Ladder:
         self.ray_targets: dict[int, Target] = {}  # the runs' actors on this node, identified
         self.ray_left: list[int] = []  # pids (or 0) of actors that outlived everything
         self.signalled: dict[int, bool] = {}  # tops the caller sent SIGTERM already
+        self.hurry: Callable[[], None] | None = None  # the caller's hook at each wait
 
     def emit(self, phase: str, detail: str) -> None:
         ev = Event(round(time.monotonic() - self.t0, 3), phase, detail)
@@ -125,6 +126,7 @@ class _Ladder:
         deadline = time.monotonic() + seconds
         left = survivors(self.host, targets)
         while left:
+            self.check_hurry()
             self.awaiting(phase, deadline, processes=len(left))
             left = wait_gone(self.host, left, min(0.25, max(0.0, deadline - time.monotonic())),
                              self.poll)
@@ -137,6 +139,12 @@ class _Ladder:
         for tree in self.trees:
             for phase in self.tails[id(tree)].new_phases():
                 self.emit("vllm", phase)
+
+    def check_hurry(self) -> None:
+        """The caller's hook, between two steps of a wait (never inside a read of the host):
+        it may raise to end the ladder there (serve's second Ctrl-C: kill now)."""
+        if self.hurry is not None:
+            self.hurry()
 
     def check_yield(self) -> None:
         if not self.passive and self.yield_to is not None and self.yield_to():
@@ -271,6 +279,7 @@ def _wait_exit(ld: _Ladder, timeout: float | None) -> None:
         ld.vllm_lines()
         if not ld.pending or now >= deadline:
             break
+        ld.check_hurry()
         ld.check_yield()
         if now >= next_probe:
             next_probe = now + 0.5
@@ -280,10 +289,11 @@ def _wait_exit(ld: _Ladder, timeout: float | None) -> None:
                 # no request left, or the tops are gone: what is left is vLLM's teardown
                 phase = waits.TEARDOWN
             for tree in ld.trees:
-                if tree.port and not tree.orphan and not tree.never_ready and tree.top.alive(ld.host):
+                reach = tree.reach()
+                if reach and not tree.orphan and not tree.never_ready and tree.top.alive(ld.host):
                     from xpuctl.host import http  # only when there is a drain to watch
 
-                    n = http.in_flight(http.local_host(tree.bind), tree.port, 0.3)
+                    n = http.in_flight(reach, 0.3)
                     if n is not None and n != last_flight.get(tree.top.pid):
                         last_flight[tree.top.pid] = n
                         ld.emit("in-flight", f"{n} request(s) running or waiting on :{tree.port}")
@@ -424,6 +434,7 @@ def stop(
     signalled: dict[int, bool] | None = None,
     tails: dict[str, LogTail] | None = None,
     on_wait: Callable[[Wait | None], None] | None = None,
+    hurry: Callable[[], None] | None = None,
 ) -> StopResult:
     """Run the ladder on `trees`, step by step (each step a function named for what it
     does; the events it emits are the timeline): `_find_members`, `_find_ray_actors`,
@@ -436,9 +447,12 @@ def stop(
     already sent their SIGTERM by the caller (top pid -> whether it was sent), before the
     members were listed: step 1 does not send to them again; `tails`: their logs, read from
     before that signal on (by log path). `on_wait` hears what each wait is for and its
-    deadline as it changes, and None when it ends (core/waits.py: a caller's countdown)."""
+    deadline as it changes, and None when it ends (core/waits.py: a caller's countdown).
+    `hurry()` is called between the steps of each wait: it may raise to end the ladder there
+    (at a point where no read of the host is half done)."""
     ld = _Ladder(host, trees, on_event, poll, passive, yield_to, tails or {}, on_wait)
     ld.signalled = dict(signalled or {})
+    ld.hurry = hurry
     _find_members(ld)
     if not ld.signalled:  # else the caller reached it, before its signal
         pausepoint.reached("shutdown-found")
@@ -448,6 +462,9 @@ def stop(
         _wait_exit(ld, timeout)
     _late_joiners(ld)
     _escalate(ld, kill_after, skip_drain)
+    _late_joiners(ld)  # spawned while the others were signalled (a start cut short): they
+    if ld.pending:     # are the run's too, and go the same way, at once
+        _escalate(ld, 0, True)
     _ray_settle(ld)
     if not passive:
         _await_supervisors(ld, release_timeout)

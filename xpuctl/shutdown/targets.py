@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from xpuctl.actions.signals import Target, target_of
 from xpuctl.core.model import Process, Scan
@@ -19,8 +20,11 @@ from xpuctl.host.seam import Host
 from xpuctl.output.safetext import safe
 from xpuctl.parse.procfs import parse_environ
 from xpuctl.parse.roles import API_SERVER, RAY
-from xpuctl.parse.vllmargs import port_from_argv, shutdown_timeout_from_argv
+from xpuctl.parse.vllmargs import port_from_argv, server_reach, shutdown_timeout_from_argv
 from xpuctl.state.runs import ACTIVE_STATES, RunRecord
+
+if TYPE_CHECKING:  # types only: http.client is imported where a server is asked
+    from xpuctl.host.http import Endpoint
 
 
 @dataclass
@@ -40,6 +44,17 @@ class ServerTree:
     record: RunRecord | None = None
     known: list[Target] = field(default_factory=list)
     never_ready: bool = False  # still starting: nothing to drain (ladder.exit_budget)
+    #: how the drain watch reaches its /metrics (TLS, a unix socket): from its own options,
+    #: never a key (/metrics is open)
+    endpoint: Endpoint | None = None
+
+    def reach(self) -> Endpoint | None:
+        """The endpoint of the drain watch: its own, else plain HTTP on its port."""
+        from xpuctl.host import http
+
+        if self.endpoint is not None:
+            return self.endpoint
+        return http.endpoint(self.bind, self.port) if self.port else None
 
     @property
     def name(self) -> str:
@@ -67,7 +82,15 @@ def tree_from_scan(scan: Scan, top_pid: int, host: Host) -> ServerTree | None:
         bind=bind,
         shutdown_timeout=shutdown_timeout_from_argv(top.cmdline) if top.role == API_SERVER else None,
         known=known,
+        endpoint=_endpoint(top) if top.role == API_SERVER else None,
     )
+
+
+def _endpoint(top: Process) -> Endpoint:
+    """How an API server is reached, from its own command line (TLS, a unix socket)."""
+    from xpuctl.host import http
+
+    return http.reach_endpoint(server_reach(top.cmdline))
 
 
 def tree_from_record(rec: RunRecord, scan: Scan, host: Host) -> ServerTree | None:

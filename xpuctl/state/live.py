@@ -82,9 +82,10 @@ def _row(host: Host, r: RunRecord, now: float) -> RunRow:
     age = now - r.started_at if r.started_at else None
     if not run_alive(host, r):
         return RunRow(r.name, STALE, age, r.pid, r.port, tuple(r.devices), r.run_id, r.state,
-                      r.health)
+                      r.health, r.exit_code)
     shown = state_shown(r, alive)  # an abandoned stop is not one
-    return RunRow(r.name, shown, age, r.pid, r.port, tuple(r.devices), r.run_id, None, r.health)
+    return RunRow(r.name, shown, age, r.pid, r.port, tuple(r.devices), r.run_id, None, r.health,
+                  r.exit_code)
 
 
 def live_runs(host: Host, state_dir: str) -> list[RunRow]:
