@@ -171,6 +171,7 @@ class XpuctlRun:
         with open(out_dir / "serve-fg.out", "wb") as out, open(self.fg_err, "wb") as err:
             self.fg = subprocess.Popen(argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
                                        env=self.env, cwd=REPO_ROOT, start_new_session=True)
+        self.start_noting()
         return self.fg
 
     def fg_stderr(self) -> str:
@@ -179,17 +180,21 @@ class XpuctlRun:
         except (OSError, AttributeError):
             return ""
 
-    def serve(self, timeout: float = 660.0, **kw) -> XResult:
+    def serve(self, timeout: float = 660.0, extra_env: dict[str, str] | None = None,
+              **kw) -> XResult:
         """`xpuctl serve --detach`; while it waits, note the files the tree binds
-        (the start-up handshake sockets are bound only until ready)."""
+        (the start-up handshake sockets are bound only until ready). `extra_env`: for serve
+        and its supervisor only (a pause point), never for the test's other commands."""
         argv = [sys.executable, "-m", "xpuctl", *self.serve_argv(**kw)]
         out_dir = self.work / "cmd"
         out_dir.mkdir(parents=True, exist_ok=True)
         out_p, err_p = out_dir / "serve.out", out_dir / "serve.err"
         t0 = time.monotonic()
+        self.start_noting()
         with open(out_p, "wb") as out, open(err_p, "wb") as err:
             proc = subprocess.Popen(argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                                    env=self.env, cwd=REPO_ROOT, start_new_session=True)
+                                    env={**self.env, **(extra_env or {})}, cwd=REPO_ROOT,
+                                    start_new_session=True)
             rc: int | None = None
             try:
                 while True:
@@ -236,9 +241,15 @@ class XpuctlRun:
                          for p in self.tree()) or "  (none)"
 
     def note_artifacts(self) -> None:
-        pids = [p.pid for p in self.tree()]
-        self.shm_seen |= set(realvllm.shm_files_open_by(pids, prefix="/dev/shm/"))
-        self.sockets_seen |= {p for p in realvllm.unix_socket_paths_of(pids) if realvllm.ZMQ_SOCKET_RE.match(p)}
+        """The files our live tree holds or binds, noted by inode (realvllm.files_of_tree)."""
+        shm, sockets = realvllm.files_of_tree([p.pid for p in self.tree()])
+        self.shm_seen |= shm
+        self.sockets_seen |= sockets
+
+    def start_noting(self) -> None:
+        """Note the run's files every half second until cleanup (realvllm.Noter)."""
+        if getattr(self, "_noter", None) is None:
+            self._noter = realvllm.Noter(self.note_artifacts)
 
     def dist_files(self) -> set[str]:
         return set(re.findall(r"distributed_init_method=file://(/tmp/vllm_dist_[0-9A-Za-z_]+)",
@@ -252,10 +263,14 @@ class XpuctlRun:
         """SIGKILL whatever still carries our token (tracker last), then remove the
         files this run left: shm it held (once nobody holds it), ZMQ sockets it bound
         (once unbound), the FileStore its log names."""
+        noter = getattr(self, "_noter", None)
+        if noter is not None:
+            noter.stop()
         with contextlib.suppress(Exception):
             self.note_artifacts()
         killed = realvllm.kill_token_tracker_last(self.token)
         held = set(realvllm.shm_files_open_by(realvllm._all_pids(), prefix="/dev/shm/"))
-        candidates = (self.shm_seen - held) | self.sockets_seen | self.dist_files()
-        removed = [p for p in sorted(candidates) if realvllm.remove_if_stale(p)]
+        removed = realvllm.remove_ours((self.shm_seen - held) | self.sockets_seen)
+        # the FileStore our log names (opened only during set-up: never seen held)
+        removed += [p for p in sorted(self.dist_files()) if realvllm.remove_if_stale(p)]
         return realvllm.Cleanup(killed, removed)
