@@ -100,6 +100,9 @@ def test_a_run_whose_supervisor_lives_is_being_stopped_not_orphaned(tmp_path, mo
     assert [f["severity"] for f in notes] == ["info"], notes
     assert f"being stopped by run {RUN}" in notes[0]["message"], notes
     assert {ENGINE, WORKER} <= set(notes[0]["pids"])
+    ps = runner.invoke(app, ["--root", str(h.root), "doctor", "--state-dir",
+                             str(tmp_path / "state")])
+    assert f"being stopped by run {RUN}" in ps.stdout, ps.stdout
 
 
 @pytest.mark.parametrize("leads", [False, True], ids=["api-group", "own-group"])
