@@ -115,9 +115,11 @@ def _roles(members: dict[int, Member]) -> dict[int, str]:
             related = (
                 parent_role is not None
                 or (m.run_id is not None and m.run_id in vllm_runs)
-                # a tracker that outlived its API server was reparented to init; only then
-                # does sharing a session tie it to vLLM (in a container, everything shares one)
-                or (m.role == TRACKER_CANDIDATE and m.ppid <= 1 and m.session in vllm_sessions)
+                # a tracker that outlived its API server was reparented to init (or to a PID
+                # namespace's); only then does sharing a session tie it to vLLM (in a
+                # container, everything shares one)
+                or (m.role == TRACKER_CANDIDATE and m.session in vllm_sessions
+                    and (m.ppid <= 1 or (m.ppid in members and members[m.ppid].ns_init)))
             )
             if not related:
                 continue
