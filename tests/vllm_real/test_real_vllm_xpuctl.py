@@ -73,13 +73,8 @@ def _environ(pid: int) -> dict[str, str]:
 
 def _served_ok(run: XpuctlRun) -> dict:
     sr = run.serve_result
-    # another vLLM tree on this host (orphans, a server on our device): serve's preflight
-    # refuses, and the test fails saying so; nothing of that tree is ever signalled
-    refused = sr is not None and sr.rc == 1 and "preflight failed" in sr.stderr
-    assert not refused, (
-        "another vLLM tree is already on this host: xpuctl serve's preflight refused to start "
-        "(this test never stops processes it did not start; stop them, then re-run):\n"
-        f"{sr.describe()}")
+    # serve runs with --force (XpuctlRun.serve_argv): another session's vLLM tree on this
+    # host is reported by the preflight, never a refusal; nothing of it is ever signalled
     assert sr is not None and sr.rc == 0, (
         f"xpuctl serve did not come up:\n{sr.describe() if sr else '-'}\n"
         f"--- log tail\n{run.log_tail()}"

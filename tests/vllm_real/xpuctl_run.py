@@ -152,12 +152,16 @@ class XpuctlRun:
     def serve_argv(self, drain: float = 10, teardown: float = 10, ready: float = 600,
                    vllm_args: tuple[str, ...] = (), opts: tuple[str, ...] = (),
                    detach: bool = True) -> list[str]:
-        """`opts`: more of serve's own options (before MODEL)."""
+        """`opts`: more of serve's own options (before MODEL). Always `--force`: serve's
+        preflight doctor reads the whole host, and another session's vLLM tree on a shared
+        machine (orphans its own test left for a moment) must not refuse this run; the
+        preflight is tested on its own (tests/test_serve_preflight.py)."""
         vllm = f"{realvllm.venv_python(self.venv)} -m vllm.entrypoints.openai.api_server --model"
+        force = [] if "--force" in opts else ["--force"]
         return [
             "serve", "--vllm", vllm, "--state-dir", str(self.state_dir),
             "--drain-timeout", f"{drain:g}", "--teardown-timeout", f"{teardown:g}",
-            "--ready-timeout", f"{ready:g}", *(["--detach"] if detach else []), *opts,
+            "--ready-timeout", f"{ready:g}", *(["--detach"] if detach else []), *force, *opts,
             str(self.model), "--port", str(self.port), *realvllm.vllm_flags(), *vllm_args,
         ]
 
