@@ -58,6 +58,7 @@ def test_a_killed_engine_core_is_stopped_as_unhealthy(xpuctl_foreground, vllm_ti
     _ready(run)
     engine = _engine(run)
     killed_at = time.time()
+    run.note_artifacts()  # what it holds, noted by inode before it is killed (leftovers.py)
     assert realvllm.signal_if_token(engine.pid, run.token, signal.SIGKILL)
     rc = run.fg.wait(300)
     err = run.fg_stderr()
@@ -92,6 +93,7 @@ def test_a_stopped_engine_core_with_a_request_running_is_stalled(xpuctl_foregrou
     assert (in_flight(run.base_url) or 0) > 0, "the request never ran"
     time.sleep(1.0)  # a check or two with tokens counted
     stopped_at = time.time()
+    run.note_artifacts()  # vLLM's deadline SIGKILLs the stopped engine: noted before
     try:
         assert realvllm.signal_if_token(engine.pid, run.token, signal.SIGSTOP)
         stopping.set()  # send nothing more; the requests in flight die with the server

@@ -284,6 +284,7 @@ def test_xpuctl_orphans_after_api_sigkill(xpuctl_serve, vllm_timings, request, v
 
     # SIGKILL the API server (pid from the run record): its EngineCore and worker stay
     t_kill = time.monotonic()
+    run.note_artifacts()  # what the tree holds, noted by inode before the kills
     assert realvllm.signal_if_token(api.pid, run.token, signal.SIGKILL)
     assert _wait(lambda: _gone(api.pid, api.cmdline), 60), run.describe_tree()
 
@@ -299,6 +300,7 @@ def test_xpuctl_orphans_after_api_sigkill(xpuctl_serve, vllm_timings, request, v
     _assert_being_stopped(_doctor(run), run, set(orphans))
 
     # the supervisor dies too, before its first signal: nothing will stop them now (orphans)
+    run.note_artifacts()
     assert realvllm.signal_if_token(sup.pid, run.token, signal.SIGKILL)
     assert _wait(lambda: _gone(sup.pid, sup.cmdline), 60), run.describe_tree()
     doc = _doctor(run)
