@@ -13,7 +13,7 @@ and the inits of PID namespaces.
 from __future__ import annotations
 
 from xpuctl.core.model import RecordedRun
-from xpuctl.core.trees import Member
+from xpuctl.core.trees import Member, Placement, resolve
 from xpuctl.host.processes import FdTable, read_optional
 from xpuctl.host.seam import Host
 from xpuctl.parse.procfs import parse_status_nspid
@@ -71,3 +71,12 @@ def mark_inits(host: Host, members: dict[int, Member], blocked: set[int]) -> Non
         shares = (m.session, m.pgrp) == (parent.session, parent.pgrp) and parent.session > 0
         members[m.ppid] = parent._replace(
             ns_init=True, runs_vllm=parent.runs_vllm or (shares and runs_vllm(host, m.ppid)))
+
+
+def place(host: Host, fds: FdTable, members: dict[int, Member], runs: tuple[RecordedRun, ...],
+          blocked: set[int]) -> dict[int, Placement]:
+    """core/trees' placements, once the inits among the parents are marked and the runs
+    being stopped by their supervisor (their API server gone) are known."""
+    mark_inits(host, members, blocked)
+    ending = {r.run_id: r.name or r.run_id for r in ending_supervisors(fds, runs).values()}
+    return resolve(members, ending)

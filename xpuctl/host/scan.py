@@ -18,8 +18,9 @@ from xpuctl.core.model import (
 )
 from xpuctl.core.oneccl import KVS, kvs_port
 from xpuctl.core.rules import CCL_USED, Facts, Starter, judge, match, named_pid
-from xpuctl.core.trees import Member, Placement, resolve
-from xpuctl.host.adoption import ending_supervisors, mark_inits, runs_vllm
+from xpuctl.core.trees import Member
+from xpuctl.host.adoption import ending_supervisors, runs_vllm
+from xpuctl.host.adoption import place as place_trees
 from xpuctl.host.containers import ContainerLookup
 from xpuctl.host.devices import scan_devices
 from xpuctl.host.drm import dmabufs_held, drm_clients
@@ -484,15 +485,6 @@ def _parents(host: Host, fds: FdTable, relevant: dict[int, RawProcess],
     return out
 
 
-def _place(host: Host, fds: FdTable, members: dict[int, Member], runs: tuple[RecordedRun, ...],
-           stuck: dict[int, BlockedRead]) -> dict[int, Placement]:
-    """core/trees' placements, once the inits among the parents are known (host/adoption) and
-    the runs being stopped by their supervisor (their API server gone)."""
-    mark_inits(host, members, set(stuck))
-    ending = {r.run_id: r.name or r.run_id for r in ending_supervisors(fds, runs).values()}
-    return resolve(members, ending)
-
-
 def _launcher_of(host: Host, fds: FdTable, pid: int, stuck: dict[int, BlockedRead]) -> Launcher:
     raw = fds.procs.get(pid)
     if raw is None or pid in stuck:
@@ -517,7 +509,7 @@ def _processes(host: Host, fds: FdTable, lazy: _Lazy, clients: list[DrmClient],
     members.update({pid: _member(pid, p.stat, p.role, tags[pid] if pid in proven else None,
                                  pid in stuck)
                     for pid, p in relevant.items()})
-    placements = _place(host, fds, members, runs, stuck)
+    placements = place_trees(host, fds, members, runs, set(stuck))
     by_run = {r.run_id: r for r in runs}
     launchers = {o: _launcher_of(host, fds, o, stuck)
                  for o in {pl.owner for pl in placements.values() if pl.owner is not None}}
