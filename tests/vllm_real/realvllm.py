@@ -741,10 +741,32 @@ def files_of_tree(pids: list[int]) -> tuple[set[str], set[str]]:
     bind, each noted by inode as this session's (leftovers.note_ours)."""
     import leftovers
 
-    shm = set(shm_files_open_by(pids, prefix="/dev/shm/"))
+    shm = set(shm_files_open_by(pids, prefix="/dev/shm/")) | shm_files_by_inode(pids)
     sockets = {p for p in unix_socket_paths_of(pids) if ZMQ_SOCKET_RE.match(p)}
     leftovers.note_ours(shm | sockets)
     return shm, sockets
+
+
+def shm_files_by_inode(pids: Iterable[int]) -> set[str]:
+    """The /dev/shm files whose inode these processes map, whatever name the mapping shows:
+    glibc's sem_open creates a semaphore under a temporary name, maps it, links it to
+    `sem.mp-…` and unlinks the temporary one, so its creator's maps say
+    `/dev/shm/sem.XXXXXX (deleted)` for the live `/dev/shm/sem.mp-…` (glibc sem_open.c)."""
+    inodes: set[tuple[int, int]] = set()
+    for pid in pids:
+        for line in (_read(f"/proc/{pid}/maps") or b"").decode(errors="replace").splitlines():
+            parts = line.split(None, 5)
+            if len(parts) == 6 and parts[5].startswith("/dev/shm/"):
+                with contextlib.suppress(ValueError, IndexError):
+                    major, minor = parts[3].split(":")
+                    inodes.add((os.makedev(int(major, 16), int(minor, 16)), int(parts[4])))
+    out = set()
+    for path in glob_names("/dev/shm", ""):
+        with contextlib.suppress(OSError):
+            st = os.lstat(path)
+            if (st.st_dev, st.st_ino) in inodes:
+                out.add(path)
+    return out
 
 
 class Noter:
