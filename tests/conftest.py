@@ -4,6 +4,7 @@ them by module name: ``import fakehost``, ``import proctools as pt``."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -39,5 +40,45 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     took 8 s of a shutdown's 12 s to its first SIGTERM, and the drain test's requests were
     done before it. Python reads these .pyc files whether or not it may write them."""
     import compileall
+    import time
+
+    import leftovers
 
     compileall.compile_dir(str(Path(__file__).resolve().parent.parent / "xpuctl"), quiet=1)
+    # the session-wide check of /dev/shm and /tmp (tests/support/leftovers.py)
+    session.config.stash[_LEFT] = (leftovers.snapshot(), time.time())
+    leftovers.sample_other_sessions(every=0.0)
+
+
+_LEFT = pytest.StashKey[tuple[dict[str, tuple[int, int]], float]]()
+_REPORT = pytest.StashKey[object]()
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    import leftovers
+
+    leftovers.sample_other_sessions()  # at most every 30 s: who else runs tests here
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the run when it left files of a known stale kind in /dev/shm or /tmp (issue 38
+    §5): every tier removes what its processes made; this is the net under them."""
+    import leftovers
+
+    start = session.config.stash.get(_LEFT, None)
+    if start is None or os.environ.get("XPUCTL_TESTS_NO_LEFTOVER_CHECK") == "1":
+        return
+    report = leftovers.compare(*start)
+    session.config.stash[_REPORT] = report
+    if report.failed and session.exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    report = config.stash.get(_REPORT, None)
+    if report is None or not report.lines():
+        return
+    terminalreporter.section("files left in /dev/shm and /tmp", sep="=",
+                             red=report.failed, yellow=not report.failed)
+    for line in report.lines():
+        terminalreporter.write_line(line)

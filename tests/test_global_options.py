@@ -116,3 +116,33 @@ def test_completion_reads_a_root_given_after_the_command(tmp_path):
     assert out.stdout.split() == ["0000:04:00.0"], out.stderr
     out = run(env={**base, "COMP_WORDS": f"xpuctl ps --root {h.root} --", "COMP_CWORD": "4"})
     assert "--all" in out.stdout.split(), out.stderr
+
+
+@pytest.mark.parametrize("argv, traced", [
+    (["serve", "/models/m", "--port", "8000", "--debug"], False),  # vLLM's --debug
+    (["serve", "/models/m", "--", "--debug"], False),
+    (["serve", "--debug", "/models/m", "--port", "8000"], True),  # before MODEL: xpuctl's
+    (["--debug", "serve", "/models/m"], True),
+])
+def test_debug_after_serves_model_is_vllms_not_xpuctls(tmp_path, monkeypatch, argv, traced):
+    """Issue 38 §6: `--debug` counts only where it is xpuctl's (before the command's arguments
+    end). An internal error in serve is one line and exit 70 when --debug follows MODEL (it is
+    passed on to vLLM), a traceback when it is serve's own. sys.argv is the command line, as
+    it is for the installed entry point."""
+    from typer.testing import CliRunner
+
+    import xpuctl.serve.start
+
+    def boom(*a, **k):
+        raise RuntimeError("kaboom")
+
+    monkeypatch.setattr(xpuctl.serve.start, "serve", boom)
+    monkeypatch.setattr(sys, "argv", ["xpuctl", *argv])
+    monkeypatch.delenv("XPUCTL_DEBUG", raising=False)
+    monkeypatch.setenv("XPUCTL_STATE_DIR", str(tmp_path / "state"))
+    res = CliRunner().invoke(app, argv)
+    if traced:
+        assert isinstance(res.exception, RuntimeError), res.output
+    else:
+        assert res.exit_code == 70, (res.exit_code, res.output, res.exception)
+        assert "internal error: RuntimeError: kaboom (run with --debug" in res.stderr

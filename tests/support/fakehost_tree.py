@@ -425,11 +425,13 @@ class FakeHost:
         rss_pages: int = 25_000,
         vsize: int = 2_000_000_000,
         name: str | None = None,
+        nspid: tuple[int, ...] | None = None,
     ) -> int:
         """Write proc/<pid>. `title`: setproctitle'd process: cmdline is the title + NULs over the
         original argv area (`cmdline` is the original argv), comm the title cut to 15 bytes.
         `environ_zeroed=N`: environ is N NULs (setproctitle without SPT_NOENV). State "Z": no fds,
-        empty cmdline/environ/maps, like the kernel shows a zombie."""
+        empty cmdline/environ/maps, like the kernel shows a zombie. `nspid`: its ids in each PID
+        namespace, outermost first (`(pid, 1)`: the init of a container's namespace)."""
         d = f"proc/{pid}"
         gid = uid if gid is None else gid
         pgrp = pid if pgrp is None else pgrp
@@ -509,13 +511,14 @@ class FakeHost:
                 f"VmRSS:\t{rss_pages * 4} kB\n"
             )
         )
+        ns = " ".join(map(str, nspid or (pid,)))  # outermost namespace first
         self._write(
             f"{d}/status",
             f"Name:\t{(name or comm)}\nUmask:\t0022\nState:\t{STATE_NAMES.get(state, state)}\n"
             f"Tgid:\t{pid}\nNgid:\t0\nPid:\t{pid}\nPPid:\t{ppid}\nTracerPid:\t0\n"
             f"Uid:\t{uid}\t{uid}\t{uid}\t{uid}\nGid:\t{gid}\t{gid}\t{gid}\t{gid}\n"
             f"FDSize:\t{64 if not zombie else 0}\nGroups:\t{gid} 44 109 \n"
-            f"NStgid:\t{pid}\nNSpid:\t{pid}\nNSpgid:\t{pgrp}\nNSsid:\t{session}\n"
+            f"NStgid:\t{ns}\nNSpid:\t{ns}\nNSpgid:\t{pgrp}\nNSsid:\t{session}\n"
             f"{vm}Threads:\t{threads}\n"
             "SigQ:\t0/1030152\nSigPnd:\t0000000000000000\nShdPnd:\t0000000000000000\n"
             "SigBlk:\t0000000000000000\nSigIgn:\t0000000001001000\nSigCgt:\t0000000180004002\n"

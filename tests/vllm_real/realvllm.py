@@ -32,6 +32,7 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -735,6 +736,68 @@ def unix_socket_paths_of(pids: Iterable[int]) -> set[str]:
     return {path for inode, path in _unix_table() if inode in inodes}
 
 
+def files_of_tree(pids: list[int]) -> tuple[set[str], set[str]]:
+    """The /dev/shm files these processes hold (open or mapped) and the ZMQ socket paths they
+    bind, each noted by inode as this session's (leftovers.note_ours)."""
+    import leftovers
+
+    shm = set(shm_files_open_by(pids, prefix="/dev/shm/")) | shm_files_by_inode(pids)
+    sockets = {p for p in unix_socket_paths_of(pids) if ZMQ_SOCKET_RE.match(p)}
+    leftovers.note_ours(shm | sockets)
+    return shm, sockets
+
+
+def shm_files_by_inode(pids: Iterable[int]) -> set[str]:
+    """The /dev/shm files whose inode these processes map, whatever name the mapping shows:
+    glibc's sem_open creates a semaphore under a temporary name, maps it, links it to
+    `sem.mp-…` and unlinks the temporary one, so its creator's maps say
+    `/dev/shm/sem.XXXXXX (deleted)` for the live `/dev/shm/sem.mp-…` (glibc sem_open.c)."""
+    inodes: set[tuple[int, int]] = set()
+    for pid in pids:
+        for line in (_read(f"/proc/{pid}/maps") or b"").decode(errors="replace").splitlines():
+            parts = line.split(None, 5)
+            if len(parts) == 6 and parts[5].startswith("/dev/shm/"):
+                with contextlib.suppress(ValueError, IndexError):
+                    major, minor = parts[3].split(":")
+                    inodes.add((os.makedev(int(major, 16), int(minor, 16)), int(parts[4])))
+    out = set()
+    for path in glob_names("/dev/shm", ""):
+        with contextlib.suppress(OSError):
+            st = os.lstat(path)
+            if (st.st_dev, st.st_ino) in inodes:
+                out.add(path)
+    return out
+
+
+class Noter:
+    """Notes a run's files every `every` seconds while it lives (a file made and released
+    between two explicit looks, or by a run nobody polls, is still noted)."""
+
+    def __init__(self, note: Callable[[], None], every: float = 0.5) -> None:
+        self._stop = threading.Event()
+        self._note = note
+        self._every = every
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._every):
+            with contextlib.suppress(Exception):
+                self._note()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+def remove_ours(paths: Iterable[str]) -> list[str]:
+    """Remove the files among `paths` that are still the inode a process of ours held
+    (leftovers.note_ours), once stale (remove_if_stale): never by name alone."""
+    import leftovers
+
+    return [p for p in sorted(paths) if leftovers.is_ours(p) and remove_if_stale(p)]
+
+
 def _all_pids() -> list[int]:
     return [int(n) for n in os.listdir("/proc") if n.isdigit()]
 
@@ -803,6 +866,7 @@ class VllmServer:
             self.argv(), env=env, stdout=self._log, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, cwd=self.log_path.parent, start_new_session=True,
         )
+        self._noter = Noter(self.note_artifacts)
         return self
 
     def log_text(self) -> str:
@@ -844,10 +908,11 @@ class VllmServer:
         return [p for p in self.tree() if p.cmdline.startswith(title_prefix)]
 
     def note_artifacts(self) -> None:
-        """Remember the /dev/shm files and ZMQ socket paths our live tree uses."""
-        pids = [p.pid for p in self.tree()]
-        self.shm_seen |= set(shm_files_open_by(pids, prefix="/dev/shm/"))
-        self.sockets_seen |= {p for p in unix_socket_paths_of(pids) if ZMQ_SOCKET_RE.match(p)}
+        """Remember the /dev/shm files and ZMQ socket paths our live tree uses (and their
+        inodes: only those are removed at cleanup, tests/support/leftovers.py)."""
+        shm, sockets = files_of_tree([p.pid for p in self.tree()])
+        self.shm_seen |= shm
+        self.sockets_seen |= sockets
 
     def dist_files(self) -> set[str]:
         """FileStores of this run, named in our log: distributed_init_method=file:///tmp/..."""
@@ -868,6 +933,7 @@ class VllmServer:
         killed: list[ProcInfo] = []
         removed: list[str] = []
         if self.proc is not None:
+            self._noter.stop()
             with contextlib.suppress(Exception):
                 self.note_artifacts()
             if self.proc.poll() is None:
@@ -880,8 +946,9 @@ class VllmServer:
                 self.proc.wait(timeout=10)
             killed += kill_token_tracker_last(self.token)
             held = set(shm_files_open_by(_all_pids(), prefix="/dev/shm/"))
-            candidates = (self.shm_seen - held) | self.sockets_seen | self.dist_files()
-            removed = [p for p in sorted(candidates) if remove_if_stale(p)]
+            removed = remove_ours((self.shm_seen - held) | self.sockets_seen)
+            # the FileStore our log names (opened only during set-up: never seen held)
+            removed += [p for p in sorted(self.dist_files()) if remove_if_stale(p)]
         with contextlib.suppress(Exception):
             self._log.close()
         return Cleanup(killed, removed)

@@ -103,6 +103,7 @@ def test_real_vllm_orphans(vllm_server, vllm_timings, request):
 
     # SIGKILL the API server: EngineCore and workers survive as orphans.
     t0 = time.monotonic()
+    srv.note_artifacts()  # what the tree holds, noted by inode before the kill
     srv.proc.kill()
     srv.proc.wait(timeout=30)
     time.sleep(3)  # give anything that would notice the death a chance to exit

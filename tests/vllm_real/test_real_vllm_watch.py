@@ -58,6 +58,7 @@ def test_a_killed_engine_core_is_stopped_as_unhealthy(xpuctl_foreground, vllm_ti
     _ready(run)
     engine = _engine(run)
     killed_at = time.time()
+    run.note_artifacts()  # what it holds, noted by inode before it is killed (leftovers.py)
     assert realvllm.signal_if_token(engine.pid, run.token, signal.SIGKILL)
     rc = run.fg.wait(300)
     err = run.fg_stderr()
@@ -80,30 +81,28 @@ def test_a_stopped_engine_core_with_a_request_running_is_stalled(xpuctl_foregrou
     _ready(run)
     engine = _engine(run)
     model = str(run.model)
-    # long enough to still run when the engine is stopped: 32 x 200 tokens took under a
-    # second at 12,000 tok/s (CI), so the request had finished, the server was idle and
-    # rightly healthy; 1024 x 200 is 15-25 s at 8,000-12,000 tok/s
-    body = workload.completion_body(model, n=1024, max_tokens=200)
-    answered: list[object] = []
-
-    def ask() -> None:  # its connection dies with the stopped server: that is the point
-        try:
-            answered.append(realvllm.http_json(run.base_url + "/v1/completions", body, 300))
-        except OSError as exc:
-            answered.append(exc)
-
-    threading.Thread(target=ask, daemon=True).start()
+    # a request is running whenever the engine is stopped, on any machine: two feeders send
+    # one request after another until then (workload.Feeder). One long request sized for
+    # 12,000 tok/s (1024 x 200) ends in seconds on a faster machine, and an idle server is
+    # rightly healthy: serve then waited out the test's 300 s (CI run 3)
+    stopping = threading.Event()
+    feeder = workload.Feeder(run.base_url, model, 256, 200, 2, stopping.is_set, 300).start()
     end = time.monotonic() + 120
     while time.monotonic() < end and not (in_flight(run.base_url) or 0) > 0:
         time.sleep(0.05)
     assert (in_flight(run.base_url) or 0) > 0, "the request never ran"
     time.sleep(1.0)  # a check or two with tokens counted
     stopped_at = time.time()
+    run.note_artifacts()  # vLLM's deadline SIGKILLs the stopped engine: noted before
     try:
         assert realvllm.signal_if_token(engine.pid, run.token, signal.SIGSTOP)
+        stopping.set()  # send nothing more; the requests in flight die with the server
+        assert (in_flight(run.base_url) or 0) > 0, "no request was running at the SIGSTOP"
         rc = run.fg.wait(300)
     finally:
+        stopping.set()
         realvllm.signal_if_token(engine.pid, run.token, signal.SIGCONT)
+    feeder.stop(5)  # their connections died with the server (daemon threads either way)
     err = run.fg_stderr()
     assert rc == 7, f"rc {rc}\n{err[-3000:]}\n--- log\n{run.log_tail()}"
     rec = run.record()

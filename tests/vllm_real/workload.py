@@ -1,26 +1,21 @@
-"""Sizing a completion workload from the server under test, never from a constant.
+"""In-flight work for the drain test, sized from the drain budget, never from a throughput.
 
-The drain test needs requests that are still running when xpuctl's SIGTERM lands and
-that finish well inside vLLM's drain deadline. How long n sequences take depends on the
-machine (one 2-core machine decoded the same workload in 21 s, another in 40 s), so the
-test measures two figures in its own run and sizes the work from them:
+The drain test needs requests that are in flight when xpuctl's SIGTERM lands and that vLLM
+finishes well inside its drain deadline. Sizing one long request from a measured decode rate
+failed both ways: a rate measured on 1.1 s of one batch (15,007 tok/s) planned 300,240
+tokens in n=1251 sequences, far outside the measured regime, and on a loaded machine vLLM
+had done 37,200 of them at its deadline (issue 38 §7).
 
-- the server's decode rate (tokens/s), from a calibration completion that fills a whole
-  batch (`--max-num-seqs` sequences, `max_tokens` each, EOS ignored) so that the rate is
-  the one of the saturated batch the in-flight work will run at;
-- how long xpuctl takes from its start to a decision (`shutdown --dry-run`), since the
-  real shutdown needs about that long before its SIGTERM. It is measured while the
-  calibration batch runs: with the server decoding on every core, xpuctl's own start-up
-  is several times slower than on an idle host (0.5 s idle, 4.9 s under load, same run).
-
-plan() turns them into a number of sequences per request: the in-flight work lasts
-`target_s` at the measured rate, where target_s is at least MIN_WORK_S and at least
-LEAD_FACTOR times the dry run, and at most the drain budget divided by BUDGET_FACTOR.
+So the work is a `Feeder`: a few threads, each sending one request of `n` sequences after
+another, until vLLM's own log says its shutdown began. Whenever the SIGTERM lands, requests are
+in flight, however long xpuctl takes to send it and however fast the machine is; and what
+vLLM must drain is at most one request per thread. `n` comes from the drain budget: one
+request of exactly that shape is timed on the server under test (no extrapolation to another
+shape), and n is halved until `threads x that time x margin` fits the budget.
 """
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -28,11 +23,10 @@ from typing import NamedTuple
 
 from . import realvllm
 
-MIN_WORK_S = 40.0  # the in-flight work lasts at least this long at the measured rate (a busy
-# 2-core machine has taken 12 s from `xpuctl shutdown` to its first SIGTERM: see the notes)
-LEAD_FACTOR = 4.0  # ... and at least this many times xpuctl's own time to a decision
-BUDGET_FACTOR = 4.0  # the drain budget is at least this many times the planned work
-MAX_SEQS = 8192  # a sanity cap on n (the response of one request holds n texts)
+
+def completion_body(model: str, n: int, max_tokens: int) -> dict:
+    return {"model": model, "prompt": "Hello", "max_tokens": max_tokens, "n": n,
+            "temperature": 1.0, "ignore_eos": True}
 
 
 class Rate(NamedTuple):
@@ -44,31 +38,13 @@ class Rate(NamedTuple):
         return self.tokens / max(self.seconds, 1e-3)
 
 
-class Plan(NamedTuple):
-    rate: float  # measured tokens/s
-    lead_s: float  # measured xpuctl time to a decision (dry run)
-    target_s: float  # planned duration of the in-flight work
-    n_seqs: int  # sequences per request
-    requests: int
-    max_tokens: int
-
-    @property
-    def tokens(self) -> int:
-        return self.n_seqs * self.requests * self.max_tokens
-
-
-def completion_body(model: str, n: int, max_tokens: int) -> dict:
-    return {"model": model, "prompt": "Hello", "max_tokens": max_tokens, "n": n,
-            "temperature": 1.0, "ignore_eos": True}
-
-
 def measure_rate(base_url: str, model: str, n: int, max_tokens: int,
                  timeout: float = 600.0) -> Rate:
-    """Decode rate of one completion of n x max_tokens (EOS ignored). Raises AssertionError
-    when the server does not answer 200 with every token."""
+    """Time one completion of n x max_tokens (EOS ignored). Raises AssertionError when the
+    server does not answer 200 with every token."""
     t0 = time.monotonic()
     status, body = realvllm.http_json(base_url + "/v1/completions",
-                               completion_body(model, n, max_tokens), timeout=timeout)
+                                      completion_body(model, n, max_tokens), timeout=timeout)
     seconds = time.monotonic() - t0
     assert status == 200, f"calibration request failed: {status} {str(body)[:300]}"
     tokens = body["usage"]["completion_tokens"]
@@ -76,49 +52,88 @@ def measure_rate(base_url: str, model: str, n: int, max_tokens: int,
     return Rate(tokens, seconds)
 
 
-def plan(rate: Rate, lead_s: float, drain_budget_s: float, requests: int, max_tokens: int,
-         min_seqs: int) -> Plan:
-    """Sequences per request so that `requests` requests of max_tokens last target_s at
-    `rate`: target_s = max(MIN_WORK_S, LEAD_FACTOR x lead_s), capped at
-    drain_budget_s / BUDGET_FACTOR; n is at least min_seqs (a full batch)."""
-    target = max(MIN_WORK_S, LEAD_FACTOR * lead_s)
-    target = min(target, drain_budget_s / BUDGET_FACTOR)
-    n = math.ceil(rate.per_s * target / (requests * max_tokens))
-    n = max(min_seqs, min(MAX_SEQS, n))
-    return Plan(rate.per_s, lead_s, target, n, requests, max_tokens)
+class Sizing(NamedTuple):
+    n_seqs: int  # sequences per request
+    request_s: float  # one request of that shape, timed on this server
+    tries: list[tuple[int, float]]  # (n, seconds) of every timing
 
 
-class Loaded(NamedTuple):
-    rate: Rate
-    lead_s: float  # how long action() took while the calibration batch was running
-    covered: bool  # the calibration was still running when action() returned
+def size_for_budget(base_url: str, model: str, budget_s: float, threads: int, margin: float,
+                    max_tokens: int, n_start: int, n_min: int) -> Sizing:
+    """The largest n (from n_start, halving, at least n_min) whose request, timed here, fits
+    `threads x seconds x margin <= budget_s`. AssertionError when even n_min does not: the
+    machine is too slow for this budget (say so, never cut the margin)."""
+    tries: list[tuple[int, float]] = []
+    n = n_start
+    while True:
+        seconds = measure_rate(base_url, model, n, max_tokens).seconds
+        tries.append((n, seconds))
+        if threads * seconds * margin <= budget_s:
+            return Sizing(n, seconds, tries)
+        assert n > n_min, (f"one request of {n} x {max_tokens} tokens took {seconds:.1f} s: "
+                           f"{threads} of them do not fit {budget_s:g} s of drain with a "
+                           f"margin of {margin:g} (timings {tries})")
+        n = max(n_min, n // 2)
 
 
-def measure_under_load(base_url: str, model: str, n: int, max_tokens: int,
-                       running: Callable[[], bool], action: Callable[[], object],
-                       timeout: float = 600.0) -> Loaded:
-    """Run a calibration completion of n x max_tokens; once running() says it is in
-    flight, time action() (e.g. an xpuctl dry run) under that load. Raises AssertionError
-    when the calibration fails or never shows as running."""
-    out: list[Rate | BaseException] = []
+class Sent(NamedTuple):
+    t_submit: float
+    t_end: float
+    status: int  # -1: no HTTP answer
+    body: object
 
-    def calibrate() -> None:
-        try:
-            out.append(measure_rate(base_url, model, n, max_tokens, timeout))
-        except BaseException as e:
-            out.append(e)
 
-    th = threading.Thread(target=calibrate, daemon=True)
-    th.start()
-    end = time.monotonic() + timeout
-    while not running() and th.is_alive() and time.monotonic() < end:
-        time.sleep(0.05)
-    t0 = time.monotonic()
-    action()
-    lead = time.monotonic() - t0
-    covered = th.is_alive()
-    th.join(max(1.0, end - time.monotonic()))
-    assert out, "calibration request did not finish"
-    if isinstance(out[0], BaseException):
-        raise out[0]
-    return Loaded(out[0], lead, covered)
+class Feeder:
+    """`threads` threads sending one request of n x max_tokens after another until `done()`
+    (checked before each request) says to stop, or stop() is called."""
+
+    def __init__(self, base_url: str, model: str, n: int, max_tokens: int, threads: int,
+                 done: Callable[[], bool], timeout: float) -> None:
+        self.url = base_url + "/v1/completions"
+        self.body = completion_body(model, n, max_tokens)
+        self.done = done
+        self.timeout = timeout
+        self.sent: list[Sent] = []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._feed, daemon=True)
+                         for _ in range(threads)]
+
+    def start(self) -> Feeder:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def _feed(self) -> None:
+        while not self._stop.is_set() and not self.done():
+            t0 = time.monotonic()
+            try:
+                status, data = realvllm.http_json(self.url, self.body, timeout=self.timeout)
+            except Exception as e:  # refused once the server is gone: recorded, then stop
+                status, data = -1, repr(e)
+            with self._lock:
+                self.sent.append(Sent(t0, time.monotonic(), status, data))
+            if status != 200:
+                return
+
+    def stop(self, timeout: float) -> bool:
+        """Send no more; wait for the requests in flight. False if some still run."""
+        self._stop.set()
+        end = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, end - time.monotonic()))
+        return not any(t.is_alive() for t in self._threads)
+
+
+def tokens_of(body: object) -> int:
+    """completion tokens of a completion's answer (0: none, or not a completion)."""
+    if isinstance(body, dict) and isinstance(body.get("usage"), dict):
+        return int(body["usage"].get("completion_tokens") or 0)
+    return 0
+
+
+def finish_reasons(body: object) -> list[str | None]:
+    """Each choice's finish_reason, as vLLM reported it ("length": all max_tokens generated)."""
+    if isinstance(body, dict) and isinstance(body.get("choices"), list):
+        return [c.get("finish_reason") for c in body["choices"] if isinstance(c, dict)]
+    return []

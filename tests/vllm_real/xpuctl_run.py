@@ -152,12 +152,16 @@ class XpuctlRun:
     def serve_argv(self, drain: float = 10, teardown: float = 10, ready: float = 600,
                    vllm_args: tuple[str, ...] = (), opts: tuple[str, ...] = (),
                    detach: bool = True) -> list[str]:
-        """`opts`: more of serve's own options (before MODEL)."""
+        """`opts`: more of serve's own options (before MODEL). Always `--force`: serve's
+        preflight doctor reads the whole host, and another session's vLLM tree on a shared
+        machine (orphans its own test left for a moment) must not refuse this run; the
+        preflight is tested on its own (tests/test_serve_preflight.py)."""
         vllm = f"{realvllm.venv_python(self.venv)} -m vllm.entrypoints.openai.api_server --model"
+        force = [] if "--force" in opts else ["--force"]
         return [
             "serve", "--vllm", vllm, "--state-dir", str(self.state_dir),
             "--drain-timeout", f"{drain:g}", "--teardown-timeout", f"{teardown:g}",
-            "--ready-timeout", f"{ready:g}", *(["--detach"] if detach else []), *opts,
+            "--ready-timeout", f"{ready:g}", *(["--detach"] if detach else []), *force, *opts,
             str(self.model), "--port", str(self.port), *realvllm.vllm_flags(), *vllm_args,
         ]
 
@@ -171,6 +175,7 @@ class XpuctlRun:
         with open(out_dir / "serve-fg.out", "wb") as out, open(self.fg_err, "wb") as err:
             self.fg = subprocess.Popen(argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
                                        env=self.env, cwd=REPO_ROOT, start_new_session=True)
+        self.start_noting()
         return self.fg
 
     def fg_stderr(self) -> str:
@@ -179,17 +184,21 @@ class XpuctlRun:
         except (OSError, AttributeError):
             return ""
 
-    def serve(self, timeout: float = 660.0, **kw) -> XResult:
+    def serve(self, timeout: float = 660.0, extra_env: dict[str, str] | None = None,
+              **kw) -> XResult:
         """`xpuctl serve --detach`; while it waits, note the files the tree binds
-        (the start-up handshake sockets are bound only until ready)."""
+        (the start-up handshake sockets are bound only until ready). `extra_env`: for serve
+        and its supervisor only (a pause point), never for the test's other commands."""
         argv = [sys.executable, "-m", "xpuctl", *self.serve_argv(**kw)]
         out_dir = self.work / "cmd"
         out_dir.mkdir(parents=True, exist_ok=True)
         out_p, err_p = out_dir / "serve.out", out_dir / "serve.err"
         t0 = time.monotonic()
+        self.start_noting()
         with open(out_p, "wb") as out, open(err_p, "wb") as err:
             proc = subprocess.Popen(argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                                    env=self.env, cwd=REPO_ROOT, start_new_session=True)
+                                    env={**self.env, **(extra_env or {})}, cwd=REPO_ROOT,
+                                    start_new_session=True)
             rc: int | None = None
             try:
                 while True:
@@ -236,9 +245,15 @@ class XpuctlRun:
                          for p in self.tree()) or "  (none)"
 
     def note_artifacts(self) -> None:
-        pids = [p.pid for p in self.tree()]
-        self.shm_seen |= set(realvllm.shm_files_open_by(pids, prefix="/dev/shm/"))
-        self.sockets_seen |= {p for p in realvllm.unix_socket_paths_of(pids) if realvllm.ZMQ_SOCKET_RE.match(p)}
+        """The files our live tree holds or binds, noted by inode (realvllm.files_of_tree)."""
+        shm, sockets = realvllm.files_of_tree([p.pid for p in self.tree()])
+        self.shm_seen |= shm
+        self.sockets_seen |= sockets
+
+    def start_noting(self) -> None:
+        """Note the run's files every half second until cleanup (realvllm.Noter)."""
+        if getattr(self, "_noter", None) is None:
+            self._noter = realvllm.Noter(self.note_artifacts)
 
     def dist_files(self) -> set[str]:
         return set(re.findall(r"distributed_init_method=file://(/tmp/vllm_dist_[0-9A-Za-z_]+)",
@@ -252,10 +267,14 @@ class XpuctlRun:
         """SIGKILL whatever still carries our token (tracker last), then remove the
         files this run left: shm it held (once nobody holds it), ZMQ sockets it bound
         (once unbound), the FileStore its log names."""
+        noter = getattr(self, "_noter", None)
+        if noter is not None:
+            noter.stop()
         with contextlib.suppress(Exception):
             self.note_artifacts()
         killed = realvllm.kill_token_tracker_last(self.token)
         held = set(realvllm.shm_files_open_by(realvllm._all_pids(), prefix="/dev/shm/"))
-        candidates = (self.shm_seen - held) | self.sockets_seen | self.dist_files()
-        removed = [p for p in sorted(candidates) if realvllm.remove_if_stale(p)]
+        removed = realvllm.remove_ours((self.shm_seen - held) | self.sockets_seen)
+        # the FileStore our log names (opened only during set-up: never seen held)
+        removed += [p for p in sorted(self.dist_files()) if realvllm.remove_if_stale(p)]
         return realvllm.Cleanup(killed, removed)

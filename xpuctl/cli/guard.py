@@ -26,8 +26,15 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def debug_requested(ctx: Any = None) -> bool:
+    """`--debug` as the group parsed it (Group.globals_first: only where it is xpuctl's, before
+    the command's arguments end; after serve's MODEL it is vLLM's), or XPUCTL_DEBUG=1. Never
+    the word anywhere in argv."""
+    if ctx is None or getattr(ctx, "obj", None) is None:
+        from typer._click.globals import get_current_context
+
+        ctx = get_current_context(silent=True)
     obj = getattr(ctx, "obj", None)
-    return bool(getattr(obj, "debug", False)) or "--debug" in sys.argv or os.environ.get("XPUCTL_DEBUG") == "1"
+    return bool(getattr(obj, "debug", False)) or os.environ.get("XPUCTL_DEBUG") == "1"
 
 
 def fail(message: str, code: int) -> typer.Exit:

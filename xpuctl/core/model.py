@@ -157,6 +157,7 @@ class RecordedRun(NamedTuple):
     start_ticks: int | None  # and its start, in clock ticks since boot
     supervisor_pid: int | None
     devices: tuple[str, ...] = ()  # the BDFs the run claimed
+    name: str | None = None  # the run's name (what `xpuctl ps` and doctor call it)
 
 
 class Process(NamedTuple):
@@ -190,6 +191,8 @@ class Process(NamedTuple):
     # devices it is tied to without holding them (yet): named by its ZE_AFFINITY_MASK, or
     # claimed by its proven run's record
     claims: tuple[str, ...] = ()
+    # the run whose live supervisor is stopping it, its API server gone (core/trees): no orphan
+    stopping_by: str | None = None
 
     @property
     def is_zombie(self) -> bool:

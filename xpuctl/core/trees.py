@@ -17,6 +17,19 @@ process tree (double fork, setsid: `xpuctl serve` is a subreaper, they are repar
 while its API server lives, but only a tag a live run's record vouches for (`Member.run_id`,
 proved by host/scan): any process can put the variable in its environment.
 
+A run whose API server died while its supervisor lives is **being stopped** by that
+supervisor (`ending`: run id -> run name, from host/scan): it stops what is left of the
+tree itself (serve/supervise: the ladder, from the moment it reaps its API server). Its
+processes are placed as that run's (`Placement.stopping_by`), never orphans, at every moment
+of that window: while the dead API server is still an unreaped zombie, once the supervisor
+reaped it and adopted them (a subreaper: their parent is then the supervisor, which is not
+their launcher), and while they drain. Once the supervisor is gone too, nothing will stop
+them: they are orphans, judged as any other tree.
+
+An orphan's parent is a reaper, and a reaper is a launcher only when it runs vLLM itself:
+PID 1, and the init of any PID namespace (a container's, seen from the host with another
+pid: `Member.ns_init`, NSpid in /proc/PID/status ends in 1).
+
 Ray (docs/ray.md): the path from a Ray actor up to its run goes through Ray's own
 processes (actor -> raylet -> EngineCore when the run started its own Ray). Ray's processes are
 part of a run only under one of its vLLM processes (then they go with its tree, orphaned with
@@ -54,9 +67,12 @@ class Member(NamedTuple):
     pgrp: int = 0
     start_ticks: int = 0  # /proc/<pid>/stat field 22: with the pid, the process's identity
     blocked: bool = False  # a read of it did not answer: alive, what it is unknown
-    # vLLM's or torch's libraries are mapped in it (read for PID 1 only: init, a container's
-    # non-reaping PID 1, or the program there that runs vLLM as a library)
+    # vLLM's or torch's libraries are mapped in it (read for PID 1 and namespace inits only:
+    # init, a container's non-reaping PID 1, or the program there that runs vLLM as a library)
     runs_vllm: bool = False
+    # the init of a PID namespace (pid 1 in its own namespace: NSpid ends in 1), read for the
+    # parents of vLLM processes only; PID 1 of the namespace the scan sees is one by its pid
+    ns_init: bool = False
 
 
 class Placement(NamedTuple):
@@ -64,13 +80,17 @@ class Placement(NamedTuple):
     top: int
     orphan: bool
     owner: int | None = None  # the live non-vLLM process the tree is embedded in
+    # the run whose live supervisor is stopping it (its API server is gone): never an orphan
+    stopping_by: str | None = None
 
 
-def resolve(members: dict[int, Member]) -> dict[int, Placement]:
-    """Role, tree top and orphan flag of every vLLM process among `members`."""
+def resolve(members: dict[int, Member],
+            ending: dict[str, str] | None = None) -> dict[int, Placement]:
+    """Role, tree top and orphan flag of every vLLM process among `members`. `ending`: the
+    runs (id -> name) whose API server is gone while their supervisor lives and stops them."""
     roles = _roles(members)
     tops = _tops(members, roles)
-    return _placements(members, roles, tops)
+    return _placements(members, roles, tops, ending or {})
 
 
 def _roles(members: dict[int, Member]) -> dict[int, str]:
@@ -95,9 +115,11 @@ def _roles(members: dict[int, Member]) -> dict[int, str]:
             related = (
                 parent_role is not None
                 or (m.run_id is not None and m.run_id in vllm_runs)
-                # a tracker that outlived its API server was reparented to init; only then
-                # does sharing a session tie it to vLLM (in a container, everything shares one)
-                or (m.role == TRACKER_CANDIDATE and m.ppid <= 1 and m.session in vllm_sessions)
+                # a tracker that outlived its API server was reparented to init (or to a PID
+                # namespace's); only then does sharing a session tie it to vLLM (in a
+                # container, everything shares one)
+                or (m.role == TRACKER_CANDIDATE and m.session in vllm_sessions
+                    and (m.ppid <= 1 or (m.ppid in members and members[m.ppid].ns_init)))
             )
             if not related:
                 continue
@@ -161,7 +183,10 @@ def launcher(members: dict[int, Member], pid: int) -> int | None:
     what any dead launcher in its namespace left, and a container's PID 1 may have started
     that launcher in its own session and group: it is a launcher only when it runs vLLM
     itself (its libraries are mapped in it: the program a container runs, `LLM(...)` in it)
-    and shares both, each seen in this PID namespace (0: led outside it). A parent that did not
+    and shares both, each seen in this PID namespace (0: led outside it). The init of a
+    container's PID namespace adopts the same way (seen from the host it is not pid 1, and
+    the orphan shares its session and group: the container's): a launcher on the same
+    terms, never by sharing them alone. A parent that did not
     answer a read may be anything: it is presumed alive and the launcher (never an orphan on
     the strength of a read that did not answer)."""
     m = members[pid]
@@ -171,14 +196,15 @@ def launcher(members: dict[int, Member], pid: int) -> int | None:
     if m.ppid <= 0 or parent is None or parent.zombie or parent.start_ticks > m.start_ticks:
         return None
     same = m.session == parent.session and m.pgrp == parent.pgrp
-    if m.ppid == 1:
-        return 1 if same and m.session > 0 and m.pgrp > 0 and parent.runs_vllm else None
+    if m.ppid == 1 or parent.ns_init:
+        return m.ppid if same and m.session > 0 and m.pgrp > 0 and parent.runs_vllm else None
     if same or m.session == pid or m.pgrp == pid:
         return m.ppid
     return None  # adopted: its session and group are those of a launcher that is gone
 
 
-def _placements(members: dict[int, Member], roles: dict[int, str], tops: dict[int, int]) -> dict[int, Placement]:
+def _placements(members: dict[int, Member], roles: dict[int, str], tops: dict[int, int],
+                ending: dict[str, str]) -> dict[int, Placement]:
     live_tops = {
         members[t].run_id: t
         for t in sorted(set(tops.values()))
@@ -200,7 +226,12 @@ def _placements(members: dict[int, Member], roles: dict[int, str], tops: dict[in
             continue
         live = roles[top] == API_SERVER and not members[top].zombie
         owner = None
-        if not live and members[pid].run_id in live_tops:
+        run_id = members[pid].run_id
+        if not live and run_id is not None and run_id in ending:
+            # its API server is gone, its run's supervisor lives and is stopping the rest
+            out[pid] = Placement(role=role, top=top, orphan=False, stopping_by=ending[run_id])
+            continue
+        if not live and run_id in live_tops:
             top = live_tops[members[pid].run_id]  # left the tree, but its server is alive
             live = True
         elif not live:

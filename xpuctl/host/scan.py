@@ -13,7 +13,9 @@ from xpuctl.core.model import (
     Scan,
     Unreadable,
 )
-from xpuctl.core.trees import Member, Placement, resolve
+from xpuctl.core.trees import Member, Placement
+from xpuctl.host.adoption import ending_supervisors, runs_vllm
+from xpuctl.host.adoption import place as place_trees
 from xpuctl.host.artifacts import judge_files
 from xpuctl.host.containers import ContainerLookup
 from xpuctl.host.devices import scan_devices
@@ -113,6 +115,10 @@ def _anchors(fds: FdTable, runs: tuple[RecordedRun, ...]) -> dict[int, str]:
         sup = fds.procs.get(r.supervisor_pid) if r.supervisor_pid else None
         if sup is not None and sup.stat.state != "Z" and sup.stat.start_ticks <= r.start_ticks:
             out.setdefault(sup.pid, r.run_id)
+    # a run whose top is gone while its supervisor lives is being stopped by it: what it left
+    # is still its own (core/trees, `ending`)
+    for sup_pid, r in ending_supervisors(fds, runs).items():
+        out.setdefault(sup_pid, r.run_id)
     return out
 
 
@@ -291,18 +297,8 @@ def _parents(host: Host, fds: FdTable, relevant: dict[int, RawProcess],
             if (ppid == 1 and ppid not in stuck and st.session > 0
                     and (p.stat.session, p.stat.pgrp) == (st.session, st.pgrp)):
                 # only then can PID 1 be its launcher (core/trees.launcher)
-                out[ppid] = out[ppid]._replace(runs_vllm=_runs_vllm(host, ppid))
+                out[ppid] = out[ppid]._replace(runs_vllm=runs_vllm(host, ppid))
     return out
-
-
-#: In the maps of a process that runs vLLM: vLLM's compiled ops, torch's libraries.
-_VLLM_LIBS = (b"/vllm/", b"/torch/lib/")
-
-
-def _runs_vllm(host: Host, pid: int) -> bool:
-    """Does `pid` run vLLM itself (vLLM or torch is loaded: `LLM(...)` imports both)?"""
-    data = read_optional(host, f"/proc/{pid}/maps", 64 << 20)
-    return data is not None and any(lib in data for lib in _VLLM_LIBS)
 
 
 def _launcher_of(host: Host, fds: FdTable, pid: int, stuck: dict[int, BlockedRead]) -> Launcher:
@@ -348,7 +344,7 @@ def _processes(host: Host, fds: FdTable, lazy: _Lazy, clients: list[DrmClient],
     members.update({pid: _member(pid, p.stat, p.role, tags[pid] if pid in proven else None,
                                  pid in stuck)
                     for pid, p in relevant.items()})
-    placements = resolve(members)
+    placements = place_trees(host, fds, members, runs, set(stuck))
     by_run = {r.run_id: r for r in runs}
     launchers = {o: _launcher_of(host, fds, o, stuck)
                  for o in {pl.owner for pl in placements.values() if pl.owner is not None}}
@@ -383,6 +379,7 @@ def _processes(host: Host, fds: FdTable, lazy: _Lazy, clients: list[DrmClient],
             cmdline_bytes=raw.cmdline_bytes,
             embedded_in=launchers.get(place.owner) if place and place.owner is not None else None,
             run_proven=pid in proven,
+            stopping_by=place.stopping_by if place else None,
             claims=_claims(env, by_run.get(run_id) if pid in proven and run_id else None,
                            devices),
         )

@@ -132,6 +132,8 @@ def process_dict(p: Process) -> Document:
         "memory_bytes": p.memory_bytes,
         "run_id": p.run_id,
         "run_proven": p.run_proven,  # a live run's record vouches for run_id
+        # its API server is gone and this run's live supervisor is stopping it (no orphan)
+        "stopping_by": p.stopping_by,
         # vLLM run as a library: the live process the tree belongs to (never an orphan)
         "embedded_in": ({"pid": p.embedded_in.pid, "command": p.embedded_in.command,
                          "blocked": p.embedded_in.blocked}

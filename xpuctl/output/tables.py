@@ -225,6 +225,7 @@ def processes_table(scan: Scan, title: str = "Processes", width: int = 120) -> T
                 str(p.ppid),
                 safe(p.state + (f"({p.wchan})" if p.wchan else ""), 64),
                 safe((p.role or "-") + (f" {p.rank}" if p.rank else "") + (" ORPHAN" if p.orphan else "")
+                     + (f" being stopped by {p.stopping_by}" if p.stopping_by else "")
                      + ((f" under {p.embedded_in.pid} (no answer)" if p.embedded_in.blocked
                          else f" embedded in {p.embedded_in.pid}") if p.embedded_in else ""), 64),
                 safe(",".join(_dev_label(scan, b) for b in p.devices) or "-", 64),

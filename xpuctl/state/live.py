@@ -50,7 +50,7 @@ def recorded(records: list[RunRecord]) -> tuple[RecordedRun, ...]:
     """`recorded_runs` of records already read (those not active are left out)."""
     return tuple(
         RecordedRun(r.run_id, r.pid, r.start_ticks, r.supervisor_pid,
-                    tuple(str(d) for d in r.devices or ()))
+                    tuple(str(d) for d in r.devices or ()), r.name)
         for r in records if r.state in ACTIVE_STATES and isinstance(r.run_id, str) and r.run_id
     )
 

@@ -58,10 +58,34 @@ def no_device(c: Ctx) -> list[Finding]:
     ]
 
 
+def _being_stopped(c: Ctx) -> list[Finding]:
+    """The remains of runs whose API server is gone while their supervisor lives and stops
+    them (core/trees): that run's, being stopped, no leak and nothing for reset to do."""
+    runs: dict[str, list[Process]] = {}
+    for p in c.scan.processes:
+        if p.stopping_by is not None and not p.is_zombie and c.on_wanted(sorted(p.tied)):
+            runs.setdefault(p.stopping_by, []).append(p)
+    out = []
+    for name, members in sorted(runs.items()):
+        devs = sorted({b for m in members for b in m.devices})
+        what = ", ".join(f"{m.cmdline[0] if m.cmdline else m.comm} ({m.pid})" for m in members)
+        held = f"; they hold {', '.join(devs)}" if devs else ""
+        out.append(Finding(
+            "orphans", "info",
+            f"vLLM processes of run {name} whose API server is gone are being stopped by run "
+            f"{name} (its supervisor lives and stops them; no orphans): {what}{held}"
+            f"{_pods(members)}",
+            None, devs[0] if len(devs) == 1 else None, pids(members),
+        ))
+    return out
+
+
 @check("orphans")
 def orphans(c: Ctx) -> list[Finding]:
-    """One finding per orphaned vLLM tree (its API server is gone)."""
-    out = []
+    """One finding per orphaned vLLM tree (its API server and its run's supervisor, or its
+    launcher, are gone); one note per run whose supervisor is stopping what its dead API
+    server left (being stopped: no orphans)."""
+    out = _being_stopped(c)
     for top, members in sorted(c.trees.items()):
         devs = sorted({b for m in members for b in m.devices})
         if not c.on_wanted(sorted(_tree_tied(c, top))):
