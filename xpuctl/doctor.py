@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from xpuctl.core.checks import Options, evaluate
 from xpuctl.core.collective import CollectiveResult
-from xpuctl.core.model import Issue, RecordedRun, Report, Scan, ShmRoom, Version
+from xpuctl.core.model import Issue, Report, Scan, ShmRoom, Version
+from xpuctl.core.runrecords import RecordedRun
 from xpuctl.core.waits import Wait
 from xpuctl.host.devices import resolve_device_specs
 from xpuctl.host.scan import DEFAULT_PORT, take_scan

@@ -30,7 +30,8 @@ from xpuctl import pausepoint
 from xpuctl.actions.cleanup import Removal, may_delete, removable, remove
 from xpuctl.actions.signals import can_signal, target_of
 from xpuctl.core.checks import Options, evaluate
-from xpuctl.core.model import EMPTY_ENV, Artifact, Finding, Process, RecordedRun, Report, Scan
+from xpuctl.core.model import EMPTY_ENV, Artifact, Finding, Process, Report, Scan
+from xpuctl.core.runrecords import RecordedRun
 from xpuctl.errors import UsageError
 from xpuctl.host.processes import live_stats
 from xpuctl.host.scan import DEFAULT_PORT, take_scan

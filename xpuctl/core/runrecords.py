@@ -8,6 +8,19 @@ import math
 from typing import NamedTuple
 
 
+class RecordedRun(NamedTuple):
+    """A live run as its record names it (state/runs): the proof an `XPUCTL_RUN_ID` tag needs.
+    A tag counts only on the recorded process (pid and start ticks), on its supervisor's
+    descendants while that supervisor lives, or on the recorded process's descendants."""
+
+    run_id: str
+    pid: int | None  # the process serve launched (the top)
+    start_ticks: int | None  # and its start, in clock ticks since boot
+    supervisor_pid: int | None
+    devices: tuple[str, ...] = ()  # the BDFs the run claimed
+    name: str | None = None  # the run's name (what `xpuctl ps` and doctor call it)
+
+
 class RecordIssue(NamedTuple):
     """A run record of the state directory that doctor warns about (state/live)."""
 

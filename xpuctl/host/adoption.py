@@ -12,7 +12,7 @@ and the inits of PID namespaces.
 
 from __future__ import annotations
 
-from xpuctl.core.model import RecordedRun
+from xpuctl.core.runrecords import RecordedRun
 from xpuctl.core.trees import Member, Placement, resolve
 from xpuctl.host.processes import FdTable, read_optional
 from xpuctl.host.seam import Host

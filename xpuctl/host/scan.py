@@ -9,10 +9,10 @@ from xpuctl.core.model import (
     Issue,
     Launcher,
     Process,
-    RecordedRun,
     Scan,
     Unreadable,
 )
+from xpuctl.core.runrecords import RecordedRun
 from xpuctl.core.trees import Member, Placement
 from xpuctl.host.adoption import ending_supervisors, runs_vllm
 from xpuctl.host.adoption import place as place_trees

@@ -14,8 +14,7 @@ import stat
 import time
 from typing import NamedTuple
 
-from xpuctl.core.model import RecordedRun
-from xpuctl.core.runrecords import RecordIssue, RunHealth, RunRow, Unread
+from xpuctl.core.runrecords import RecordedRun, RecordIssue, RunHealth, RunRow, Unread
 from xpuctl.errors import UsageError
 from xpuctl.host.processes import same_process
 from xpuctl.host.seam import Host
