@@ -1,4 +1,4 @@
-"""The shutdown and reset flows called directly (shutdown/flow.py, reset.py's `run`), below the
+"""The shutdown and reset flows called directly (shutdown/flow.py, sweep.py's `run`), below the
 CLI, on fake host trees: what they tell `on_event`, when they ask, and what they leave
 undone. A fake root's /proc is not the live one, so nothing here can signal anything; the
 end-to-end behaviour is held by test_serve_shutdown.py, test_reset.py and test_audit.py."""
@@ -10,7 +10,7 @@ import os
 import fakehost as fh
 import pytest
 
-from xpuctl import reset
+from xpuctl import sweep as reset
 from xpuctl.errors import UsageError
 from xpuctl.host.seam import Host
 from xpuctl.shutdown import flow

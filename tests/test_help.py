@@ -99,7 +99,7 @@ def test_start_up_loads_only_what_it_uses(args):
     if args[0] == "doctor":
         assert "xpuctl.cli.doctor" in commands
     assert not any(m.startswith("rich") for m in loaded), loaded
-    assert not any(m.startswith(("xpuctl.host.scan", "xpuctl.doctor", "xpuctl.core.checks")) for m in loaded), loaded
+    assert not any(m.startswith(("xpuctl.host.scan", "xpuctl.diagnosis", "xpuctl.core.checks")) for m in loaded), loaded
 
 
 def test_json_help_says_how_it_meets_format(tmp_path):

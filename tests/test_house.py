@@ -65,3 +65,12 @@ def test_one_metrics_parser():
         if p.name != "metrics.py" and "num_requests_" in p.read_text()
     ]
     assert not others, f"a second /metrics parser: {others}"
+
+
+def test_one_word_one_meaning_for_the_commands():
+    """A command's module is cli/NAME.py; the work behind it has a name of its own
+    (`diagnosis` behind doctor, `sweep` behind reset, `runlog` behind logs), so no module
+    outside cli/ shares a command's name with it at the package's top."""
+    commands = {p.stem for p in (SRC / "cli").glob("*.py")} - {"__init__"}
+    clashes = sorted(p.name for p in SRC.glob("*.py") if p.stem in commands)
+    assert not clashes, f"modules named like a command's module in cli/: {clashes}"

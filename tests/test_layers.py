@@ -22,9 +22,9 @@ LAYERS = [
     ("xpuctl.host",),
     ("xpuctl.state",),
     ("xpuctl.actions", "xpuctl.probes"),
-    ("xpuctl.doctor", "xpuctl.listing", "xpuctl.ray"),
-    ("xpuctl.shutdown", "xpuctl.logs", "xpuctl.archive", "xpuctl.node"),
-    ("xpuctl.reset", "xpuctl.rebind", "xpuctl.serve"),
+    ("xpuctl.diagnosis", "xpuctl.listing", "xpuctl.ray"),
+    ("xpuctl.shutdown", "xpuctl.runlog", "xpuctl.archive", "xpuctl.node"),
+    ("xpuctl.sweep", "xpuctl.rebind", "xpuctl.serve"),
     ("xpuctl.cli", "xpuctl.__main__"),
 ]
 # pure leaves any layer may use: exit codes, the escaping of host text

@@ -19,7 +19,7 @@ from pathlib import Path
 import proctools
 import pytest
 
-from xpuctl.logs import start_of_last_lines
+from xpuctl.runlog import start_of_last_lines
 from xpuctl.state import runs
 
 XPUCTL = [sys.executable, "-m", "xpuctl"]

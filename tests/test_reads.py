@@ -15,8 +15,8 @@ from xpuctl.host.processes import stat_of
 from xpuctl.host.reads import protocol as P
 from xpuctl.host.reads.caller import Reader
 from xpuctl.host.seam import Host
-from xpuctl.reset import _parents
 from xpuctl.shutdown.targets import ServerTree, members, topmost
+from xpuctl.sweep import _parents
 
 runner = CliRunner()
 ORPHANS = (3010, 3020, 3021)  # fakehost.orphan_host: the engine and its two workers

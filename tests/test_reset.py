@@ -212,7 +212,7 @@ def test_kill_holders_never_touches_a_live_server(proc_token, standin_root, tmp_
 
 def test_holders_above_under_or_tagged_with_a_live_server_are_never_stopped():
     from xpuctl.core.model import Process
-    from xpuctl.reset import _why_not
+    from xpuctl.sweep import _why_not
 
     parents = {100: 1, 200: 100, 300: 200, 400: 1, 500: 400, 600: 1}
     serving = {200}  # a live API server, child of a wrapper 100

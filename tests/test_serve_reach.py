@@ -1,7 +1,7 @@
 """serve reaches vLLM the way it is configured (issue 36 items 1, 4, 6, 7, 8), end to end
 against the fake vLLM taught each option:
 
-- `--api-key K1 K2` and `VLLM_API_KEY`: vLLM 0.32's `serve/middleware/authenticate.py` guards
+- `--api-key K1 K2` and `VLLM_API_KEY`: vLLM 0.32's `entrypoints/serve/middleware/authenticate.py` guards
   `/v1`, `/v2` and `/inference` (401 without `Authorization: Bearer <key>`), `/health` and
   `/metrics` stay open. The run becomes ready and stays untouched; no key in serve's lines,
   the record or the audit log;

@@ -31,7 +31,7 @@ from xpuctl.archive import members as archive_members
 from xpuctl.archive.replay import open_snapshot
 from xpuctl.cli import app
 from xpuctl.core.checks import Options, evaluate
-from xpuctl.doctor import diagnose
+from xpuctl.diagnosis import diagnose
 from xpuctl.host.seam import Host
 from xpuctl.output import documents
 
@@ -626,7 +626,7 @@ def test_read_back_replays_char_device_numbers(tmp_path):
 def test_deep_snapshot_replays_the_probes(tmp_path):
     from test_deep import base_scenario, deep_host, standin_env
 
-    from xpuctl.doctor import DeepOptions
+    from xpuctl.diagnosis import DeepOptions
 
     deep_host(tmp_path / "root")
     env = standin_env(tmp_path, base_scenario())

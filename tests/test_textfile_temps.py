@@ -9,7 +9,7 @@ import os
 import time
 
 from xpuctl.actions import cleanup
-from xpuctl.doctor import write_textfile
+from xpuctl.diagnosis import write_textfile
 from xpuctl.state import atomic, textfile
 
 OLD = time.time() - textfile.STALE_TEMP_SECONDS - 60

@@ -518,7 +518,7 @@ def test_health_reads_the_record_only(state_dir, tmp_path):
         "import atexit, sys, runpy\n"
         "atexit.register(lambda: print(sorted(m for m in sys.modules if m.startswith(("
         "'xpuctl.host.scan', 'xpuctl.host.processes', 'xpuctl.host.split', 'xpuctl.serve', "
-        "'xpuctl.doctor', 'prometheus_client')))))\n"
+        "'xpuctl.diagnosis', 'prometheus_client')))))\n"
         f"sys.argv = ['xpuctl', 'health', 'llm', '--state-dir', {state_dir!r}]\n"
         "runpy.run_module('xpuctl', run_name='__main__')\n"
     )

@@ -55,7 +55,7 @@ def list_devices(host: Host, environ: dict[str, str], deep: Any, record_baseline
         from xpuctl.ray.actors import with_ray
 
         return with_ray(host, take_scan(host, **options), environ), None
-    from xpuctl.doctor import DeepOptions, deep_scan
+    from xpuctl.diagnosis import DeepOptions, deep_scan
 
     if deep is not None and record_baseline:
         from xpuctl.probes import baseline, reconcile

@@ -32,7 +32,7 @@ def _state(waiting: Any) -> dict[str, Any]:
 
 def _doctor(host: Any, environ: dict[str, str], options: dict[str, Any]) -> tuple[dict[str, Any], list[Any], int]:
     from xpuctl.core.cluster import family_to_data
-    from xpuctl.doctor import blocking, diagnose
+    from xpuctl.diagnosis import blocking, diagnose
     from xpuctl.output.documents import doctor_dict
     from xpuctl.output.prometheus import families
     from xpuctl.state.statedir import resolve_state_dir

@@ -27,10 +27,10 @@ from xpuctl.errors import UsageError
 from xpuctl.host.devices import scan_devices
 from xpuctl.host.scan import take_scan
 from xpuctl.host.seam import Host
-from xpuctl.reset import find_holders
 from xpuctl.shutdown.ladder import Event, stop
 from xpuctl.shutdown.targets import ServerTree, tree_from_scan
 from xpuctl.state import audit
+from xpuctl.sweep import find_holders
 
 T = TypeVar("T")
 
@@ -233,7 +233,7 @@ Told = Planned | Event | Written | Back | Checking
 def execute(host: Host, plan: RebindPlan, request: Request,
             tell: Callable[[Told], None]) -> RebindOutcome:
     """Stop the holders --kill-holders may stop, unbind, wait, bind, wait, check."""
-    from xpuctl.doctor import CollectiveOptions, diagnose
+    from xpuctl.diagnosis import CollectiveOptions, diagnose
 
     bdf = plan.device.bdf
     missing: list[str] = []
@@ -292,7 +292,7 @@ def run(host: Host, request: Request, state_dir: str | None, on_event: Callable[
     --yes), then rebind with every write and signal in the audit log of `state_dir`
     (resolved), telling each step. A collective check that passed proves the device clean
     there (state/lastrun.py), as `doctor --collective` does."""
-    from xpuctl.doctor import note_proven
+    from xpuctl.diagnosis import note_proven
     from xpuctl.host.devices import resolve_device_specs
 
     plan = make_plan(host, resolve_device_specs(host, list(request.devices)), request.kill_holders)

@@ -115,7 +115,7 @@ def test_a_stopped_engine_core_with_a_request_running_is_stalled(xpuctl_foregrou
 
 
 def test_api_key_becomes_ready_and_stays_untouched(xpuctl_foreground):
-    """`--api-key` (issue 36 item 1): vLLM 0.32's serve/middleware/authenticate.py answers 401
+    """`--api-key` (issue 36 item 1): vLLM 0.32's entrypoints/serve/middleware/authenticate.py answers 401
     on /v1 without the key and leaves /health and /metrics open; serve probes /v1/models with
     the key as a bearer token: the run becomes ready and its watch leaves it alone. The key
     is in neither serve's own lines nor the record nor the audit log."""

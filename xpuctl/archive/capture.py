@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 from xpuctl import __version__
 from xpuctl.archive.recording import RecordingHost
 from xpuctl.core.model import Report
-from xpuctl.doctor import DeepOptions, diagnose
+from xpuctl.diagnosis import DeepOptions, diagnose
 from xpuctl.errors import UsageError
 from xpuctl.host import containers
 from xpuctl.host.seam import Host

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 from xpuctl.archive.recording import raise_rec
 from xpuctl.archive.unpack import unpack
 from xpuctl.core.model import FileInfo, Issue, Version
-from xpuctl.doctor import RecordedProbes
+from xpuctl.diagnosis import RecordedProbes
 from xpuctl.errors import UsageError
 from xpuctl.host.reads.protocol import BlockedRead
 from xpuctl.host.seam import Host

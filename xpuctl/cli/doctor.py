@@ -115,19 +115,19 @@ def doctor(
 def _check(a: AppContext, asked: _Asked, host: Any, environ: dict[str, str], sdir: str | None,
            deep_opts: Any) -> NoReturn:
     """Diagnose, re-check with --wait-clean, render, exit."""
-    from xpuctl import doctor as doctor_core
+    from xpuctl import diagnosis
 
     # --collective runs once: a --wait-clean re-check carries its first result; while it
     # runs, stderr shows what its ranks are doing and the time left
     view = _countdown() if asked.collective is not None else None
-    coll: list[Any] = [doctor_core.CollectiveOptions(asked.collective, on_wait=view.wait)
+    coll: list[Any] = [diagnosis.CollectiveOptions(asked.collective, on_wait=view.wait)
                        if view is not None and asked.collective is not None else None, deep_opts]
 
     def run() -> Any:
-        report = doctor_core.diagnose(host, asked.devices, asked.port, asked.expect_idle, environ,
+        report = diagnosis.diagnose(host, asked.devices, asked.port, asked.expect_idle, environ,
                                       deep=coll[1], state_dir=sdir, collective=coll[0])
         coll[0] = report.scan.collective
-        coll[1] = doctor_core.again(coll[1], report)  # a re-check: xpu-smi once only
+        coll[1] = diagnosis.again(coll[1], report)  # a re-check: xpu-smi once only
         return report
 
     if asked.fmt is Format.npd:
@@ -137,7 +137,7 @@ def _check(a: AppContext, asked: _Asked, host: Any, environ: dict[str, str], sdi
     finally:
         if view is not None:
             view.finish()
-    clean = not doctor_core.blocking(report, asked.strict)
+    clean = not diagnosis.blocking(report, asked.strict)
     if asked.wait_clean is not None and not clean:
         report, clean = _wait(a, report, run, asked.wait_clean, asked.strict,
                               asked.fmt is Format.table)
@@ -197,7 +197,7 @@ def _check_sources(ray: str | None, from_: str | None, deep: bool, asked: _Asked
 def _deep(deep: bool, replayed: Any, timeout: float, threshold: str, state_dir: str | None) -> Any:
     """DeepOptions for --deep, or for a --deep snapshot's recorded probes (judged as doctor
     --deep would judge them); None for a plain doctor."""
-    from xpuctl.doctor import DeepOptions
+    from xpuctl.diagnosis import DeepOptions
 
     if replayed is not None:
         return DeepOptions(unattributed_threshold=parse_size(threshold), recorded=replayed)
@@ -217,7 +217,7 @@ def _format(fmt: Format | None, as_json: bool, textfile: str | None) -> Format:
 
 def _wait(a: AppContext, report: Any, run: Any, seconds: float, strict: bool, table: bool) -> tuple[Any, bool]:
     """--wait-clean: re-check until clean; on a terminal a status line counts down."""
-    from xpuctl.doctor import wait_clean
+    from xpuctl.diagnosis import wait_clean
 
     if not (a.stderr_tty and table):
         return wait_clean(report, run, seconds, strict)
@@ -242,7 +242,7 @@ def _render(a: AppContext, report: Any, out_fmt: Format, textfile: str | None,
         if textfile is None:
             sys.stdout.write(prometheus(report))
         else:
-            from xpuctl.doctor import write_textfile
+            from xpuctl.diagnosis import write_textfile
             from xpuctl.state.statedir import default_state_dir
 
             # our own stale temporary files beside it (the textfile is on this machine, never

@@ -38,7 +38,7 @@ def logs(
     Exit 0; 1: its record is damaged or unreadable (the line names it); 3: no run of that
     name.
     """
-    from xpuctl import logs as run_logs
+    from xpuctl import runlog as run_logs
     from xpuctl.state import runs
     from xpuctl.state.live import run_alive
     from xpuctl.state.regular import NotRegularError
@@ -89,7 +89,7 @@ def _scrubbed(line: bytes) -> bytes:
 def _sink(tty: bool) -> Any:
     """Where the log's lines go: escaped on a terminal, copied into a pipe or a file; whole
     lines both ways, each scrubbed of secrets first."""
-    from xpuctl import logs as run_logs
+    from xpuctl import runlog as run_logs
 
     if tty:
         return run_logs.LineWriter(lambda text: emit(sys.stdout, text),

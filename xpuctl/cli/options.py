@@ -220,7 +220,7 @@ def deep_options(timeout: float, threshold: str, state_dir: str | None) -> Any:
     started (a command that took T to get here gives its probes timeout - T). `state_dir`
     (resolved: statedir.resolve_state_dir) holds the idle baseline."""
     from xpuctl.cli.context import own_age_seconds
-    from xpuctl.doctor import DeepOptions
+    from xpuctl.diagnosis import DeepOptions
 
     age = own_age_seconds()
     since = time.monotonic() - age if age is not None else None

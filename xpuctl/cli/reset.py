@@ -29,8 +29,8 @@ if TYPE_CHECKING:  # types only: the command's modules load when it runs
 
     from xpuctl.host.seam import Host
     from xpuctl.rebind import Request as RebindRequest
-    from xpuctl.reset import Outcome as ResetOutcome
-    from xpuctl.reset import Told as ResetTold
+    from xpuctl.sweep import Outcome as ResetOutcome
+    from xpuctl.sweep import Told as ResetTold
 
 app = command_app()
 
@@ -65,7 +65,7 @@ def reset(
 
     Exit 0: clean afterwards. 1: problems remain. 2: usage (or no --yes without a terminal).
     """
-    from xpuctl import reset as flow
+    from xpuctl import sweep as flow
     from xpuctl.state.statedir import resolve_state_dir
 
     a = app_context(ctx)
@@ -90,7 +90,7 @@ def reset(
 def _shower(kill_holders: bool, as_json: bool) -> Callable[[ResetTold], None]:
     """How reset's steps are told: the plan (not with --json), the device reset, each
     removal, the stop of the orphans and holders."""
-    from xpuctl import reset as flow
+    from xpuctl import sweep as flow
     from xpuctl.actions.cleanup import Removal
     from xpuctl.output import lines
 

@@ -43,7 +43,7 @@ from xpuctl.serve.budget import (
 )
 
 if TYPE_CHECKING:  # types only: imported where used
-    from xpuctl.doctor import DeepOptions
+    from xpuctl.diagnosis import DeepOptions
 
 FLAG_VERSION = (0, 18)  # first vLLM with --shutdown-timeout
 PCI_ORDER_VAR = "ZE_ENABLE_PCI_ID_DEVICE_ORDER"  # Level Zero enumerates in PCI order when 1

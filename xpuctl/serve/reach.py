@@ -2,7 +2,7 @@
 configure it (parse/vllmargs.server_reach: `--host`, `--port`, `--uds`, `--api-key` or
 `VLLM_API_KEY`, `--ssl-*`), and what serve does when it cannot prove who it is.
 
-The readiness probe asks `/health` (open, vLLM 0.32 `serve/middleware/authenticate.py` guards
+The readiness probe asks `/health` (open, vLLM 0.32 `entrypoints/serve/middleware/authenticate.py` guards
 only `/v1`, `/v2` and `/inference`) and `/v1/models` with the key as a bearer token. A server
 that refuses the probe (401/403, a refused TLS handshake: mutual TLS without serve's own
 client certificate, `--probe-cert`/`--probe-key`) is never taken for a server that is not

@@ -173,7 +173,7 @@ class Readiness(ExitJudge):
         """What doctor finds on the run's devices, and the known-issues rows the run's own
         versions fall in (core/known; bounded at 5 s), said before the stop."""
         try:
-            from xpuctl.doctor import diagnose
+            from xpuctl.diagnosis import diagnose
             from xpuctl.probes.versions import known_rows
 
             report = diagnose(self.host, self.plan.bdfs or None, None)

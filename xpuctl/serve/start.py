@@ -26,7 +26,7 @@ from xpuctl.state.runs import NAME_RE, Locks, RunRecord, ensure_state_dir
 from xpuctl.state.statedir import check_writable
 
 if TYPE_CHECKING:  # types only: doctor is imported where used
-    from xpuctl.doctor import CollectiveOptions
+    from xpuctl.diagnosis import CollectiveOptions
 
 
 class _Planned(NamedTuple):
@@ -50,7 +50,7 @@ def _collective(opts: ServeOptions, plan: LaunchPlan, out: Callable[[str], None]
     PCI device order unless it says otherwise) when `--preflight collective` asks for the
     collective check, or, without an explicit --preflight, when the last run on one of the
     run's devices did not end cleanly (said in one line); else None."""
-    from xpuctl.doctor import CollectiveOptions
+    from xpuctl.diagnosis import CollectiveOptions
     from xpuctl.state.lastrun import unclean_run_on
 
     if not opts.collective_preflight:
@@ -72,7 +72,7 @@ def _preflight(host: Host, opts: ServeOptions, plan: LaunchPlan,
     after an unclean last run, its countdown told to `on_wait`); XpuctlError when they are
     not clean. The collective check's verdict is said also when serve goes on: a pass, or a
     warning (no torch with XPU, no backend: nothing was proven)."""
-    from xpuctl.doctor import diagnose
+    from xpuctl.diagnosis import diagnose
 
     coll = _collective(opts, plan, out, on_wait)
     port = None if plan.reach.uds else plan.port  # a unix socket has no port to find taken
@@ -112,7 +112,7 @@ def _shm_warning(host: Host, plan: LaunchPlan, out: Callable[[str], None]) -> No
     under load."""
     from xpuctl.core.shmroom import needed_bytes
     from xpuctl.core.units import human_bytes
-    from xpuctl.doctor import shm_room
+    from xpuctl.diagnosis import shm_room
     from xpuctl.parse.vllmargs import parallel_sizes
 
     tp, pp = parallel_sizes(plan.argv)

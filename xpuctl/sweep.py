@@ -1,4 +1,5 @@
-"""reset: plan → confirm → clean leftovers (orphans, stale files) → verify.
+"""The sweep behind `xpuctl reset` (the command is cli/reset.py): plan → confirm → clean
+leftovers (orphans, stale files) → verify.
 
 `run` is the command's flow (the CLI parses, calls it once, renders, maps the exit code):
 `make_plan`, the plan told to the caller, its approval (the prompt), `execute` inside the

@@ -1,4 +1,5 @@
-"""logs: print a run's log (found through its run record), optionally following it.
+"""A run's log, behind `xpuctl logs` (the command is cli/logs.py): print it (found through
+its run record), optionally following it.
 
 Following ends when the run is over: neither its supervisor nor its vLLM top process is
 alive any more (identity checked by start time, so a recycled pid does not keep it going).

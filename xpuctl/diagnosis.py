@@ -1,4 +1,6 @@
-"""doctor: scan, judge, and optionally wait until the host is clean."""
+"""The diagnosis behind `xpuctl doctor` (and serve's preflight, rebind's check, a Ray node's
+answer): scan, judge, and optionally wait until the host is clean. The command itself is
+cli/doctor.py; the checks that judge are core/checks/."""
 
 from __future__ import annotations
 
