@@ -14,7 +14,6 @@ import time
 import pytest
 
 from . import realvllm
-from .xpuctl_run import XpuctlRun
 
 pytestmark = pytest.mark.vllm
 
@@ -26,23 +25,9 @@ STOPS = ["EngineDeadError",
          "[shutdown] MPClient: engine core exited unexpectedly; starting cleanup"]
 
 
-def _ready(run: XpuctlRun) -> None:
-    def state() -> str | None:
-        try:
-            return run.record()["state"]
-        except (OSError, ValueError):
-            return None
-
-    end = time.monotonic() + READY_S
-    while time.monotonic() < end and state() != "ready" and run.fg.poll() is None:
-        time.sleep(0.2)
-    assert state() == "ready", (f"serve did not come up (rc {run.fg.poll()}):\n"
-                                f"{run.fg_stderr()[-3000:]}\n--- log\n{run.log_tail()}")
-
-
 def test_a_hostile_stop_string_with_request_logging_keeps_the_server(xpuctl_foreground):
     run = xpuctl_foreground(opts=WATCH, vllm_args=("--enable-log-requests",))
-    _ready(run)
+    run.wait_fg_ready(READY_S)
     body = {"model": str(run.model), "prompt": "Hello", "max_tokens": 8, "stop": STOPS}
     status, answer = realvllm.http_json(run.base_url + "/v1/completions", body, timeout=120)
     assert status == 200, answer

@@ -32,21 +32,6 @@ WATCH = ("--health-interval", "1", "--unhealthy-after", "3", "--stall-after", "4
 READY_S = 600
 
 
-def _ready(run: XpuctlRun) -> dict:
-    def state() -> str | None:
-        try:
-            return run.record()["state"]
-        except (OSError, ValueError):
-            return None
-
-    end = time.monotonic() + READY_S
-    while time.monotonic() < end and state() != "ready" and run.fg.poll() is None:
-        time.sleep(0.2)
-    assert state() == "ready", (f"serve did not come up (rc {run.fg.poll()}):\n"
-                                f"{run.fg_stderr()[-3000:]}\n--- log\n{run.log_tail()}")
-    return run.record()
-
-
 def _engine(run: XpuctlRun) -> realvllm.ProcInfo:
     parts = run.parts()
     assert len(parts["engine"]) == 1, run.describe_tree()
@@ -55,7 +40,7 @@ def _engine(run: XpuctlRun) -> realvllm.ProcInfo:
 
 def test_a_killed_engine_core_is_stopped_as_unhealthy(xpuctl_foreground, vllm_timings, request):
     run = xpuctl_foreground(opts=WATCH)
-    _ready(run)
+    run.wait_fg_ready(READY_S)
     engine = _engine(run)
     killed_at = time.time()
     run.note_artifacts()  # what it holds, noted by inode before it is killed (leftovers.py)
@@ -78,7 +63,7 @@ def test_a_killed_engine_core_is_stopped_as_unhealthy(xpuctl_foreground, vllm_ti
 def test_a_stopped_engine_core_with_a_request_running_is_stalled(xpuctl_foreground,
                                                                 vllm_timings, request):
     run = xpuctl_foreground(opts=WATCH, drain=5, teardown=5)
-    _ready(run)
+    run.wait_fg_ready(READY_S)
     engine = _engine(run)
     model = str(run.model)
     # a request is running whenever the engine is stopped, on any machine: two feeders send
@@ -124,7 +109,7 @@ def test_api_key_becomes_ready_and_stays_untouched(xpuctl_foreground):
 
     key = "xpuctl-real-key-" + str(time.monotonic_ns())
     run = xpuctl_foreground(opts=WATCH, vllm_args=("--api-key", key))
-    _ready(run)
+    run.wait_fg_ready(READY_S)
     status, _ = realvllm.http_json(run.base_url + "/v1/models")
     assert status == 401, status  # the key guards /v1: the probe needed it
     req = urllib.request.Request(run.base_url + "/v1/models",

@@ -220,6 +220,23 @@ class XpuctlRun:
                                     err_p.read_text(errors="replace"), time.monotonic() - t0)
         return self.serve_result
 
+    def wait_fg_ready(self, timeout: float = 600.0) -> dict:
+        """The foreground serve's record once it says ready (vLLM on a slow machine: up to
+        `timeout`); fails with serve's stderr and the log when it never does."""
+
+        def state() -> str | None:
+            try:
+                return self.record()["state"]
+            except (OSError, ValueError):
+                return None
+
+        end = time.monotonic() + timeout
+        while time.monotonic() < end and state() != "ready" and self.fg.poll() is None:
+            time.sleep(0.2)
+        assert state() == "ready", (f"serve did not come up (rc {self.fg.poll()}):\n"
+                                    f"{self.fg_stderr()[-3000:]}\n--- log\n{self.log_tail()}")
+        return self.record()
+
     # -- what the run is made of ---------------------------------------------------------
     def record(self) -> dict:
         return json.loads(self.record_path.read_text())
