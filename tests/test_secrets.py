@@ -171,3 +171,18 @@ def test_scrub_never_grows_a_secret(text):
     assert "abcd" not in once
     assert redact.scrub(once, {"abcd"}) == once
     assert once.count("\n") == text.count("\n")  # one line stays one line
+
+
+def test_hostile_nesting_and_long_words_are_read_once():
+    """A command line is host text any user controls: `x=x=x=...` once recursed a level per
+    pair (RecursionError, exit 70 for ps and doctor) and a long word was read once per
+    character (`ps --json` of 2 MiB command lines ran past the reader's timeout:
+    tests/test_bounded_output.py). Both end, and a secret after them is still found."""
+    from xpuctl.parse import redact
+
+    for hostile in ("x=" * 50_000, "x='" * 30_000, "a" * 300_000, "a.b" * 100_000,
+                    "'k': '" * 20_000):
+        text = hostile + " api_key='sk-after-the-noise'"
+        assert "sk-after-the-noise" not in redact.scrub(text)
+        shown = redact.argv(["vllm", hostile, "--api-key", "sk-after-the-noise"])
+        assert "sk-after-the-noise" not in shown

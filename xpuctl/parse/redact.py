@@ -163,16 +163,19 @@ def secret_values(args: Iterable[str] = (), env: dict[str, str] | None = None) -
 _QUOTED = r"'(?:[^'\\\n]|\\.)*'|" + r'"(?:[^"\\\n]|\\.)*"'
 _BARE = r"""(?:(?i:bearer|basic|token)\s+)?[^\s,;'"}\])]+"""
 _ITEM = rf"(?:{_QUOTED}|[^\s,\]]+)"
-#: `key: value`, `key=value`, `'key': ['v1', 'v2']`, `"key": "v"`, `key='v'`
+#: `key: value`, `key=value`, `'key': ['v1', 'v2']`, `"key": "v"`, `key='v'`. Every name is
+#: matched from its first character only and never given back (`*+`): a 2 MiB command line of
+#: one word is read once, not once per character (it was quadratic: minutes for `ps`).
 _KEYED = re.compile(
-    rf"""(?P<q>['"]?)(?P<name>[A-Za-z0-9][A-Za-z0-9_.-]*)(?P=q)(?P<sep>\s*[:=]\s*)"""
+    rf"""(?<![A-Za-z0-9_.-])(?P<q>['"]?)(?P<name>[A-Za-z0-9][A-Za-z0-9_.-]*+)(?P=q)"""
+    rf"""(?P<sep>\s*[:=]\s*)"""
     rf"(?P<value>\[\s*(?:{_ITEM}(?:\s*,\s*{_ITEM})*)?\s*\]|{_QUOTED}|{_BARE})")
 #: `--api-key K1 K2` (every word up to the next option or a `NAME=`/`NAME:` word), `--api-key=K`
-_OPTION = re.compile(r"(?P<name>(?<![\w-])--?[A-Za-z0-9][A-Za-z0-9_.-]*)"
+_OPTION = re.compile(r"(?P<name>(?<![\w-])--?[A-Za-z0-9][A-Za-z0-9_.-]*+)"
                      r"(?P<sep>=|\s+)(?P<value>(?!-)\S+(?:[ \t]+(?!-)[^\s=:]+(?!\S))*)")
 _BEARER = re.compile(r"(?i)(?P<name>\bBearer)(?P<sep>\s+)(?P<value>[A-Za-z0-9._~+/=-]+)")
 #: scheme://userinfo@host: the user info goes whole (a token can be its user part)
-_USERINFO = re.compile(r"(?P<name>\b[A-Za-z][A-Za-z0-9+.-]*://)(?P<sep>)"
+_USERINFO = re.compile(r"(?P<name>(?<![A-Za-z0-9+.-])[A-Za-z][A-Za-z0-9+.-]*+://)(?P<sep>)"
                        r"(?P<value>[^\s/@'\"<>]+)(?=@)")
 _SCHEMES = frozenset({"bearer", "basic", "token"})
 _ITEMS = re.compile(_QUOTED + r"|[^\s,\[\]]+")
@@ -187,11 +190,23 @@ def _hidden(value: str) -> str:
     return REDACTED
 
 
-def _keyed(m: re.Match[str]) -> str:
+#: how deep dicts inside strings are looked into (`'hf_overrides': '{"hf_token": ...}'` is
+#: one); a hostile `x='y=\'z=...` goes no deeper, and a bare value is never re-read
+_NEST = 4
+
+
+def _nested(value: str, depth: int) -> bool:
+    """Is `value` a quoted string or a list that may hold a dict of its own?"""
+    return len(value) > 2 and value[0] in "'\"[" and depth < _NEST
+
+
+def _keyed(m: re.Match[str], depth: int = 0) -> str:
     value = m.group("value")
     head = m.group(0)[: m.start("value") - m.start()]
     if not secret_key(m.group("name")):  # a dict inside a string (`'hf_overrides': '{...}'`)
-        return head + _KEYED.sub(_keyed, value) if len(value) > 2 else m.group(0)
+        if _nested(value, depth):
+            return head + _KEYED.sub(lambda inner: _keyed(inner, depth + 1), value)
+        return m.group(0)
     if REDACTED in value:
         return m.group(0)
     return head + _hidden(value)
@@ -222,12 +237,12 @@ def _scrub_shapes(text: str) -> str:
     return text
 
 
-def _keyed_values(text: str) -> set[str]:
+def _keyed_values(text: str, depth: int = 0) -> set[str]:
     found: set[str] = set()
     for m in _KEYED.finditer(text):
         value = m.group("value")
         if not secret_key(m.group("name")):
-            found |= _keyed_values(value) if len(value) > 2 else set()
+            found |= _keyed_values(value, depth + 1) if _nested(value, depth) else set()
             continue
         for item in _ITEMS.findall(value):
             if item.lower() not in _SCHEMES:  # `Bearer X`: X is the secret
