@@ -35,6 +35,7 @@ from xpuctl.cli.options import (
     parse_size,
 )
 from xpuctl.errors import ExitCode, UsageError, XpuctlError
+from xpuctl.output.safetext import emit
 
 if TYPE_CHECKING:  # types only: the countdown's module loads with --collective
     from xpuctl.output.progress import View
@@ -157,13 +158,13 @@ def _npd(run: Callable[[], Any], strict: bool) -> NoReturn:
     try:
         report = run()
     except XpuctlError as exc:
-        sys.stdout.write(npd.unknown_line(str(exc)) + "\n")
+        emit(sys.stdout, npd.unknown_line(str(exc)))
         code = exc.exit_code if exc.exit_code not in (ExitCode.OK, ExitCode.PROBLEMS) else None
         raise XpuctlError(str(exc), code or ExitCode.UNKNOWN) from None
     except Exception as exc:
-        sys.stdout.write(npd.unknown_line(f"internal error: {type(exc).__name__}") + "\n")
+        emit(sys.stdout, npd.unknown_line(f"internal error: {type(exc).__name__}"))
         raise
-    sys.stdout.write(npd.npd_line(report, strict) + "\n")
+    emit(sys.stdout, npd.npd_line(report, strict))
     if npd.failing(report, strict):
         raise typer.Exit(ExitCode.PROBLEMS)
     raise typer.Exit(ExitCode.UNKNOWN if report.status == "unknown" else ExitCode.OK)
