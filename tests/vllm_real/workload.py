@@ -116,9 +116,13 @@ class Feeder:
             if status != 200:
                 return
 
+    def hold(self) -> None:
+        """Send no more from now on; the requests in flight go on (stop() waits for them)."""
+        self._stop.set()
+
     def stop(self, timeout: float) -> bool:
         """Send no more; wait for the requests in flight. False if some still run."""
-        self._stop.set()
+        self.hold()
         end = time.monotonic() + timeout
         for t in self._threads:
             t.join(max(0.0, end - time.monotonic()))
