@@ -28,7 +28,6 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -40,13 +39,13 @@ from harness import (
     BenchError,
     Cmd,
     Population,
-    _raise_interrupt,
     become_subreaper,
     check_doctor,
     check_doctor_stale,
     check_floor,
     check_fuser,
     check_lsof,
+    entry,
     preflight,
     pt,
     say,
@@ -254,13 +253,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGTERM, _raise_interrupt)
-    signal.signal(signal.SIGHUP, _raise_interrupt)
-    try:
-        sys.exit(main(sys.argv[1:]))
-    except KeyboardInterrupt:
-        sys.stderr.write("\nbench: interrupted; everything it started has been stopped\n")
-        sys.exit(130)
-    except BenchError as exc:
-        sys.stderr.write(f"bench: error: {exc}\n")
-        sys.exit(2)
+    entry(main)

@@ -58,6 +58,21 @@ def _raise_interrupt(signum: int, _frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def entry(main: Callable[[list[str]], int]) -> None:
+    """Run a bench's `main(argv)` as a program: SIGTERM and SIGHUP end it as Ctrl-C does
+    (whatever it started is stopped by its own cleanup), a BenchError is one line, exit 2."""
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    signal.signal(signal.SIGHUP, _raise_interrupt)
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except KeyboardInterrupt:
+        sys.stderr.write("\nbench: interrupted; everything it started has been stopped\n")
+        sys.exit(130)
+    except BenchError as exc:
+        sys.stderr.write(f"bench: error: {exc}\n")
+        sys.exit(2)
+
+
 @contextlib.contextmanager
 def shielded():
     """Cleanup runs to the end: Ctrl-C / SIGTERM during it are held, then re-raised."""

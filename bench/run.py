@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -40,8 +39,8 @@ from harness import (
     CONTENTION,
     T0,
     BenchError,
-    _raise_interrupt,
     become_subreaper,
+    entry,
     find_time,
     loadavg,
     med,
@@ -199,13 +198,4 @@ def summarise(res: dict) -> dict:
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGTERM, _raise_interrupt)
-    signal.signal(signal.SIGHUP, _raise_interrupt)
-    try:
-        sys.exit(main(sys.argv[1:]))
-    except KeyboardInterrupt:
-        sys.stderr.write("\nbench: interrupted; everything it started has been stopped\n")
-        sys.exit(130)
-    except BenchError as exc:
-        sys.stderr.write(f"bench: error: {exc}\n")
-        sys.exit(2)
+    entry(main)
