@@ -229,7 +229,19 @@ def _option(m: re.Match[str]) -> str:
 _Sub = Callable[[re.Match[str]], str]
 
 
+def _may_hold_a_shape(text: str) -> bool:
+    """False only when no shape can match: each needs a `=` or a `:` (a keyed value, an
+    option's `=VALUE`, a URL's `://`), the word Bearer, or white space after a `-` (an
+    option and its value in free text). Most words of a command line have none of them,
+    and doctor reads the command line of every holder: the regexes are skipped for those."""
+    if "=" in text or ":" in text or "earer" in text.lower():
+        return True
+    return "-" in text and any(c.isspace() for c in text)
+
+
 def _scrub_shapes(text: str) -> str:
+    if not _may_hold_a_shape(text):
+        return text
     shapes: tuple[tuple[re.Pattern[str], _Sub], ...] = (
         (_BEARER, _always), (_USERINFO, _always), (_KEYED, _keyed), (_OPTION, _option))
     for shape, replace in shapes:
