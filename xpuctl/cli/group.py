@@ -67,7 +67,12 @@ class Group(TyperGroup):
             return loaded[cmd_name]
         module = importlib.import_module(COMMANDS[cmd_name][0])
         command = loaded[cmd_name] = typer.main.get_command(module.app)
-        gc.enable()  # paused while the modules loaded (xpuctl.cli.main); the command may run long
+        # Paused while the modules loaded (xpuctl.cli.main); the command may run long. What
+        # the imports made lives until exit: frozen, no collection walks it again (the
+        # first ones after loading took a doctor run 5-10 ms, and a forked reader copies
+        # every page a collection touches).
+        gc.freeze()
+        gc.enable()
         return command
 
     def format_commands(self, ctx: Any, formatter: Any) -> None:
