@@ -214,9 +214,16 @@ def read_argv(host: Host, pid: int) -> tuple[list[str], int]:
             data = data[:ARGV_READ_BYTES]
     except OSError:
         return [], 0
-    argv = redact.argv(parse_cmdline(data))
-    kept = redact.cmdline(data)
-    return argv, whole + len(kept) - len(data)
+    words = parse_cmdline(data)
+    argv = redact.argv(words)
+    # the length as redacted: what each word's redaction added (a trailing NUL padding of
+    # setproctitle's is no word, so never a secret option's value)
+    grown = sum(_nbytes(r) - _nbytes(w) for w, r in zip(words, argv, strict=True) if r is not w)
+    return argv, whole + grown
+
+
+def _nbytes(word: str) -> int:
+    return len(word.encode("utf-8", "surrogateescape"))
 
 
 def read_cmdline(host: Host, pid: int) -> list[str]:

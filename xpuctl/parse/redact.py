@@ -29,6 +29,7 @@ matched as words (split at `-`, `_`, `.`), never as substrings: a secret word is
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -96,6 +97,23 @@ def environ(data: bytes) -> bytes:
         elif sep and keeps_var(name):
             kept.append(item + b"\0")
     return b"".join(kept)
+
+
+_KEPT_STARTS = tuple(p.encode() for p in ENV_PREFIXES) + tuple(n.encode() + b"=" for n in ENV_NAMES)
+
+
+def kept_environ(data: bytes) -> dict[str, str]:
+    """The kept variables of /proc/<pid>/environ as a dict (the first of a name wins, as
+    procfs.parse_environ), a secret's value replaced: all a scan keeps of another process's
+    environment. The other variables are never decoded (a vLLM host's run to kilobytes)."""
+    out: dict[str, str] = {}
+    for item in data.split(b"\0"):
+        if item.startswith(_KEPT_STARTS):
+            key, sep, value = item.partition(b"=")
+            name = key.decode("utf-8", "surrogateescape")
+            if sep and name not in out:
+                out[name] = REDACTED if secret_name(name) else value.decode("utf-8", "surrogateescape")
+    return out
 
 
 def env_dict(env: dict[str, str]) -> dict[str, str]:
@@ -166,19 +184,27 @@ _ITEM = rf"(?:{_QUOTED}|[^\s,\]]+)"
 #: `key: value`, `key=value`, `'key': ['v1', 'v2']`, `"key": "v"`, `key='v'`. Every name is
 #: matched from its first character only and never given back (`*+`): a 2 MiB command line of
 #: one word is read once, not once per character (it was quadratic: minutes for `ps`).
-_KEYED = re.compile(
-    rf"""(?<![A-Za-z0-9_.-])(?P<q>['"]?)(?P<name>[A-Za-z0-9][A-Za-z0-9_.-]*+)(?P=q)"""
-    rf"""(?P<sep>\s*[:=]\s*)"""
-    rf"(?P<value>\[\s*(?:{_ITEM}(?:\s*,\s*{_ITEM})*)?\s*\]|{_QUOTED}|{_BARE})")
-#: `--api-key K1 K2` (every word up to the next option or a `NAME=`/`NAME:` word), `--api-key=K`
-_OPTION = re.compile(r"(?P<name>(?<![\w-])--?[A-Za-z0-9][A-Za-z0-9_.-]*+)"
-                     r"(?P<sep>=|\s+)(?P<value>(?!-)\S+(?:[ \t]+(?!-)[^\s=:]+(?!\S))*)")
-_BEARER = re.compile(r"(?i)(?P<name>\bBearer)(?P<sep>\s+)(?P<value>[A-Za-z0-9._~+/=-]+)")
-#: scheme://userinfo@host: the user info goes whole (a token can be its user part)
-_USERINFO = re.compile(r"(?P<name>(?<![A-Za-z0-9+.-])[A-Za-z][A-Za-z0-9+.-]*+://)(?P<sep>)"
-                       r"(?P<value>[^\s/@'\"<>]+)(?=@)")
+_SHAPES = {
+    "keyed": (rf"""(?<![A-Za-z0-9_.-])(?P<q>['"]?)(?P<name>[A-Za-z0-9][A-Za-z0-9_.-]*+)(?P=q)"""
+              rf"""(?P<sep>\s*[:=]\s*)"""
+              rf"(?P<value>\[\s*(?:{_ITEM}(?:\s*,\s*{_ITEM})*)?\s*\]|{_QUOTED}|{_BARE})"),
+    #: `--api-key K1 K2` (every word up to the next option or a `NAME=`/`NAME:` word), `--api-key=K`
+    "option": (r"(?P<name>(?<![\w-])--?[A-Za-z0-9][A-Za-z0-9_.-]*+)"
+               r"(?P<sep>=|\s+)(?P<value>(?!-)\S+(?:[ \t]+(?!-)[^\s=:]+(?!\S))*)"),
+    "bearer": r"(?i)(?P<name>\bBearer)(?P<sep>\s+)(?P<value>[A-Za-z0-9._~+/=-]+)",
+    #: scheme://userinfo@host: the user info goes whole (a token can be its user part)
+    "userinfo": (r"(?P<name>(?<![A-Za-z0-9+.-])[A-Za-z][A-Za-z0-9+.-]*+://)(?P<sep>)"
+                 r"(?P<value>[^\s/@'\"<>]+)(?=@)"),
+    "items": _QUOTED + r"|[^\s,\[\]]+",
+}
 _SCHEMES = frozenset({"bearer", "basic", "token"})
-_ITEMS = re.compile(_QUOTED + r"|[^\s,\[\]]+")
+
+
+@functools.cache
+def _shape(name: str) -> re.Pattern[str]:
+    """A shape's regex, compiled on first use: compiling them all took every command's
+    start-up 4 ms, and most runs never need one (`_may_hold_a_shape`)."""
+    return re.compile(_SHAPES[name])
 
 
 def _hidden(value: str) -> str:
@@ -205,7 +231,7 @@ def _keyed(m: re.Match[str], depth: int = 0) -> str:
     head = m.group(0)[: m.start("value") - m.start()]
     if not secret_key(m.group("name")):  # a dict inside a string (`'hf_overrides': '{...}'`)
         if _nested(value, depth):
-            return head + _KEYED.sub(lambda inner: _keyed(inner, depth + 1), value)
+            return head + _shape("keyed").sub(lambda inner: _keyed(inner, depth + 1), value)
         return m.group(0)
     if REDACTED in value:
         return m.group(0)
@@ -242,21 +268,21 @@ def _may_hold_a_shape(text: str) -> bool:
 def _scrub_shapes(text: str) -> str:
     if not _may_hold_a_shape(text):
         return text
-    shapes: tuple[tuple[re.Pattern[str], _Sub], ...] = (
-        (_BEARER, _always), (_USERINFO, _always), (_KEYED, _keyed), (_OPTION, _option))
+    shapes: tuple[tuple[str, _Sub], ...] = (
+        ("bearer", _always), ("userinfo", _always), ("keyed", _keyed), ("option", _option))
     for shape, replace in shapes:
-        text = shape.sub(replace, text)
+        text = _shape(shape).sub(replace, text)
     return text
 
 
 def _keyed_values(text: str, depth: int = 0) -> set[str]:
     found: set[str] = set()
-    for m in _KEYED.finditer(text):
+    for m in _shape("keyed").finditer(text):
         value = m.group("value")
         if not secret_key(m.group("name")):
             found |= _keyed_values(value, depth + 1) if _nested(value, depth) else set()
             continue
-        for item in _ITEMS.findall(value):
+        for item in _shape("items").findall(value):
             if item.lower() not in _SCHEMES:  # `Bearer X`: X is the secret
                 found.add(item[1:-1] if item[:1] in "'\"" else item)
     return found
@@ -266,9 +292,9 @@ def _shape_values(text: str) -> set[str]:
     """The secret values the shapes find in `text` (each list item and quoted string
     without its quotes)."""
     found = _keyed_values(text)
-    for m in _USERINFO.finditer(text):
+    for m in _shape("userinfo").finditer(text):
         found.add(m.group("value"))
-    for m in _BEARER.finditer(text):
+    for m in _shape("bearer").finditer(text):
         found.add(m.group("value"))
     return {v for v in found if v and v != REDACTED}
 
