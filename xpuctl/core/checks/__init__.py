@@ -52,7 +52,11 @@ def _context(scan: Scan, opts: Options) -> Ctx:
     for p in scan.processes:
         if p.orphan and not p.is_zombie:
             trees.setdefault(p.top or p.pid, []).append(p)
-    return Ctx(scan, opts, frozenset(opts.devices), by_pid, trees)
+    memory: dict[tuple[int, str], int] = {}
+    for cl in scan.clients:
+        for pid in set(cl.pids):
+            memory[pid, cl.bdf] = memory.get((pid, cl.bdf), 0) + (cl.memory_bytes or 0)
+    return Ctx(scan, opts, frozenset(opts.devices), by_pid, trees, memory)
 
 
 def evaluate(scan: Scan, opts: Options) -> Report:

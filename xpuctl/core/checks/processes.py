@@ -16,8 +16,7 @@ IDLE_CONTEXT_BYTES = 32 << 20
 
 def memory_on(c: Ctx, pid: int, bdf: str) -> int:
     """The device memory (fdinfo drm-total) of the DRM clients on one card a process holds."""
-    return sum(cl.memory_bytes or 0 for cl in c.scan.clients
-               if cl.bdf == bdf and pid in cl.pids)
+    return c.memory.get((pid, bdf), 0)
 
 
 def _in(p: Process) -> str:

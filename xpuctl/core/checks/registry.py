@@ -25,6 +25,8 @@ class Ctx(NamedTuple):
     wanted: frozenset[str]
     by_pid: dict[int, Process]
     trees: dict[int, list[Process]]  # orphaned trees: top pid → live members
+    #: (pid, card) → the device memory (fdinfo drm-total) of the DRM clients it holds there
+    memory: dict[tuple[int, str], int]
 
     def on_wanted(self, bdfs: tuple[str, ...] | set[str] | list[str]) -> bool:
         """True when nothing was asked for, the thing holds no device, or it holds a wanted one."""
