@@ -186,3 +186,44 @@ def test_hostile_nesting_and_long_words_are_read_once():
         assert "sk-after-the-noise" not in redact.scrub(text)
         shown = redact.argv(["vllm", hostile, "--api-key", "sk-after-the-noise"])
         assert "sk-after-the-noise" not in shown
+
+
+def test_a_scan_keeps_only_the_kept_variables_of_another_process(tmp_path):
+    """/proc/<pid>/environ is NAME=VALUE words separated by NULs (proc(5)); the first of a
+    name counts, as procfs.parse_environ. Of another process's environment a scan keeps the
+    variables it reads (XPUCTL_RUN_ID, ZE_AFFINITY_MASK, CCL_KVS_PORT among the kept
+    prefixes), a secret among them as its name only, and nothing else, never decoded."""
+    import fakehost as fh
+
+    from xpuctl.host.scan import take_scan
+    from xpuctl.host.seam import Host
+
+    h = fh.healthy_host(tmp_path / "h")
+    h.add_process(6100, 1, ["/usr/bin/python3", "train.py"], start_ticks=h.ticks(3700),
+                  environ={"HOME": "/root", "HF_TOKEN": "hf-secret-value", "ZE_AFFINITY_MASK": "1",
+                           "VLLM_API_KEY": "sk-secret-value", "CCL_KVS_PORT": "29500",
+                           "PATH": "/bin"},
+                  fds={9: "/dev/dri/renderD129"}, fdinfo={9: fh.xe_fdinfo(57, fh.BDF1, [fh.GiB])})
+    (p,) = [p for p in take_scan(Host(h.root, read_timeout=None)).processes if p.pid == 6100]
+    assert p.env == {"ZE_AFFINITY_MASK": "1", "VLLM_API_KEY": "<redacted>", "CCL_KVS_PORT": "29500"}
+    assert redact.kept_environ(b"ZE_X=1\0HOME=/\0ZE_X=2\0broken\0SPT_NOENV=1\0SPT_NOENVX=1\0") == {
+        "ZE_X": "1", "SPT_NOENV": "1"}
+
+
+def test_the_length_of_a_command_line_is_the_redacted_ones(tmp_path):
+    """`cmdline_bytes` (what `ps` says was cut) counts the command line as shown: each
+    secret as `<redacted>`. setproctitle pads its title with NULs (procfs.parse_cmdline):
+    the padding after a secret option is no word, and no value of it."""
+    import fakehost as fh
+
+    from xpuctl.host.processes import read_argv
+    from xpuctl.host.seam import Host
+
+    h = fh.FakeHost(tmp_path / "h")
+    h.add_process(6200, 1, [], cmdline_bytes=b"vllm\0serve\0--api-key\0k1\0\0\0\0\0", comm="vllm")
+    h.add_process(6201, 1, [], cmdline_bytes=b"vllm\0serve\0m\0", comm="vllm")
+    host = Host(h.root, read_timeout=None)
+    argv, nbytes = read_argv(host, 6200)
+    assert argv == ["vllm", "serve", "--api-key", "<redacted>"]
+    assert nbytes == len(b"vllm\0serve\0--api-key\0<redacted>\0\0\0\0\0")
+    assert read_argv(host, 6201) == (["vllm", "serve", "m"], len(b"vllm\0serve\0m\0"))

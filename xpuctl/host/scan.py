@@ -32,11 +32,11 @@ from xpuctl.host.processes import (
 )
 from xpuctl.host.reads.protocol import BlockedRead
 from xpuctl.host.seam import Host
+from xpuctl.parse import redact
 from xpuctl.parse.envvars import mask_indices
 from xpuctl.parse.procfs import (
     ProcStat,
     parse_boot_time,
-    parse_environ,
     parse_status_uid,
     shown_command,
 )
@@ -83,8 +83,10 @@ def _details(host: Host, pid: int, want_env: bool) -> tuple[int | None, dict[str
         uid = parse_status_uid(raw.decode("utf-8", "replace"))
     env = None
     if want_env:
+        # the variables a scan reads are among the kept ones (XPUCTL_RUN_ID, ZE_AFFINITY_MASK,
+        # CCL_KVS_PORT): nothing else of another process's environment reaches the report
         data = read_optional(host, f"/proc/{pid}/environ")
-        env = parse_environ(data) if data else {}
+        env = redact.kept_environ(data) if data else {}
     return uid, env
 
 
