@@ -13,14 +13,14 @@ from xpuctl.core.checks import Options, evaluate
 from xpuctl.core.collective import CollectiveResult
 from xpuctl.core.model import Issue, Report, Scan, ShmRoom, Version
 from xpuctl.core.runrecords import RecordedRun
-from xpuctl.core.waits import Wait
 from xpuctl.host.devices import resolve_device_specs
 from xpuctl.host.scan import DEFAULT_PORT, take_scan
 from xpuctl.host.seam import Host
-from xpuctl.parse.probes import ProbeResult
 from xpuctl.parse.procfs import parse_status_nspid
 
-if TYPE_CHECKING:  # types only: imported where used
+if TYPE_CHECKING:  # types only: imported where used (a plain doctor has no probe, no wait)
+    from xpuctl.core.waits import Wait
+    from xpuctl.parse.probes import ProbeResult
     from xpuctl.ray.actors import StateFetch
 
 

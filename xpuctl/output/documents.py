@@ -30,10 +30,11 @@ from xpuctl.core.model import (
 )
 from xpuctl.core.runrecords import Health, RunRow, Unread
 from xpuctl.output.shapes import RebindPlan, Rebound, ResetDone, ResetPlan, Stopped, Tree
-from xpuctl.parse.probes import ProbeResult, result_to_dict
 
-if TYPE_CHECKING:  # types only: the watch's judgement is imported where a run is shown
+if TYPE_CHECKING:  # types only: the watch's judgement is imported where a run is shown, a
+    # probe's parser where --deep's results are (a plain doctor has none)
     from xpuctl.core.watch import Judged
+    from xpuctl.parse.probes import ProbeResult
 
 #: A value of a JSON document, as `to_json` writes it (a tuple is an array).
 Json: TypeAlias = "str | int | float | bool | Sequence[Json] | Mapping[str, Json] | None"
@@ -44,6 +45,8 @@ Document: TypeAlias = "dict[str, Json]"
 def probe_dict(r: ProbeResult) -> Document:
     """A probe's summary: its stored form without the per-device answers (those are shown
     per device, under `runtime`)."""
+    from xpuctl.parse.probes import result_to_dict
+
     data = result_to_dict(r)
     del data["devices"]
     return data

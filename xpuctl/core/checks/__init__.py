@@ -54,6 +54,8 @@ def _context(scan: Scan, opts: Options) -> Ctx:
             trees.setdefault(p.top or p.pid, []).append(p)
     memory: dict[tuple[int, str], int] = {}
     for cl in scan.clients:
+        if cl.bdf is None:
+            continue  # on no card a check asks of
         for pid in set(cl.pids):
             memory[pid, cl.bdf] = memory.get((pid, cl.bdf), 0) + (cl.memory_bytes or 0)
     return Ctx(scan, opts, frozenset(opts.devices), by_pid, trees, memory)
