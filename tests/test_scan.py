@@ -160,6 +160,18 @@ def test_split_pass_finds_what_the_plain_pass_finds(population, monkeypatch):
     assert {pid for pid, _ in split.paths if pid in pids} == {pids[2]}
     assert set(split.procs) >= set(pids)
     assert set(children_left()) <= before  # the helper was reaped
+    # what the scan reads of a device holder was read by the half of the pass that found it
+    # (processes._read_ahead): its fdinfo, uid, cgroup and command line; its environment
+    # only when asked for
+    for pid, fd, _ in (d for d in split.drm_fds if d[0] in pids):
+        assert split.fdinfo[pid, fd] is not None and b"pos:" in split.fdinfo[pid, fd]
+        uid, env, cgroup = split.procs[pid].facts
+        assert uid == os.getuid() and env is None and cgroup is not None
+        assert split.procs[pid].cmdline
+    with_env = processes.scan_processes(host, env=True)
+    assert all(with_env.procs[pid].facts[1] is not None for pid in pids)
+    assert not any(p.facts for pid, p in split.procs.items() if pid not in pids
+                   and p.role is None and pid not in {d[0] for d in split.drm_fds})
 
 
 def test_split_pass_falls_back_when_the_helper_fails(population, monkeypatch):
@@ -207,6 +219,10 @@ def test_fdscan_survives_the_pipe():
     scan.paths.append((11, "7"))
     scan.unreadable.append(11)
     scan.malformed.append(12)
+    scan.procs[10].facts = (0, {"ZE_AFFINITY_MASK": "0"}, "0::/system.slice/x.service\n")
+    scan.fdinfo[10, "5"] = b"pos:\t0\n"
+    scan.fdinfo[10, "6"] = None
+    scan.rdev[10, "5"] = (226, 128)
     back = processes.FdTable.loads(scan.dumps())
     assert {p: (r.stat, r.cmdline, r.role, r.rank, r.fds_readable) for p, r in back.procs.items()} == {
         10: (st, ["vllm", "serve", "caf\udcc3"], "api-server", None, True),
@@ -219,6 +235,10 @@ def test_fdscan_survives_the_pipe():
     assert back.files == {"/tmp/odd \udcff name": [11]}
     assert back.paths == [(11, "7")]
     assert (back.unreadable, back.malformed) == ([11], [12])
+    assert back.procs[10].facts == (0, {"ZE_AFFINITY_MASK": "0"}, "0::/system.slice/x.service\n")
+    assert back.procs[11].facts is None
+    assert back.fdinfo == {(10, "5"): b"pos:\t0\n", (10, "6"): None}
+    assert back.rdev == {(10, "5"): (226, 128)}
 
 
 _MAPPER = r"""

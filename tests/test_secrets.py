@@ -216,7 +216,7 @@ def test_the_length_of_a_command_line_is_the_redacted_ones(tmp_path):
     the padding after a secret option is no word, and no value of it."""
     import fakehost as fh
 
-    from xpuctl.host.processes import read_argv
+    from xpuctl.host.procfiles import read_argv
     from xpuctl.host.seam import Host
 
     h = fh.FakeHost(tmp_path / "h")

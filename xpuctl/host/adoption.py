@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from xpuctl.core.runrecords import RecordedRun
 from xpuctl.core.trees import Member, Placement, resolve
-from xpuctl.host.processes import FdTable, read_optional
+from xpuctl.host.processes import FdTable
+from xpuctl.host.procfiles import read_optional
 from xpuctl.host.seam import Host
 from xpuctl.parse.procfs import parse_status_nspid
 

@@ -9,6 +9,7 @@ holders), and a runtime's state once per container id.
 from __future__ import annotations
 
 from xpuctl.core.model import Container
+from xpuctl.host.procfiles import CGROUP_LIMIT
 from xpuctl.host.seam import Host
 from xpuctl.parse.cgroup import CONTAINERD, CRIO, DOCKER, CgroupRef, parse_cgroup, parse_pod_log_dir
 from xpuctl.parse.runtimestate import Names, bundle_names, docker_names
@@ -23,7 +24,6 @@ POD_LOGS = "/var/log/pods"  # <namespace>_<pod>_<uid>/<container>/
 #: The largest state file read (a bundle holds the container's environment and mounts; a
 #: larger one is not parsed, and the container keeps its id only).
 STATE_LIMIT = 1 << 20
-CGROUP_LIMIT = 64 << 10
 
 
 class ContainerLookup:
@@ -38,12 +38,14 @@ class ContainerLookup:
         #: share it, so each text is parsed once
         self._refs: dict[str, CgroupRef | None] = {}
 
-    def of(self, pid: int) -> Container | None:
-        """The container of `pid`, or None (a host process, or its cgroup unreadable)."""
-        try:
-            text = self.host.read_text(f"/proc/{pid}/cgroup", CGROUP_LIMIT)
-        except OSError:
-            return None
+    def of(self, pid: int, text: str | None = None) -> Container | None:
+        """The container of `pid`, or None (a host process, or its cgroup unreadable).
+        `text`: its /proc/<pid>/cgroup as the scan read it (processes.Facts)."""
+        if text is None:
+            try:
+                text = self.host.read_text(f"/proc/{pid}/cgroup", CGROUP_LIMIT)
+            except OSError:
+                return None
         if text not in self._refs:
             self._refs[text] = parse_cgroup(text)
         ref = self._refs[text]

@@ -9,7 +9,8 @@ from typing import Any
 
 from xpuctl.core.model import Device, DmabufHold, DrmClient
 from xpuctl.host.devices import DRM_MAJOR
-from xpuctl.host.processes import FdTable, read_optional
+from xpuctl.host.processes import FdTable
+from xpuctl.host.procfiles import read_optional
 from xpuctl.host.seam import Host
 from xpuctl.parse.drmclients import MEMORY_DIR, SysfsClient, parse_client
 from xpuctl.parse.fdinfo import parse_dmabuf, parse_fdinfo
@@ -42,13 +43,13 @@ def drm_clients(
         name = path[len("/dev/dri/") :]
         dev = by_node.get(name)
         if host.rdev_checked:
-            rdev = host.stat_rdev(f"/proc/{pid}/fd/{fd}")
+            rdev = fds.rdev_of(host, pid, fd)
             if rdev is None or rdev[0] != DRM_MAJOR:
                 continue
             dev = by_minor.get(rdev[1], dev)
         if dev is None and not _NODE_RE.match(name):
             continue  # e.g. /dev/dri/by-path/…: not a node
-        raw = read_optional(host, f"/proc/{pid}/fdinfo/{fd}", 1 << 16)
+        raw = fds.fdinfo_of(host, pid, fd)
         info = parse_fdinfo(raw.decode("utf-8", "replace")) if raw is not None else None
         bdf = dev.bdf if dev else None
         if info is not None and info.pdev and (info.pdev in known_bdfs or bdf is None):
@@ -134,7 +135,7 @@ def dmabufs_held(
 ) -> list[DmabufHold]:
     out: list[DmabufHold] = []
     for pid, fd in fds.dmabuf_fds:
-        raw = read_optional(host, f"/proc/{pid}/fdinfo/{fd}", 1 << 16)
+        raw = fds.fdinfo_of(host, pid, fd)
         if raw is None:
             continue
         buf = parse_dmabuf(raw.decode("utf-8", "replace"))

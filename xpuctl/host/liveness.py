@@ -39,7 +39,8 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 from xpuctl.core.model import FileInfo
-from xpuctl.host.processes import FdTable, file_fds, read_optional
+from xpuctl.host.processes import FdTable, file_fds
+from xpuctl.host.procfiles import read_optional
 from xpuctl.host.seam import Host
 from xpuctl.host.split import in_two
 from xpuctl.parse.net import parse_unix_paths

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from xpuctl.core.model import Port, Process
 from xpuctl.core.oneccl import KVS, kvs_port
-from xpuctl.host.processes import FdTable, read_optional
+from xpuctl.host.processes import FdTable
+from xpuctl.host.procfiles import read_optional
 from xpuctl.host.seam import Host
 from xpuctl.host.sockdiag import listening_sockets
 from xpuctl.parse.procfs import maps_library

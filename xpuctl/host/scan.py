@@ -24,20 +24,19 @@ from xpuctl.host.ports import ports_of
 from xpuctl.host.processes import (
     FdTable,
     RawProcess,
+    facts_of,
     fill_cmdline,
     own_pids,
-    read_optional,
     scan_processes,
     stat_of,
 )
+from xpuctl.host.procfiles import read_optional
 from xpuctl.host.reads.protocol import BlockedRead
 from xpuctl.host.seam import Host
-from xpuctl.parse import redact
 from xpuctl.parse.envvars import mask_indices
 from xpuctl.parse.procfs import (
     ProcStat,
     parse_boot_time,
-    parse_status_uid,
     shown_command,
 )
 from xpuctl.parse.roles import API_SERVER, RAY
@@ -46,9 +45,9 @@ RUN_ID_VAR = "XPUCTL_RUN_ID"
 DEFAULT_PORT = 8000
 
 
-def _pass(host: Host, skip: frozenset[int], files: bool) -> tuple[float, FdTable]:
+def _pass(host: Host, skip: frozenset[int], files: bool, env: bool) -> tuple[float, FdTable]:
     """(when it was taken, the pass over /proc)."""
-    return host.now(), scan_processes(host, skip, files=files)
+    return host.now(), scan_processes(host, skip, files=files, env=env)
 
 
 class _Lazy:
@@ -74,20 +73,6 @@ class _Lazy:
         if boot is None or raw is None:
             return None
         return boot + raw.stat.start_ticks / self.host.clk_tck
-
-
-def _details(host: Host, pid: int, want_env: bool) -> tuple[int | None, dict[str, str] | None]:
-    uid = None
-    raw = read_optional(host, f"/proc/{pid}/status", 1 << 16)
-    if raw is not None:
-        uid = parse_status_uid(raw.decode("utf-8", "replace"))
-    env = None
-    if want_env:
-        # the variables a scan reads are among the kept ones (XPUCTL_RUN_ID, ZE_AFFINITY_MASK,
-        # CCL_KVS_PORT): nothing else of another process's environment reaches the report
-        data = read_optional(host, f"/proc/{pid}/environ")
-        env = redact.kept_environ(data) if data else {}
-    return uid, env
 
 
 def _tag_run_leaders(fds: FdTable, runs: tuple[RecordedRun, ...]) -> None:
@@ -229,7 +214,7 @@ def take_scan(
         scan: Scan = host.reader.call(take_scan, host, port, want_env, caller_env, artifacts,
                                       own_pids(host, exclude_pids), runs)
         return scan
-    now, fds = _pass(host, own_pids(host, exclude_pids), artifacts)
+    now, fds = _pass(host, own_pids(host, exclude_pids), artifacts, want_env)
     devices, issues = scan_devices(host)
     stuck = _stuck(host, fds)
     lazy = _Lazy(host, fds)
@@ -339,8 +324,8 @@ def _processes(host: Host, fds: FdTable, lazy: _Lazy, clients: list[DrmClient],
     relevant: dict[int, RawProcess] = {
         pid: p for pid, p in fds.procs.items() if p.role is not None or pid in held
     }
-    details = {pid: _details(host, pid, want_env) for pid in relevant}
-    tags = {pid: tag for pid in relevant if (tag := (details[pid][1] or {}).get(RUN_ID_VAR))}
+    facts = {pid: facts_of(host, p, want_env) for pid, p in relevant.items()}
+    tags = {pid: tag for pid in relevant if (tag := (facts[pid][1] or {}).get(RUN_ID_VAR))}
     proven = _proven(fds, tags, runs)
     members = _parents(host, fds, relevant, stuck)
     members.update({pid: _member(pid, p.stat, p.role, tags[pid] if pid in proven else None,
@@ -359,7 +344,7 @@ def _processes(host: Host, fds: FdTable, lazy: _Lazy, clients: list[DrmClient],
         if not _reported(place, placements, pid in held):
             continue
         st = raw.stat
-        uid, env = details[pid]
+        uid, env, cgroup = facts[pid]
         run_id = tags.get(pid)
         procs[pid] = Process(
             pid=pid, ppid=st.ppid, state=st.state, comm=st.comm,
@@ -377,7 +362,7 @@ def _processes(host: Host, fds: FdTable, lazy: _Lazy, clients: list[DrmClient],
             wchan=_wchan(host, pid) if st.state == "D" else None,
             env=env,
             blocked=stuck[pid].path if pid in stuck else None,
-            container=containers.of(pid) if pid not in stuck else None,
+            container=containers.of(pid, cgroup) if pid not in stuck else None,
             cmdline_bytes=raw.cmdline_bytes,
             embedded_in=launchers.get(place.owner) if place and place.owner is not None else None,
             run_proven=pid in proven,

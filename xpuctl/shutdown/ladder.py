@@ -31,7 +31,8 @@ from xpuctl import pausepoint
 from xpuctl.actions.signals import Target, survivors, wait_gone
 from xpuctl.core import waits
 from xpuctl.core.waits import Wait
-from xpuctl.host.processes import read_cmdline, stat_of, still_running
+from xpuctl.host.processes import stat_of, still_running
+from xpuctl.host.procfiles import read_cmdline
 from xpuctl.host.scan import take_scan
 from xpuctl.host.seam import Host
 from xpuctl.host.sockdiag import listening_sockets

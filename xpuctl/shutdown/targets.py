@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 from xpuctl.actions.signals import Target, target_of
 from xpuctl.core.model import Process, Scan
 from xpuctl.errors import NotFoundError
-from xpuctl.host.processes import live_stats, read_cmdline, same_process
+from xpuctl.host.processes import live_stats, same_process
+from xpuctl.host.procfiles import read_cmdline
 from xpuctl.host.scan import RUN_ID_VAR
 from xpuctl.host.seam import Host
 from xpuctl.output.safetext import safe
