@@ -8,7 +8,6 @@ records (`tables`, `lines`), so the three forms always agree.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, TypeAlias
@@ -29,6 +28,7 @@ from xpuctl.core.model import (
     Unreadable,
 )
 from xpuctl.core.runrecords import Health, RunRow, Unread
+from xpuctl.output import jsontext
 from xpuctl.output.shapes import RebindPlan, Rebound, ResetDone, ResetPlan, Stopped, Tree
 
 if TYPE_CHECKING:  # types only: the watch's judgement is imported where a run is shown, a
@@ -263,7 +263,7 @@ def to_json(data: Document) -> str:
     """Exact text, printable ASCII only: non-ASCII as \\uXXXX, and a byte that was not UTF-8
     (read as a lone surrogate U+DC80-U+DCFF, "surrogateescape") as \\udcXX, which a reader
     turns back into the byte (README, "JSON output"). Never raw bytes, never a crash."""
-    return json.dumps(data, indent=2, sort_keys=False, ensure_ascii=True)
+    return jsontext.dumps(data)
 
 
 
