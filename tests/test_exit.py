@@ -59,3 +59,46 @@ def test_the_collector_paused_for_start_up_runs_again_for_the_command(tmp_path):
     ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=DEADLINE)
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout.splitlines()[-1].split() == ["collector", "True"]
+
+
+_ADOPTER = r"""
+import ctypes, os, subprocess, sys, time
+if ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) != 0:  # PR_SET_CHILD_SUBREAPER
+    sys.exit("no subreaper")
+subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL, stdin=subprocess.DEVNULL, timeout=60)
+deadline = time.monotonic() + 0.5
+while True:  # what xpuctl left: orphans reparented here, reaped or not
+    left = []
+    for d in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                stat = f.read()
+        except (OSError, ValueError):
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if d.isdigit() and int(fields[1]) == os.getpid():
+            left.append(stat.split("(", 1)[1].rsplit(")", 1)[0] + ":" + fields[0])
+    if not left or time.monotonic() > deadline:
+        break
+    time.sleep(0.05)
+print(" ".join(sorted(left)))
+while True:  # reap whatever was left, so nothing outlives this test
+    try:
+        if os.waitpid(-1, 0)[0] == 0:
+            break
+    except ChildProcessError:
+        break
+"""
+
+
+def test_a_command_reaps_its_reader_before_it_leaves(tmp_path):
+    """A process that reaps nothing it inherits (PID 1 of this machine and of many
+    containers) kept a zombie `xpuctl-reader` of every doctor run: the reader was told to
+    leave at exit, not waited for. An adopter standing in for such a parent (a subreaper)
+    finds nothing of xpuctl's left once xpuctl has exited."""
+    h = fh.orphan_host(tmp_path / "root")
+    ran = subprocess.run([sys.executable, "-c", _ADOPTER, sys.executable, "-m", "xpuctl",
+                          "--root", str(h.root), "doctor", "--json"],
+                         capture_output=True, text=True, timeout=DEADLINE)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.strip() == "", f"left behind: {ran.stdout}"
