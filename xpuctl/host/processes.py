@@ -37,6 +37,8 @@ if TYPE_CHECKING:
     from xpuctl.parse.net import TcpSocket
 
 _GONE = (FileNotFoundError, ProcessLookupError)
+
+
 class RawProcess:
     """One process as the pass saw it (mutable: roles are refined after the pass)."""
 
