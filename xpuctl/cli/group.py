@@ -67,11 +67,13 @@ class Group(TyperGroup):
             return loaded[cmd_name]
         module = importlib.import_module(COMMANDS[cmd_name][0])
         command = loaded[cmd_name] = typer.main.get_command(module.app)
+        from xpuctl.host.reads.caller import freeze_start_up  # every command reads the host
+
         # Paused while the modules loaded (xpuctl.cli.main); the command may run long. What
         # the imports made lives until exit: frozen, no collection walks it again (the
         # first ones after loading took a doctor run 5-10 ms, and a forked reader copies
         # every page a collection touches).
-        gc.freeze()
+        freeze_start_up()
         gc.enable()
         return command
 

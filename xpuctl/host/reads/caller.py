@@ -108,19 +108,38 @@ def _release(child: _Child) -> None:
     child.page.close()
 
 
+#: True once start-up's objects are frozen for good (`freeze_start_up`).
+_START_UP_FROZEN = False
+
+
+def freeze_start_up() -> None:
+    """Leave every object made so far out of this process's garbage collections, for good:
+    the modules a command loaded and what they made live until it exits (cli.group, once
+    the command is loaded). A reader forked later needs no freeze of its own then, and none
+    is asked whether one was made (`gc.get_freeze_count` walks every frozen object: 1-2 ms
+    of a doctor run)."""
+    import gc
+
+    global _START_UP_FROZEN  # noqa: PLW0603 (once per process, before any reader)
+    gc.freeze()
+    _START_UP_FROZEN = True
+
+
 def _fork(req_r: int, rep_w: int, page: mmap.mmap, parent_ends: tuple[int, ...]) -> int:
     import gc
 
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
     # Objects made before the fork are left out of the reader's garbage collections: a
-    # collection touches every object it visits, and each page touched is copied. Objects
-    # this process had frozen itself stay frozen here.
-    frozen = gc.get_freeze_count()
-    gc.freeze()
+    # collection touches every object it visits, and each page touched is copied. Frozen
+    # here only for the fork, unless start-up's objects are frozen already (the few made
+    # since are left to the reader's collections).
+    freeze = not _START_UP_FROZEN
+    if freeze:
+        gc.freeze()
     try:
         pid = os.fork()
     except OSError:
-        if not frozen:
+        if freeze:
             gc.unfreeze()
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         raise
@@ -135,7 +154,7 @@ def _fork(req_r: int, rep_w: int, page: mmap.mmap, parent_ends: tuple[int, ...])
             code = 0
         finally:
             os._exit(code)
-    if not frozen:
+    if freeze:
         gc.unfreeze()
     signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     return pid
