@@ -39,7 +39,12 @@ DRAIN_S, TEARDOWN_S = 240, 10
 DRAIN_MARGIN = 10.0
 FEEDERS = 2
 MAX_TOKENS = 240
-BATCH = 128  # --max-num-seqs
+# --max-num-seqs. Large, so that a request of FEED_SEQS sequences lasts seconds (5.3 s here;
+# on a slower machine the sizing halves n, so 6-12 s): the feeders are held before `xpuctl
+# shutdown` starts, and its SIGTERM must still find their requests running. With 128 a request
+# took 1.3 s, and one CI run in about ten saw both finish before the SIGTERM ("vLLM drained
+# nothing", 2026-12-06). The tiny model's context (256) bounds the tokens, not the sequences.
+BATCH = 1024
 FEED_SEQS = BATCH // 2  # a request fills at most half a batch: both feeders run at once
 MIN_SEQS = 4
 # vLLM's own lines (vllm/v1/engine/core.py, _handle_shutdown, vLLM 0.32): the count it
