@@ -9,7 +9,6 @@ holders), and a runtime's state once per container id.
 from __future__ import annotations
 
 from xpuctl.core.model import Container
-from xpuctl.host.procfiles import CGROUP_LIMIT
 from xpuctl.host.seam import Host
 from xpuctl.parse.cgroup import CONTAINERD, CRIO, DOCKER, CgroupRef, parse_cgroup, parse_pod_log_dir
 from xpuctl.parse.runtimestate import Names, bundle_names, docker_names
@@ -38,14 +37,11 @@ class ContainerLookup:
         #: share it, so each text is parsed once
         self._refs: dict[str, CgroupRef | None] = {}
 
-    def of(self, pid: int, text: str | None = None) -> Container | None:
-        """The container of `pid`, or None (a host process, or its cgroup unreadable).
-        `text`: its /proc/<pid>/cgroup as the scan read it (processes.Facts)."""
+    def of(self, text: str | None) -> Container | None:
+        """The container of a process whose /proc/<pid>/cgroup reads `text` (the scan's
+        procfiles.Facts), or None (a host process, or its cgroup unreadable)."""
         if text is None:
-            try:
-                text = self.host.read_text(f"/proc/{pid}/cgroup", CGROUP_LIMIT)
-            except OSError:
-                return None
+            return None
         if text not in self._refs:
             self._refs[text] = parse_cgroup(text)
         ref = self._refs[text]

@@ -331,10 +331,9 @@ def _read_ahead(host: Host, proc: RawProcess, out: FdTable, drm: list[tuple[int,
     proc.facts = read_facts(host, pid, env)
     for _, fd, _ in drm:
         if host.rdev_checked:
-            out.rdev[pid, fd] = host.stat_rdev(f"/proc/{pid}/fd/{fd}")
-        out.fdinfo[pid, fd] = read_optional(host, f"/proc/{pid}/fdinfo/{fd}", FDINFO_LIMIT)
-    for _, fd in dmabuf:
-        out.fdinfo[pid, fd] = read_optional(host, f"/proc/{pid}/fdinfo/{fd}", FDINFO_LIMIT)
+            out.rdev[pid, fd] = out.rdev_of(host, pid, fd)
+    for fd in [fd for _, fd, _ in drm] + [fd for _, fd in dmabuf]:
+        out.fdinfo[pid, fd] = out.fdinfo_of(host, pid, fd)
 
 
 def _path_fd(out: FdTable, pid: int, fd: str, link: str, root: str, by_number: bool,
