@@ -34,16 +34,11 @@ its DEVICE=+pci:BDF dictionary line, else a BDF named in the text.
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import NamedTuple
 
 _BDF = r"[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]"
-_HEADER = re.compile(r"^(\d+),(\d+),(\d+),([^;,]*)[^;]*;")
-_ESCAPE = re.compile(r"\\x([0-9a-fA-F]{2})")
-_PREFIX = re.compile(rf"^(xe|i915) ({_BDF}): ")
-_DEVICE = re.compile(rf"^DEVICE=\+pci:({_BDF})$")
-_ANY_BDF = re.compile(_BDF)
-
 #: Texts that mark a record the drivers care about: records without one are dropped early
 #: (a kernel log holds thousands of other records).
 DRIVERS = ("xe", "i915")
@@ -88,39 +83,55 @@ class GpuEvent(NamedTuple):
 VENDOR = "vendor-specific"
 #: the uevent's methods (drm_get_wedge_recovery), and "unknown" (no method given)
 METHODS = ("none", "rebind", "bus-reset", VENDOR, "unknown")
-_METHOD = re.compile(r"\bWEDGED=([a-z-]{1,20}(?:,[a-z-]{1,20}){0,4})")
-_VENDOR_SAID = re.compile(r"Firmware (?:update|flash) required")
-_RECOVERED = re.compile(r"device wedged, but recovered through reset")
+class _Patterns:
+    """The patterns of the records, compiled on first use (`_rx`): compiling them all took
+    each doctor run 3 ms, and a log without a GPU driver's record (most hosts, most of the
+    time) needs none of them."""
+
+    def __init__(self) -> None:
+        c = re.compile
+        self.header = c(r"^(\d+),(\d+),(\d+),([^;,]*)[^;]*;")
+        self.escape = c(r"\\x([0-9a-fA-F]{2})")
+        self.prefix = c(rf"^(xe|i915) ({_BDF}): ")
+        self.device = c(rf"^DEVICE=\+pci:({_BDF})$")
+        self.any_bdf = c(_BDF)
+        self.method = c(r"\bWEDGED=([a-z-]{1,20}(?:,[a-z-]{1,20}){0,4})")
+        self.vendor_said = c(r"Firmware (?:update|flash) required")
+        self.initialized = c(
+            rf"\[drm\] Initialized (xe|i915) \S+(?: \d+)? for ({_BDF}) on minor (\d+)")
+        self.wedged = (
+            c(rf"CRITICAL: Xe has declared device ({_BDF}) as wedged"),
+            c(r"Failed to (?:re-)?initialize GPU, declaring it wedged"),
+            c(r"Failed to idle engines, declaring wedged"),
+            c(r"Failed to reset chip"),
+            c(r"device wedged, needs recovery"),
+        )
+        self.hangs = (
+            c(r"GPU HANG: ecode"),
+            c(r"Resetting chip for "),
+            c(r"Resetting \w+ for "),
+            c(r"Timedout job: "),
+            # xe_guc_submit.c xe_guc_exec_queue_reset_handler: xe_gt_info "Engine reset:
+            # engine_class=%s, logical_mask: 0x%x, guc_id=%d" (the GuC reset an engine)
+            c(r"Engine reset: engine_class="),
+            # xe_gt.c gt_reset: xe_gt_info "reset started" (printed "GT0: reset started",
+            # "Tile0: GT0: reset started" on newer kernels); drm_info "GT reset started"
+            # before the GT prefix
+            c(r"\bGT\d+: reset started|\bGT reset started"),
+            c(r"GT\d+: reset failed"),
+            c(r"GuC engine reset request failed"),
+            c(r"Xe device coredump has been created"),
+            c(r"device wedged, but recovered through reset"),
+        )
 
 
-_WEDGED = (
-    re.compile(rf"CRITICAL: Xe has declared device ({_BDF}) as wedged"),
-    re.compile(r"Failed to (?:re-)?initialize GPU, declaring it wedged"),
-    re.compile(r"Failed to idle engines, declaring wedged"),
-    re.compile(r"Failed to reset chip"),
-    re.compile(r"device wedged, needs recovery"),
-)
-_HANGS = (
-    re.compile(r"GPU HANG: ecode"),
-    re.compile(r"Resetting chip for "),
-    re.compile(r"Resetting \w+ for "),
-    re.compile(r"Timedout job: "),
-    # xe_guc_submit.c xe_guc_exec_queue_reset_handler: xe_gt_info "Engine reset:
-    # engine_class=%s, logical_mask: 0x%x, guc_id=%d" (the GuC reset an engine)
-    re.compile(r"Engine reset: engine_class="),
-    # xe_gt.c gt_reset: xe_gt_info "reset started" (printed "GT0: reset started", "Tile0: GT0:
-    # reset started" on newer kernels); drm_info "GT reset started" before the GT prefix
-    re.compile(r"\bGT\d+: reset started|\bGT reset started"),
-    re.compile(r"GT\d+: reset failed"),
-    re.compile(r"GuC engine reset request failed"),
-    re.compile(r"Xe device coredump has been created"),
-    _RECOVERED,
-)
-_INITIALIZED = re.compile(rf"\[drm\] Initialized (xe|i915) \S+(?: \d+)? for ({_BDF}) on minor (\d+)")
+@functools.cache
+def _rx() -> _Patterns:
+    return _Patterns()
 
 
 def _unescape(text: str) -> str:
-    return _ESCAPE.sub(lambda m: chr(int(m.group(1), 16)), text) if "\\x" in text else text
+    return _rx().escape.sub(lambda m: chr(int(m.group(1), 16)), text) if "\\x" in text else text
 
 
 def parse_kmsg(text: str, relevant_only: bool = False) -> list[KmsgRecord]:
@@ -131,7 +142,7 @@ def parse_kmsg(text: str, relevant_only: bool = False) -> list[KmsgRecord]:
     for line in text.split("\n"):
         if line.startswith(" "):
             if current is not None:
-                m = _DEVICE.match(line[1:])
+                m = _rx().device.match(line[1:])
                 if m and current.device is None:
                     current = current._replace(device=m.group(1).lower())
             continue
@@ -140,7 +151,7 @@ def parse_kmsg(text: str, relevant_only: bool = False) -> list[KmsgRecord]:
             current = None
         if relevant_only and not any(word in line for word in _RELEVANT):
             continue  # the common case on a long log: no regex for it
-        m = _HEADER.match(line)
+        m = _rx().header.match(line)
         if m is None:
             continue
         body = line[m.end():]
@@ -164,7 +175,7 @@ def relevant_text(text: str) -> str:
             if taking:
                 keep.append(line)
             continue
-        m = _HEADER.match(line)
+        m = _rx().header.match(line)
         taking = m is not None and any(word in line[m.end():] for word in _RELEVANT)
         if taking:
             keep.append(line)
@@ -172,12 +183,12 @@ def relevant_text(text: str) -> str:
 
 
 def _device_of(rec: KmsgRecord) -> tuple[str | None, str | None]:
-    m = _PREFIX.match(rec.text)
+    m = _rx().prefix.match(rec.text)
     if m:
         return m.group(2).lower(), m.group(1)
     if rec.device:
         return rec.device, None
-    found = _ANY_BDF.search(rec.text)
+    found = _rx().any_bdf.search(rec.text)
     return (found.group(0).lower() if found else None), None
 
 
@@ -185,11 +196,11 @@ def _kind(text: str, method: str | None) -> tuple[str | None, str | None]:
     """(wedged | hang | None, the BDF the text names when it says so)."""
     if method is not None and method != "none":
         return WEDGED, None
-    for pattern in _WEDGED:
+    for pattern in _rx().wedged:
         m = pattern.search(text)
         if m:
             return WEDGED, m.group(1).lower() if m.groups() else None
-    if any(p.search(text) for p in _HANGS):
+    if any(p.search(text) for p in _rx().hangs):
         return HANG, None
     return None, None
 
@@ -200,7 +211,7 @@ def gpu_events(records: list[KmsgRecord]) -> list[GpuEvent]:
     out: list[GpuEvent] = []
     for rec in records:
         text = rec.text
-        init = _INITIALIZED.search(text)
+        init = _rx().initialized.search(text)
         if init:
             out.append(GpuEvent(INITIALIZED, init.group(2).lower(), init.group(1), rec))
             continue
@@ -221,8 +232,8 @@ def gpu_events(records: list[KmsgRecord]) -> list[GpuEvent]:
 def wedge_method(text: str) -> str | None:
     """The recovery a record names: the uevent's `WEDGED=` methods as given (known ones
     only, in their order), vendor-specific for xe's "Firmware update required"; else None."""
-    m = _METHOD.search(text)
+    m = _rx().method.search(text)
     if m:
         known = [w for w in m.group(1).split(",") if w in METHODS]
         return ",".join(dict.fromkeys(known)) or None
-    return VENDOR if _VENDOR_SAID.search(text) else None
+    return VENDOR if _rx().vendor_said.search(text) else None
