@@ -20,6 +20,7 @@ import proctools
 import pytest
 
 from xpuctl.host.reads import caller as R
+from xpuctl.host.reads import process as RP
 from xpuctl.host.reads import protocol as P
 from xpuctl.host.seam import Host
 
@@ -101,7 +102,7 @@ def test_an_abandoned_reader_is_killed_and_reaped(tmp_path):
         host.read_bytes("/never")
     assert host.reader.pid not in (None, first)  # abandoned; the call went on in a new one
     assert proctools.wait_for(lambda: proctools.is_gone(first), 10)
-    assert proctools.wait_for(lambda: (R.reap_abandoned(), first not in R._abandoned.values())[1], 10)
+    assert proctools.wait_for(lambda: (RP.reap_abandoned(), first not in RP.abandoned.values())[1], 10)
     assert host.read_bytes("/f") == b"x"
     second = host.reader.pid
     host.reader.close()

@@ -4,6 +4,9 @@ pass is one round trip to the reader, whatever the number of pids."""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 import traceback
 
 import fakehost as fh
@@ -50,6 +53,54 @@ def test_a_failure_in_the_reader_carries_its_traceback(tmp_path):
         raise AssertionError("the reader's exception was not raised")
     finally:
         host.reader.close()
+
+
+def _echo(host: Host, word: str, after: float = 0.0) -> tuple[str, int]:
+    time.sleep(after)
+    return word, os.getpid()
+
+
+def test_a_submitted_call_is_collected_later_and_calls_between_wait_their_turn(tmp_path):
+    """Reader.submit (doctor asks for its scan, then loads what judges it): the request goes
+    now, the reply is read when collected; a call made meanwhile gets its own reply, an
+    exception reaches the collector only, and the pipe never hands one request's reply to
+    another."""
+    host = Host(tmp_path)
+    reader = host.reader
+    try:
+        before = reader.round_trips
+        first = reader.submit(_echo, host, "first")
+        assert reader.round_trips == before + 1  # sent at once
+        assert host.call(_echo, "second")[0] == "second"
+        failing = reader.submit(_fails_in_reader, host, "kaboom")
+        third = reader.submit(_echo, host, "third")  # settles `failing` first, keeps its error
+        assert first()[0] == "first" and first()[0] == "first"
+        assert third()[0] == "third"
+        try:
+            failing()
+        except ValueError as exc:
+            assert isinstance(exc.__cause__, P.ReaderTraceback)
+        else:
+            raise AssertionError("the reader's exception was not raised to its collector")
+        assert reader.round_trips == before + 4
+    finally:
+        reader.close()
+
+
+def test_a_submitted_call_outlives_its_reader(tmp_path):
+    """A reader that dies between the request and its collection (an OOM kill, a stray
+    signal): the collector asks a new one."""
+    host = Host(tmp_path)
+    reader = host.reader
+    try:
+        later = reader.submit(_echo, host, "asked", 0.5)  # killed before it answers
+        dead = reader.pid
+        assert dead is not None
+        os.kill(dead, signal.SIGKILL)  # our own reader, started by this Host
+        word, pid = later()
+        assert word == "asked" and pid != dead and pid == reader.pid
+    finally:
+        reader.close()
 
 
 def test_debug_shows_where_in_the_reader_it_failed(tmp_path, monkeypatch):
@@ -107,13 +158,15 @@ def test_per_pid_passes_are_one_round_trip_each(tmp_path):
 
 
 def test_the_package_imports_one_way():
-    """protocol <- child <- caller, and none of them imports the seam: no import circle."""
+    """protocol <- child <- process <- caller, and none of them imports the seam: no import
+    circle."""
     import ast
     from pathlib import Path
 
     import xpuctl.host.reads as pkg
 
-    allowed = {"protocol": set(), "child": {"protocol"}, "caller": {"protocol", "child"}}
+    allowed = {"protocol": set(), "child": {"protocol"}, "process": {"protocol", "child"},
+               "caller": {"protocol", "child", "process"}}
     for name, ok in allowed.items():
         tree = ast.parse((Path(pkg.__file__).parent / f"{name}.py").read_text())
         used = set()

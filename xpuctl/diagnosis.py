@@ -9,12 +9,11 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from xpuctl.core.checks import Options, evaluate
 from xpuctl.core.collective import CollectiveResult
 from xpuctl.core.model import Issue, Report, Scan, ShmRoom, Version
 from xpuctl.core.runrecords import RecordedRun
 from xpuctl.host.devices import resolve_device_specs
-from xpuctl.host.scan import DEFAULT_PORT, take_scan
+from xpuctl.host.scan import DEFAULT_PORT, request_scan, take_scan
 from xpuctl.host.seam import Host
 from xpuctl.parse.procfs import parse_status_nspid
 
@@ -198,33 +197,22 @@ def diagnose(
     `ray_fetch`, a function returning that state: a Ray node's own). `collective`: run the
     collective check first (its options), or judge a result already taken."""
     bdfs = resolve_device_specs(host, devices or [])
-    opts = Options(
-        devices=bdfs,
-        port=port if port is not None else DEFAULT_PORT,
-        port_explicit=port is not None,
-        expect_idle=expect_idle,
-        unattributed_threshold=deep.unattributed_threshold if deep else 1 << 30,
-    )
     # the command's environment, the probes', the ranks' and Ray's (this process's when none is given)
     env = dict(os.environ) if caller_env is None else caller_env
     checked = collective if isinstance(collective, CollectiveResult) else None
     if isinstance(collective, CollectiveOptions):  # first: its ranks and files are gone before the scan
         checked = check_collective(host, bdfs, env, collective, state_dir)
+    scan_port = port if port is not None else DEFAULT_PORT
+    scanned = _ask_scan(host, env, deep, scan_port, caller_env, state_dir)
+    # loaded while the reader takes the scan
+    from xpuctl.core.checks import Options, evaluate
+    from xpuctl.host.kernel import read_kernel
     from xpuctl.ray.actors import with_ray
 
-    runs: tuple[RecordedRun, ...] = ()
-    if state_dir and os.path.isdir(state_dir):  # the proof of a process's XPUCTL_RUN_ID
-        from xpuctl.state.live import recorded_runs
-
-        runs = recorded_runs(state_dir)
-
-    if deep is not None:
-        scan = deep_scan(host, env, deep, port=opts.port, caller_env=caller_env, runs=runs)
-    else:
-        scan = take_scan(host, port=opts.port, caller_env=caller_env, runs=runs)
-    scan = with_ray(host, scan, env, address=ray_address, fetch=ray_fetch)
-    from xpuctl.host.kernel import read_kernel
-
+    opts = Options(devices=bdfs, port=scan_port, port_explicit=port is not None,
+                   expect_idle=expect_idle,
+                   unattributed_threshold=deep.unattributed_threshold if deep else 1 << 30)
+    scan = with_ray(host, scanned(), env, address=ray_address, fetch=ray_fetch)
     log, dumps, kernel_issues = read_kernel(host, scan.devices)
     scan = scan._replace(kernel=log, coredumps=dumps, issues=scan.issues + tuple(kernel_issues),
                          shm=shm_room(host))
@@ -240,6 +228,21 @@ def diagnose(
     if checked is not None:
         scan = scan._replace(collective=checked)
     return evaluate(scan, opts)
+
+
+def _ask_scan(host: Host, env: dict[str, str], deep: DeepOptions | None, port: int,
+              caller_env: dict[str, str] | None, state_dir: str | None) -> Callable[[], Scan]:
+    """The scan, asked for: a plain one is sent to the reader now and collected by calling
+    what this returns (the caller loads what judges it meanwhile: take_scan's imports are
+    done, the judging's are not); a deep one runs its probes when called."""
+    runs: tuple[RecordedRun, ...] = ()
+    if state_dir and os.path.isdir(state_dir):  # the proof of a process's XPUCTL_RUN_ID
+        from xpuctl.state.live import recorded_runs
+
+        runs = recorded_runs(state_dir)
+    if deep is not None:
+        return lambda: deep_scan(host, env, deep, port=port, caller_env=caller_env, runs=runs)
+    return request_scan(host, port, caller_env=caller_env, runs=runs)
 
 
 def write_textfile(path: str, text: str, state_dir: str | None) -> None:

@@ -67,7 +67,7 @@ class Group(TyperGroup):
             return loaded[cmd_name]
         module = importlib.import_module(COMMANDS[cmd_name][0])
         command = loaded[cmd_name] = typer.main.get_command(module.app)
-        from xpuctl.host.reads.caller import freeze_start_up  # every command reads the host
+        from xpuctl.host.reads.process import freeze_start_up  # every command reads the host
 
         # Paused while the modules loaded (xpuctl.cli.main); the command may run long. What
         # the imports made lives until exit: frozen, no collection walks it again (the

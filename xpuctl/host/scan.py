@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from xpuctl.core.model import (
     Device,
     DmabufHold,
@@ -211,8 +213,8 @@ def take_scan(
     process with a file that did not answer is listed in `unreadable_processes`, never
     judged: its role is unknown, a device it may hold is not free, no file is stale."""
     if host.reader is not None:
-        scan: Scan = host.reader.call(take_scan, host, port, want_env, caller_env, artifacts,
-                                      own_pids(host, exclude_pids), runs)
+        scan: Scan = request_scan(host, port, want_env, caller_env, artifacts, exclude_pids,
+                                  runs)()
         return scan
     now, fds = _pass(host, own_pids(host, exclude_pids), artifacts, want_env)
     devices, issues = scan_devices(host)
@@ -244,6 +246,25 @@ def take_scan(
         unreadable_processes=tuple(_unreadable(host, fds, stuck)),
         blocked=tuple(Issue(b.path, b.reason) for b in host.blocked_reads()),
     )
+
+
+def request_scan(
+    host: Host,
+    port: int | None = DEFAULT_PORT,
+    want_env: bool = True,
+    caller_env: dict[str, str] | None = None,
+    artifacts: bool = True,
+    exclude_pids: frozenset[int] = frozenset(),
+    runs: tuple[RecordedRun, ...] = (),
+) -> Callable[[], Scan]:
+    """`take_scan`, asked for now: the function returned waits for the Scan. With a reader
+    the scan is taken there while this process goes on (doctor loads what judges a scan
+    meanwhile); without one it is taken here, at once."""
+    if host.reader is None:
+        scan = take_scan(host, port, want_env, caller_env, artifacts, exclude_pids, runs)
+        return lambda: scan
+    return host.reader.submit(take_scan, host, port, want_env, caller_env, artifacts,
+                              own_pids(host, exclude_pids), runs)
 
 
 def _holdings(host: Host, fds: FdTable, devices: list[Device]

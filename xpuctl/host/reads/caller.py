@@ -1,9 +1,8 @@
 """The caller's side of bounded reads: `Reader`, a Host's way of reading when its reads are
 bounded (the package's docstring says why and how).
 
-The reader is forked on first use (spawned, running `xpuctl.host.reads.child` of this very
-package, when this process runs other threads: a fork copies only the calling thread, and locks
-the others hold would stay locked in the copy) and serves requests until its pipe closes.
+The reader is started on first use (`process.start`) and serves requests until its pipe
+closes.
 """
 
 from __future__ import annotations
@@ -11,14 +10,21 @@ from __future__ import annotations
 import errno
 import functools
 import os
-import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 from xpuctl.host.reads import child as _child_side
+from xpuctl.host.reads.process import (
+    Child,
+    abandoned,
+    leave,
+    reap_abandoned,
+    release,
+    sigkill,
+    start,
+)
 from xpuctl.host.reads.protocol import (
     DEFAULT_BOUND,
     DIRECT,
@@ -40,163 +46,6 @@ if TYPE_CHECKING:  # the rest is imported where it is used: most commands never 
     import mmap
 
 __all__ = ["DEFAULT_BOUND", "Blocked", "BlockedRead", "Reader", "reap_abandoned"]
-
-
-# -- the caller's side ------------------------------------------------------------------------
-
-#: Readers killed while blocked, not yet reaped: pidfd -> pid. Reaped without waiting, whenever
-#: we pass; through the pidfd, so a pid reaped meanwhile by someone else (serve reaps every
-#: exited child) and then reused never names the wrong process.
-_abandoned: dict[int, int] = {}
-
-
-def _reaped(pidfd: int) -> bool:
-    """Reap the child if it has exited; True when it is gone (reaped here or elsewhere)."""
-    try:
-        return os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG) is not None
-    except ChildProcessError:
-        return True
-
-
-def reap_abandoned() -> None:
-    for pidfd in list(_abandoned):
-        if _reaped(pidfd):
-            del _abandoned[pidfd]
-            os.close(pidfd)
-
-
-def _kill(pidfd: int) -> None:
-    try:
-        signal.pidfd_send_signal(pidfd, signal.SIGKILL)  # dies when its read returns, if ever
-    except OSError:
-        pass
-
-
-def _threads_running() -> bool:
-    return threading.active_count() > 1
-
-
-class _Child(NamedTuple):
-    pid: int
-    pidfd: int  # signals and waits go through it: the pid may be reaped by others
-    requests: int  # we write
-    replies: int  # we read
-    page: mmap.mmap  # its own: a helper of an abandoned reader may still write into its old one
-
-
-def _start() -> _Child:
-    import mmap
-
-    memfd = os.memfd_create("xpuctl-reads", os.MFD_CLOEXEC)
-    try:
-        os.ftruncate(memfd, SLOTS * SLOT)
-        page = mmap.mmap(memfd, SLOTS * SLOT)
-        req_r, req_w = os.pipe()
-        rep_r, rep_w = os.pipe()
-        pid = _spawn(req_r, rep_w, memfd) if _threads_running() else _fork(req_r, rep_w, page, (req_w, rep_r, memfd))
-    finally:
-        os.close(memfd)
-    os.close(req_r)
-    os.close(rep_w)
-    return _Child(pid, os.pidfd_open(pid), req_w, rep_r, page)
-
-
-def _release(child: _Child) -> None:
-    """Close our ends of a reader we are done with."""
-    for fd in (child.requests, child.replies):
-        os.close(fd)
-    child.page.close()
-
-
-#: True once start-up's objects are frozen for good (`freeze_start_up`).
-_START_UP_FROZEN = False
-
-
-def freeze_start_up() -> None:
-    """Leave every object made so far out of this process's garbage collections, for good:
-    the modules a command loaded and what they made live until it exits (cli.group, once
-    the command is loaded). A reader forked later needs no freeze of its own then, and none
-    is asked whether one was made (`gc.get_freeze_count` walks every frozen object: 1-2 ms
-    of a doctor run)."""
-    import gc
-
-    global _START_UP_FROZEN  # noqa: PLW0603 (once per process, before any reader)
-    gc.freeze()
-    _START_UP_FROZEN = True
-
-
-def _fork(req_r: int, rep_w: int, page: mmap.mmap, parent_ends: tuple[int, ...]) -> int:
-    import gc
-
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
-    # Objects made before the fork are left out of the reader's garbage collections: a
-    # collection touches every object it visits, and each page touched is copied. Frozen
-    # here only for the fork, unless start-up's objects are frozen already (the few made
-    # since are left to the reader's collections).
-    freeze = not _START_UP_FROZEN
-    if freeze:
-        gc.freeze()
-    try:
-        pid = os.fork()
-    except OSError:
-        if freeze:
-            gc.unfreeze()
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-        raise
-    if pid == 0:
-        code = 1
-        try:
-            for fd in parent_ends:
-                os.close(fd)
-            _child_side.isolate((req_r, rep_w))
-            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-            _child_side.serve(req_r, rep_w, page)
-            code = 0
-        finally:
-            os._exit(code)
-    if freeze:
-        gc.unfreeze()
-    signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-    return pid
-
-
-#: Where this xpuctl was imported from: the directory (or zip) that holds the package. A
-#: spawned reader imports xpuctl from there and from nowhere else: the interpreter may not find
-#: it by itself (a Ray task imports xpuctl from a zip it put on its own sys.path, and the
-#: node's Python has no xpuctl), or may find another one.
-PACKAGE_PARENT = os.path.dirname(
-    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-#: A spawned reader's start: xpuctl from argv[1] (with the package's own importer: a directory
-#: or a zip), without putting that place on sys.path; `-P` keeps the working directory off
-#: sys.path as well (a reader started in /tmp as root must not import a file found there).
-_BOOT = """\
-import importlib.machinery as m, importlib.util as u, os, sys
-s = m.PathFinder.find_spec("xpuctl", [sys.argv[1]])
-x = u.module_from_spec(s)
-sys.modules["xpuctl"] = x
-s.loader.exec_module(x)
-import xpuctl.host.reads.child as c
-try:
-    c.main(sys.argv[2:])
-finally:
-    os._exit(0)
-"""
-
-
-def _spawn(req_r: int, rep_w: int, memfd: int) -> int:
-    for fd in (req_r, rep_w, memfd):
-        os.set_inheritable(fd, True)
-    try:
-        return os.posix_spawn(
-            sys.executable,
-            [sys.executable, "-P", "-c", _BOOT, PACKAGE_PARENT,
-             str(req_r), str(rep_w), str(memfd)],
-            dict(os.environ),
-        )
-    finally:
-        for fd in (req_r, rep_w, memfd):
-            os.set_inheritable(fd, False)
 
 
 def _runnable(pid: int) -> bool:
@@ -244,6 +93,18 @@ def _pickler() -> Any:
     return Pickler
 
 
+class _Pending:
+    """A request `Reader.submit` sent: to which reader, and once its reply is read, the
+    outcome (True, the value) or (False, the exception)."""
+
+    __slots__ = ("args", "fn", "outcome", "request", "sent_to")
+
+    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], request: bytes) -> None:
+        self.fn, self.args, self.request = fn, args, request
+        self.sent_to: Child | None = None
+        self.outcome: tuple[bool, Any] = (False, RuntimeError("not collected"))
+
+
 class Reader:
     """A Host's way of reading when its reads are bounded: functions and reads run in a
     reader child, each read bounded.
@@ -253,10 +114,11 @@ class Reader:
     def __init__(self, bound: float = DEFAULT_BOUND) -> None:
         self.bound = float(bound)
         self.blocked: dict[str, BlockedRead] = {}  # group -> the first file of it that blocked
-        self._child: _Child | None = None
+        self._child: Child | None = None
         self._finalizer: Any = None
         self._owner = os.getpid()
         self._lock = threading.Lock()  # one request at a time on the pipe (serve has threads)
+        self._pending: _Pending | None = None  # submitted, its reply not read yet (`submit`)
         #: Round trips made (requests sent, retries included), for tests and bench.
         self.round_trips = 0
 
@@ -282,14 +144,14 @@ class Reader:
     def in_split_helper(self) -> None:
         """A split pass runs in the reader, never beside a Reader: nothing to do."""
 
-    def _ensure(self) -> _Child:
+    def _ensure(self) -> Child:
         if self._child is not None and self._owner != os.getpid():
             # a forked copy of this process (a split helper): the reader is the parent's
             self._child, self._finalizer = None, None
         if self._child is None:
             self._owner = os.getpid()
             reap_abandoned()
-            self._child = _start()
+            self._child = start()
             if self._finalizer is None:
                 import weakref
 
@@ -307,7 +169,51 @@ class Reader:
         again with them failing at once; an exception of fn is raised here, caused by a
         ReaderTraceback that holds the reader's traceback."""
         with self._lock:
+            self._settle()
             return self._call(fn, args, kwargs)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
+        """fn(*args) as `call` runs it, asked for now and collected later: the request is
+        sent at once (the reader started if need be), and the function returned waits for
+        the reply and returns or raises as `call` would. Meanwhile this process does other
+        work: doctor loads what judges a scan while the reader takes it.
+
+        The pipe holds one request at a time: a call made before this one is collected
+        (another thread's, or another request's) first waits for this one's reply and keeps
+        it for its collector."""
+        with self._lock:
+            self._settle()
+            pending = _Pending(fn, args, self._request(fn, args, {}))
+            child = self._ensure()
+            try:
+                self.round_trips += 1
+                send(child.requests, pending.request)
+                pending.sent_to = child
+            except BrokenPipeError:
+                pass  # it ended by itself: the collector sends it again (`_call`)
+            self._pending = pending
+
+        def collect() -> Any:
+            with self._lock:
+                if self._pending is pending:
+                    self._settle()
+            ok, value = pending.outcome
+            if ok:
+                return value
+            raise value
+
+        return collect
+
+    def _settle(self) -> None:
+        """Wait for the reply of a request submitted and not collected yet, and keep it
+        (`_Pending.outcome`): the next reply on the pipe is then the next request's."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            pending.outcome = (True, self._call(pending.fn, pending.args, {}, pending))
+        except Exception as exc:  # raised to its collector, not to whoever settled it
+            pending.outcome = (False, exc)
 
     def _request(self, fn: Callable[..., Any], args: tuple[Any, ...],
                  kwargs: dict[str, Any]) -> bytes:
@@ -319,14 +225,20 @@ class Reader:
         pickler.dump((fn, args, kwargs, tuple(self.blocked.values()), self.bound))
         return out.getvalue()
 
-    def _call(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _call(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+              sent: _Pending | None = None) -> Any:
+        """The round trip, and again while a read blocks. `sent`: a request submitted to a
+        reader, sent again only when that reader is no longer this Reader's."""
         died = 0
-        request = self._request(fn, args, kwargs)
+        request = sent.request if sent is not None else self._request(fn, args, kwargs)
+        sent_to = sent.sent_to if sent is not None else None
         while True:
             child = self._ensure()
             try:
-                self.round_trips += 1
-                send(child.requests, request)
+                if child is not sent_to:
+                    self.round_trips += 1
+                    send(child.requests, request)
+                sent_to = None
                 reply = self._wait(child)
             except (EOFError, BrokenPipeError):
                 self._abandon(kill=False)  # it ended by itself
@@ -341,7 +253,7 @@ class Reader:
                 return reply[1]
             raise reply[1] from ReaderTraceback(reply[2])
 
-    def _wait(self, child: _Child) -> tuple[Any, ...] | None:
+    def _wait(self, child: Child) -> tuple[Any, ...] | None:
         """The reply, or None once a read has blocked."""
         import _pickle
         import select
@@ -393,16 +305,16 @@ class Reader:
         if child is None:
             return
         if kill:
-            _kill(child.pidfd)
+            sigkill(child.pidfd)
         for pid in set(stuck_pids) - {child.pid, 0}:
             try:  # its split helper, seen reading a moment ago: alive, so the pid is its own
                 helper = os.pidfd_open(pid)
             except OSError:
                 continue
-            _kill(helper)
+            sigkill(helper)
             os.close(helper)
-        _abandoned[child.pidfd] = child.pid  # reaped later without waiting
-        _release(child)
+        abandoned[child.pidfd] = child.pid  # reaped later without waiting
+        release(child)
         reap_abandoned()
 
     def close(self) -> None:
@@ -431,11 +343,13 @@ def _after_fork() -> None:
     """In a forked copy of this process (serve --detach's supervisor, a reader being born):
     the readers are the parent's. Our copies of their pipes would keep them alive after the
     parent is gone (an idle reader leaves when its pipe closes), so close them; the copy
-    starts a reader of its own when it reads."""
+    starts a reader of its own when it reads; a request submitted there is not the copy's to
+    collect."""
     for reader in list(_LIVE or ()):
         child, reader._child = reader._child, None
+        reader._pending = None
         if child is not None:
-            _release(child)
+            release(child)
             os.close(child.pidfd)
         if reader._finalizer is not None:
             reader._finalizer.detach()
@@ -459,19 +373,8 @@ def _at_exit() -> None:
 
 
 def _close(state: dict[str, Any]) -> None:
-    import select
-
     child = state.get("_child")
     state["_child"] = None
     if child is not None:
-        _release(child)  # the idle reader reads end-of-file and leaves
-        # a pidfd is readable once its process has exited: no polling
-        exited = select.poll()
-        exited.register(child.pidfd, select.POLLIN)
-        exited.poll(100)
-        if _reaped(child.pidfd):
-            os.close(child.pidfd)
-        else:
-            _kill(child.pidfd)
-            _abandoned[child.pidfd] = child.pid
+        leave(child)
     reap_abandoned()

@@ -170,7 +170,7 @@ def read(host_reads: Any, root: str, kind: str, hostpath: str, limit: int) -> by
 
 
 def main(argv: list[str]) -> None:
-    """A spawned reader (caller._spawn): `REQUESTS REPLIES PAGE`, three descriptors."""
+    """A spawned reader (process._spawn): `REQUESTS REPLIES PAGE`, three descriptors."""
     import mmap
 
     requests, replies, memfd = (int(a) for a in argv)
