@@ -283,6 +283,47 @@ def test_unix_socket_ready_untouched_and_drained(rig):
     rig.assert_clean()
 
 
+def test_a_unix_socket_run_has_no_port(rig):
+    """With --uds vLLM binds no TCP port, and a --port beside it is ignored (vLLM's
+    entrypoints/openai/api_server.py: a unix socket when args.uds, else host:port). The run
+    records none: its shutdown waited its release timeout for the port another server holds
+    and called a clean stop "leftovers", and serve said it was ready on that port."""
+    sock = str(Path(rig.root.root, "tmp", "vllm.sock"))
+    with socket.socket() as other:  # another server, on the --port given beside --uds
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        fg = rig.serve_bg("--uds", sock, port=port, opts=[*WATCH, "--detach"])
+        try:
+            assert fg.proc.wait(120) == 0, str(fg)
+            assert wait_for(lambda: rig.record(fg.name)["state"] == "ready", 120, 0.1), str(fg)
+            assert rig.record(fg.name)["port"] is None
+            assert "on its unix socket" in fg.err() and f"port {port}" not in fg.err(), str(fg)
+            ps = json.loads(rig.xpuctl("ps", "--json", "--state-dir", rig.state).out)
+            assert [r["port"] for r in ps["runs"] if r["name"] == fg.name] == [None], ps
+            got = rig.shutdown(fg.name, "--json", "--release-timeout", "60")
+            assert got.rc == 0, str(got)
+            assert json.loads(got.out)["verdict"] == "clean", str(got)
+        finally:
+            rig.shutdown(fg.name)
+    rig.assert_clean()
+
+
+def test_the_default_name_of_a_unix_socket_run():
+    from xpuctl.parse.vllmargs import ServerReach
+    from xpuctl.serve.launch import LaunchPlan
+    from xpuctl.serve.start import _default_name
+    from xpuctl.state.runs import NAME_RE
+
+    def plan(port: int | None, uds: str | None) -> LaunchPlan:
+        return LaunchPlan([], {}, [], port, None, [], None, None, ServerReach(uds=uds))
+
+    assert _default_name(plan(8001, None)) == "vllm-8001"
+    a, b = _default_name(plan(None, "/run/a.sock")), _default_name(plan(None, "/run/b.sock"))
+    assert a != b and a.startswith("vllm-uds-") and NAME_RE.fullmatch(a)
+    assert _default_name(plan(None, "/run/a.sock")) == a  # the same socket, the same name
+
+
 def test_unix_socket_control_engine_death_caught(rig):
     sock = str(Path(rig.root.root, "tmp", "vllm.sock"))
     fg = rig.serve_bg("--uds", sock, opts=WATCH, env=die_inside(rig))

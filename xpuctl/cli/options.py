@@ -66,7 +66,7 @@ def complete_run(ctx: typer.Context, incomplete: str) -> list[tuple[str, str]]:
         if sdir is None:
             return []
         sdir = runs.ensure_state_dir(sdir, create=False)
-        return [(r.name, f"{r.state}, port {r.port}") for r in runs.list_records(sdir)
+        return [(r.name, f"{r.state}, port {r.port or '-'}") for r in runs.list_records(sdir)
                 if r.name.startswith(incomplete)]
     except Exception:
         return []

@@ -108,7 +108,7 @@ EnvOpt = Annotated[list[str] | None, typer.Option("--env", "-e", show_default=Fa
                                                   help="KEY=VALUE for vLLM (repeatable).")]
 ForceOpt = Annotated[bool, typer.Option("--force",
                                         help="Start even when the preflight doctor fails.")]
-NameOpt = Annotated[str | None, typer.Option("--name", help="Run name.", show_default="vllm-PORT")]
+NameOpt = Annotated[str | None, typer.Option("--name", help="Run name.", show_default="vllm-PORT; with --uds vllm-uds-ID, from the socket's path")]
 ReadyTimeoutOpt = Annotated[float, typer.Option(
     "--ready-timeout", click_type=Seconds(1),
     help="Seconds to wait for /health and /v1/models (asked the way vLLM is configured: its "

@@ -68,7 +68,7 @@ class RunRow(NamedTuple):
     state: str  # starting | ready | stopping | stale (the record says one of those: gone)
     age_seconds: float | None  # since launch
     pid: int | None
-    port: int
+    port: int | None  # None: a unix socket's run (serve --uds)
     devices: tuple[str, ...]
     run_id: str
     recorded_state: str | None = None  # a stale run: the state its record still says

@@ -343,7 +343,7 @@ def runs_table(rows: Sequence[RunRow]) -> Text:
 
     now = time.time()
     heads = ["NAME", "STATE", "AGE", "PID", "PORT", "DEVICES", "HEALTH"]
-    cells = [[safe(r.name), r.state, human_age(r.age_seconds), str(r.pid or "-"), str(r.port),
+    cells = [[safe(r.name), r.state, human_age(r.age_seconds), str(r.pid or "-"), str(r.port or "-"),
               ",".join(r.devices) or "-", _health_cell(r, now)] for r in rows]
     widths = [max([len(heads[i])] + [len(c[i]) for c in cells]) for i in range(len(heads))]
     out = Text("Runs", style="bold")

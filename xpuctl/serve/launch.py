@@ -90,7 +90,7 @@ class LaunchPlan:
     argv: list[str]
     env: dict[str, str]
     notes: list[str]
-    port: int
+    port: int | None  # None with --uds: vLLM then listens on its unix socket only
     bind: str | None
     bdfs: list[str]
     shutdown_timeout: int | None
@@ -279,8 +279,11 @@ def plan_launch(opts: ServeOptions, host: Host, environ: dict[str, str], run_id:
         argv += ["--shutdown-timeout", str(shutdown_timeout)]
     port, bind = port_from_argv(args)
     env, bdfs = _environment(opts, host, environ, run_id, notes)
-    return LaunchPlan(argv, env, notes, port or 8000, bind, bdfs, shutdown_timeout, version,
-                      server_reach(args, env))
+    reach = server_reach(args, env)
+    # with --uds vLLM binds no TCP port (a --port beside it is ignored): the run has none, and
+    # a server on 8000 is never taken for it
+    return LaunchPlan(argv, env, notes, None if reach.uds else port or 8000, bind, bdfs,
+                      shutdown_timeout, version, reach)
 
 
 def ray_python(plan: LaunchPlan) -> str:

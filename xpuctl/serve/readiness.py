@@ -115,7 +115,8 @@ class Readiness(ExitJudge):
         if self.foreground:  # the wording scripts and units already look for, per mode
             self.view.ready(f"xpuctl: ready on {url} {took} ({self.rec.name}: {summary})")
         else:
-            self.view.ready(f"xpuctl: {self.rec.name} is ready on port {self.plan.port} ({url}) "
+            where = "on its unix socket" if self.plan.port is None else f"on port {self.plan.port}"
+            self.view.ready(f"xpuctl: {self.rec.name} is ready {where} ({url}) "
                             f"{took}: {summary}")
 
     def exited_before_ready(self, code: int) -> None:

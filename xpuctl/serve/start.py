@@ -75,8 +75,8 @@ def _preflight(host: Host, opts: ServeOptions, plan: LaunchPlan,
     from xpuctl.diagnosis import diagnose
 
     coll = _collective(opts, plan, out, on_wait)
-    port = None if plan.reach.uds else plan.port  # a unix socket has no port to find taken
-    report = diagnose(host, plan.bdfs or None, port, caller_env=plan.env,
+    # plan.port is None with --uds: a unix socket has no port to find taken
+    report = diagnose(host, plan.bdfs or None, plan.port, caller_env=plan.env,
                       deep=opts.deep_preflight, collective=coll)
     for f in report.findings:
         if f.check == "collective" and f.severity == "info":
@@ -155,7 +155,7 @@ def _plan(host: Host, opts: ServeOptions, environ: dict[str, str],
     plan = plan_launch(opts, host, environ, run_id)
     for note in plan.notes:
         out(f"xpuctl: note: {note}")
-    name = opts.name or f"vllm-{plan.port}"
+    name = opts.name or _default_name(plan)
     if not NAME_RE.fullmatch(name):
         raise UsageError(f"--name {name!r}: use letters, digits, '.', '_' or '-'")
     keys = [f"run-{name}", _address_key(plan)] + [f"device-{b}" for b in plan.bdfs]
@@ -165,9 +165,20 @@ def _plan(host: Host, opts: ServeOptions, environ: dict[str, str],
 def _address_key(plan: LaunchPlan) -> str:
     """The lock of the run's address: its port, or its unix socket (`--uds`: no port)."""
     if plan.reach.uds:
-        return "uds-" + hashlib.sha256(plan.reach.uds.encode("utf-8", "surrogateescape")
-                                       ).hexdigest()[:16]
+        return f"uds-{_socket_id(plan.reach.uds)}"
     return f"port-{plan.port}"
+
+
+def _default_name(plan: LaunchPlan) -> str:
+    """A run's name without --name: vllm-PORT, or for a unix socket vllm-uds-ID (the
+    socket's path, hashed: as unique as the path, and always a valid name)."""
+    if plan.reach.uds:
+        return f"vllm-uds-{_socket_id(plan.reach.uds)[:8]}"
+    return f"vllm-{plan.port}"
+
+
+def _socket_id(path: str) -> str:
+    return hashlib.sha256(path.encode("utf-8", "surrogateescape")).hexdigest()[:16]
 
 
 def _prepare(host: Host, opts: ServeOptions, p: _Planned, out: Callable[[str], None],

@@ -111,7 +111,7 @@ class RunRecord:
     session: int | None
     command: list[str]
     devices: list[str]
-    port: int
+    port: int | None  # None: a unix socket's run (serve --uds), which has no TCP port
     bind: str  # vLLM's bind address (--host); records written before it was named say "host"
     shutdown_timeout: int | None
     drain_timeout: float
@@ -176,7 +176,7 @@ class RunRecord:
                 return f"field {key!r} is {value}, not a pid"
         if self.start_ticks is not None and self.start_ticks < 0:
             return "field 'start_ticks' is negative"
-        if not 0 <= self.port <= 65535:
+        if self.port is not None and not 0 <= self.port <= 65535:
             return f"field 'port' is {self.port}, not a port"
         if self.stopping_by is not None and len(self.stopping_by) not in (0, 2):
             return "field 'stopping_by' is not [pid, start ticks]"
