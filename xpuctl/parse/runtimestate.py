@@ -16,7 +16,6 @@ files: a bundle holds the container's whole environment).
 
 from __future__ import annotations
 
-import json
 from typing import Any, NamedTuple
 
 CRI_POD, CRI_NAMESPACE, CRI_CONTAINER = ("io.kubernetes.cri.sandbox-name",
@@ -39,6 +38,10 @@ class Names(NamedTuple):
 
 
 def _load(data: bytes) -> dict[str, Any] | None:
+    # json is imported where a runtime's file is read: every doctor imports this module
+    # before its reader starts, and few hosts have a container holding a device
+    import json
+
     try:
         doc = json.loads(data.decode("utf-8", "surrogateescape"))
     except (ValueError, RecursionError):
@@ -90,6 +93,8 @@ def docker_names(data: bytes) -> Names | None:
 
 def reduce_bundle(data: bytes) -> bytes:
     """A bundle's config.json as a snapshot keeps it: the annotations this module reads."""
+    import json
+
     doc = _load(data)
     ann = doc.get("annotations") if doc is not None else None
     kept: dict[str, str] = _strings(ann, _BUNDLE_KEYS)
@@ -101,6 +106,8 @@ def reduce_bundle(data: bytes) -> bytes:
 
 def reduce_docker(data: bytes) -> bytes:
     """docker's config.v2.json as a snapshot keeps it: Name and the kubelet labels."""
+    import json
+
     doc = _load(data) or {}
     config = doc.get("Config")
     out: dict[str, Any] = {}
