@@ -10,13 +10,14 @@ import time
 import traceback
 
 import fakehost as fh
+from proctools import is_gone, wait_for
 from typer.testing import CliRunner
 
 from xpuctl.actions.signals import Target, survivors, wait_gone
 from xpuctl.cli import app
 from xpuctl.host.processes import stat_of
 from xpuctl.host.reads import protocol as P
-from xpuctl.host.reads.caller import Reader
+from xpuctl.host.reads.caller import Reader, let_go
 from xpuctl.host.seam import Host
 from xpuctl.shutdown.targets import ServerTree, members, topmost
 from xpuctl.sweep import _parents
@@ -99,6 +100,29 @@ def test_a_submitted_call_outlives_its_reader(tmp_path):
         os.kill(dead, signal.SIGKILL)  # our own reader, started by this Host
         word, pid = later()
         assert word == "asked" and pid != dead and pid == reader.pid
+    finally:
+        reader.close()
+
+
+def test_an_idle_reader_let_go_leaves_before_the_exit(tmp_path):
+    """doctor lets its reader go once its report is taken (the reader's exit overlaps the
+    rendering; the exit reaps it: tests/test_exit.py holds that nothing is left). A read
+    after that starts a new reader; a reader with a request out is not let go."""
+    (tmp_path / "f").write_bytes(b"x")
+    host = Host(tmp_path)
+    reader = host.reader
+    try:
+        assert host.read_bytes("/f") == b"x"
+        first = reader.pid
+        assert first is not None
+        let_go()
+        assert reader.pid is None
+        assert wait_for(lambda: is_gone(first), 10)  # our child: a zombie until the exit
+        assert host.read_bytes("/f") == b"x" and reader.pid not in (None, first)
+        busy = reader.pid
+        later = reader.submit(_echo, host, "out", 0.3)
+        let_go()
+        assert reader.pid == busy and later()[1] == busy
     finally:
         reader.close()
 

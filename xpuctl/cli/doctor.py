@@ -35,6 +35,7 @@ from xpuctl.cli.options import (
     parse_size,
 )
 from xpuctl.errors import ExitCode, UsageError, XpuctlError
+from xpuctl.host.reads.caller import let_go
 from xpuctl.output.safetext import emit
 
 if TYPE_CHECKING:  # types only: the countdown's module loads with --collective
@@ -142,6 +143,7 @@ def _check(a: AppContext, asked: _Asked, host: Any, environ: dict[str, str], sdi
     if asked.wait_clean is not None and not clean:
         report, clean = _wait(a, report, run, asked.wait_clean, asked.strict,
                               asked.fmt is Format.table)
+    let_go()  # nothing more to read: the reader's exit overlaps the rendering
     _render(a, report, asked.fmt, asked.textfile, asked.state_dir)
     if asked.fmt is Format.table and asked.wait_clean is not None and not clean:
         a.err.print(f"still not clean after {asked.wait_clean:g}s", style="red")

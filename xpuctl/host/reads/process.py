@@ -175,15 +175,21 @@ def _spawn(req_r: int, rep_w: int, memfd: int) -> int:
 def leave(child: Child) -> None:
     """An idle reader told to leave (its pipes close) and reaped: gone within a millisecond;
     one still there after a tenth of a second is killed and left to `reap_abandoned`."""
+    release(child)  # the idle reader reads end-of-file and leaves
+    reap_within(child.pidfd, child.pid)
+
+
+def reap_within(pidfd: int, pid: int, ms: int = 100) -> None:
+    """A reader told to leave, reaped once it has exited (waited for up to `ms`), else
+    killed and left to `reap_abandoned`."""
     import select
 
-    release(child)  # the idle reader reads end-of-file and leaves
     # a pidfd is readable once its process has exited: no polling
     exited = select.poll()
-    exited.register(child.pidfd, select.POLLIN)
-    exited.poll(100)
-    if reaped(child.pidfd):
-        os.close(child.pidfd)
+    exited.register(pidfd, select.POLLIN)
+    exited.poll(ms)
+    if reaped(pidfd):
+        os.close(pidfd)
     else:
-        sigkill(child.pidfd)
-        abandoned[child.pidfd] = child.pid
+        sigkill(pidfd)
+        abandoned[pidfd] = pid
