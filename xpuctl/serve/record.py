@@ -1,6 +1,7 @@
-"""The run record as the supervisor keeps it: every change of the run written at once (a
-record that cannot be written stops nothing: said once), and what another xpuctl wrote there
-(a `shutdown` that is stopping the run)."""
+"""The run as the supervisor keeps it: what its jobs share (vLLM's process, its output, the
+watch, the signals counted), and its record kept true: every change of the run written at once
+(a record that cannot be written stops nothing: said once), and what another xpuctl wrote
+there (a `shutdown` that is stopping the run)."""
 
 from __future__ import annotations
 
@@ -30,8 +31,8 @@ from xpuctl.state.runs import (
 
 
 class RecordKeeper:
-    """The supervisor's state, and its run record kept true (the base of `RunSupervisor`:
-    each job of the supervisor is a class of its own module, stacked on this one)."""
+    """The run's state, shared by the supervisor's jobs (serve/supervise.py hands this one
+    object to each), and its run record kept true."""
 
     def __init__(self, host: Host, opts: ServeOptions, plan: LaunchPlan, rec: RunRecord,
                  state_dir: str, view: progress.View, foreground: bool,
@@ -71,7 +72,7 @@ class RecordKeeper:
     def say(self, msg: str) -> None:
         self.view.say(msg)
 
-    def _set(self, **changes: object) -> None:
+    def set(self, **changes: object) -> None:
         """Note `changes` in the run record. A record that cannot be written (a full or
         read-only disk, a state directory deleted or replaced) stops nothing: the run is
         supervised and stopped as on a writable one, and the fault is said once."""
@@ -113,16 +114,16 @@ class RecordKeeper:
         if self.foreground and self.pump is not None:
             self.pump.write(msg.encode("utf-8", "backslashreplace") + b"\n")
 
-    def _record_health(self, health: Health) -> None:
+    def record_health(self, health: Health) -> None:
         try:
-            self._set(health=health)
+            self.set(health=health)
         except OSError as exc:  # a check that cannot be recorded: `xpuctl health` says stale
             self.say(f"xpuctl: could not record the run's health: {safe(str(exc))}")
 
     def _alive(self, pid: int, ticks: int) -> bool:
         return Target(pid, ticks).alive(self.host)
 
-    def _stopper(self) -> RunRecord | None:
+    def stopper(self) -> RunRecord | None:
         """The record, when another xpuctl (a shutdown) marked the run "stopping" (read from
         the run's own state directory only: one made since holds no word of it)."""
         from xpuctl.state.runs import read_record
@@ -135,7 +136,7 @@ class RecordKeeper:
             return disk
         return None
 
-    def _stopped_by_other(self) -> bool:
+    def stopped_by_other(self) -> bool:
         """A live `xpuctl shutdown` is stopping the run (it owns the ladder)."""
-        disk = self._stopper()
+        disk = self.stopper()
         return disk is not None and not stop_abandoned(disk, self._alive)

@@ -1,3 +1,4 @@
+
 """Stopping the supervisor's own tree: the ladder (drain, escalation, the release proven),
 on a signal, a readiness timeout or an unhealthy verdict; a second signal kills the tree."""
 
@@ -25,15 +26,19 @@ class Interrupted(BaseException):
     Exception` on the ladder's way swallows it)."""
 
 
-class Stopping(RecordKeeper):
+class Stopper:
     """The stop ladder on the run's own tree."""
 
+    def __init__(self, keeper: RecordKeeper) -> None:
+        self.keeper = keeper
+
     def exit_code(self) -> int | None:
-        assert self.proc is not None
+        run = self.keeper
+        assert run.proc is not None
         reap_children()
-        code = EXITED.get(self.proc.pid)
+        code = EXITED.get(run.proc.pid)
         if code is not None:
-            self.proc.returncode = code  # we reaped it, not Popen
+            run.proc.returncode = code  # we reaped it, not Popen
         return code
 
     def stopped_code(self, wait: float = REAP_WAIT) -> int | None:
@@ -47,86 +52,92 @@ class Stopping(RecordKeeper):
             code = self.exit_code()
         return code
 
-    def _tree(self) -> ServerTree:
+    def tree(self) -> ServerTree:
         from xpuctl.shutdown.targets import ServerTree
 
-        assert self.proc is not None
-        top = Target(self.proc.pid, self.rec.start_ticks or 0, "api-server")
-        return ServerTree(top=top, role="api-server", orphan=False, run_id=self.rec.run_id,
-                    session=self.rec.session, devices=tuple(self.plan.bdfs), port=self.plan.port,
-                    bind=self.plan.bind, shutdown_timeout=self.plan.shutdown_timeout,
-                    log_path=self.rec.log_path, record=self.rec, known=[top],
-                    never_ready=not self.ready, endpoint=self.prober.endpoint)
+        run = self.keeper
+        assert run.proc is not None
+        top = Target(run.proc.pid, run.rec.start_ticks or 0, "api-server")
+        return ServerTree(top=top, role="api-server", orphan=False, run_id=run.rec.run_id,
+                          session=run.rec.session, devices=tuple(run.plan.bdfs),
+                          port=run.plan.port, bind=run.plan.bind,
+                          shutdown_timeout=run.plan.shutdown_timeout, log_path=run.rec.log_path,
+                          record=run.rec, known=[top], never_ready=not run.ready,
+                          endpoint=run.prober.endpoint)
 
-    def _show(self, ev: Event) -> None:
+    def show(self, ev: Event) -> None:
         """One step of a stop's timeline. vLLM's own lines (`vllm` steps, read from its log)
         are left out in the foreground: its output is echoed there already."""
-        if self.foreground and ev.phase == "vllm":
+        if self.keeper.foreground and ev.phase == "vllm":
             return
-        self.say(f"xpuctl: {event_line(ev)}")
+        self.keeper.say(f"xpuctl: {event_line(ev)}")
 
-    def _next(self, verdict: str) -> None:
+    def next_step(self, verdict: str) -> None:
         """After a failure: the one command to run next (output.lines.next_line)."""
-        self.say(next_line(self.plan.bdfs, self.plan.port, verdict))
+        run = self.keeper
+        run.say(next_line(run.plan.bdfs, run.plan.port, verdict))
 
     def end(self, status: str) -> None:
         """Tell a waiting `serve --detach` how the start ended (nothing in the foreground)."""
-        if isinstance(self.view, progress.PipeSink):
-            self.view.end(status)
+        if isinstance(self.keeper.view, progress.PipeSink):
+            self.keeper.view.end(status)
 
     def stop_tree(self, why: str) -> StopResult:
         """The ladder on our own tree. A server that never became ready has nothing to
         drain: the tree gets the teardown budget only (ServerTree.never_ready). A second
         signal (before or during the ladder) kills the tree now: the kill pass, which no
         further signal interrupts; the release is proven either way."""
-        self.notify.stopping(why, self.stop_budget)
-        self._set(state="stopping", stopping_by=own_identity())
+        run = self.keeper
+        run.notify.stopping(why, run.stop_budget)
+        run.set(state="stopping", stopping_by=own_identity())
         try:
-            if self.signals < 2:
+            if run.signals < 2:
                 return self._ladder(interruptible=True)
         except Interrupted:
             pass
         try:
-            self.view.wait(None)
-            self.say("xpuctl: second interrupt: killing the tree now")
+            run.view.wait(None)
+            run.say("xpuctl: second interrupt: killing the tree now")
             return self._ladder(interruptible=False)
         finally:
-            if self.foreground and self.pump is not None:
+            if run.foreground and run.pump is not None:
                 # the tree is gone: vLLM's last lines reach the terminal (they are left out
                 # of the timeline there) before anything else is said
-                self.pump.join(timeout=1.0)
+                run.pump.join(timeout=1.0)
 
     def _hurry(self) -> None:
         """The ladder's hook between the steps of its waits: a second signal ends it there
         (never inside a read of the host: the reader's protocol stays whole)."""
-        if self.signals >= 2:
+        if self.keeper.signals >= 2:
             raise Interrupted()
 
     def _ladder(self, interruptible: bool) -> StopResult:
         """The ladder (drain and escalation), or the kill pass (no drain, SIGKILL now)."""
         from xpuctl.shutdown.ladder import stop
 
-        result = stop(self.host, [self._tree()],
-                      kill_after=self.opts.kill_after if interruptible else 0,
-                      release_timeout=self.opts.teardown_timeout, on_event=self._show,
-                      skip_drain=not interruptible, on_wait=self.view.wait,
+        run = self.keeper
+        result = stop(run.host, [self.tree()],
+                      kill_after=run.opts.kill_after if interruptible else 0,
+                      release_timeout=run.opts.teardown_timeout, on_event=self.show,
+                      skip_drain=not interruptible, on_wait=run.view.wait,
                       hurry=self._hurry if interruptible else None)
-        if interruptible and self.foreground and self.pump is not None:
-            self.pump.join(timeout=1.0)
+        if interruptible and run.foreground and run.pump is not None:
+            run.pump.join(timeout=1.0)
         return result
 
-    def _stop_on_signal(self) -> int:
-        self.say("xpuctl: stopping (signal received; press Ctrl-C again to kill)")
+    def stop_on_signal(self) -> int:
+        self.keeper.say("xpuctl: stopping (signal received; press Ctrl-C again to kill)")
         result = self.stop_tree("stopping: signal received")
-        code = self._after_stop(result)
+        code = self.after_stop(result)
         self.end("stopped" if code == ExitCode.OK else f"exit {int(code)}")
         return code
 
-    def _after_stop(self, result: StopResult) -> int:
+    def after_stop(self, result: StopResult) -> int:
         """A stop that was asked for: 0 once the release is proven (also after a SIGKILL,
         and during start-up), 1 when something was left."""
         code = self.stopped_code()
         leftovers = result.verdict == "leftovers"
-        self._set(state="stopped" if not leftovers else "failed", exit_code=code, stopped_at=time.time())
-        self.say(f"xpuctl: stopped: {result.verdict}")
+        self.keeper.set(state="stopped" if not leftovers else "failed", exit_code=code,
+                        stopped_at=time.time())
+        self.keeper.say(f"xpuctl: stopped: {result.verdict}")
         return ExitCode.PROBLEMS if leftovers else ExitCode.OK

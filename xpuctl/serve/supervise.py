@@ -24,34 +24,54 @@ import time
 from types import FrameType
 
 from xpuctl.actions.signals import become_subreaper, set_parent_death_signal, target_of
+from xpuctl.host.notify import Notifier
+from xpuctl.host.seam import Host
+from xpuctl.output import progress
+from xpuctl.serve.exits import ExitJudge
+from xpuctl.serve.launch import LaunchPlan, ServeOptions
 from xpuctl.serve.pump import Pump, open_log
+from xpuctl.serve.readiness import Readiness
+from xpuctl.serve.record import RecordKeeper
+from xpuctl.serve.stopping import Stopper
 from xpuctl.serve.watch import Observer, probe_timeout
 from xpuctl.serve.watchloop import WatchLoop
+from xpuctl.state.runs import RunRecord
 
 __all__ = ["RunSupervisor", "open_log"]
 
 
-class RunSupervisor(WatchLoop):
+class RunSupervisor:
     """One run from launch to exit, in named steps: `launch`, `wait_ready` (the start shown
     as it happens; a readiness deadline), then `not_ready` (diagnose, stop with the teardown
-    budget, advise) or `watch` (until vLLM exits or a signal asks for a stop). Each job is a
-    class of its own module: `record` (the run record), `stopping` (the ladder), `exits`
-    (how the run ended), `readiness`, `watchloop`."""
+    budget, advise) or `watch` (until vLLM exits or a signal asks for a stop). Each job is an
+    object of its own module, handed the run's shared state (`record.RecordKeeper`) and the
+    jobs it asks: `stopping.Stopper` (the ladder), `exits.ExitJudge` (how the run ended),
+    `readiness.Readiness`, `watchloop.WatchLoop`."""
+
+    def __init__(self, host: Host, opts: ServeOptions, plan: LaunchPlan, rec: RunRecord,
+                 state_dir: str, view: progress.View, foreground: bool,
+                 notifier: Notifier | None = None) -> None:
+        self.keeper = RecordKeeper(host, opts, plan, rec, state_dir, view, foreground, notifier)
+        self.stopper = Stopper(self.keeper)
+        self.judge = ExitJudge(self.keeper, self.stopper)
+        self.readiness = Readiness(self.keeper, self.stopper)
+        self.loop = WatchLoop(self.keeper, self.stopper, self.judge)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         """Count it, nothing more: the steps read the count where it is safe (a second one
         during the ladder means "kill now", at the ladder's next wait: stopping._hurry). An
         exception raised from here could land inside a read of the host and break the
         reader's protocol: the exit 70 of two quick Ctrl-C (issue 36)."""
-        self.signals += 1
+        self.keeper.signals += 1
 
     def launch(self) -> None:
+        run = self.keeper
         become_subreaper()
-        log_fd = open_log(self.rec.log_path)
-        self.t0 = self.tracker.t0 = self.tracker.since = time.monotonic()
-        self.proc = subprocess.Popen(
-            self.plan.argv,
-            env=self.plan.env,
+        log_fd = open_log(run.rec.log_path)
+        run.t0 = run.tracker.t0 = run.tracker.since = time.monotonic()
+        run.proc = subprocess.Popen(
+            run.plan.argv,
+            env=run.plan.env,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -60,19 +80,19 @@ class RunSupervisor(WatchLoop):
             close_fds=True,
         )
         # the kernel's records are read from here on: a device wedged while vLLM starts counts
-        self.observer = Observer(self.host, self.prober, self.plan.bdfs, self.lines,
-                                 probe_timeout(self.opts.health_interval, self.notify.watchdog))
-        assert self.proc.stdout is not None  # stdout=PIPE
-        self.pump = Pump(self.proc.stdout, log_fd, self._on_line,
-                          self.view.echo if self.foreground else None)
-        self.pump.start()
-        t = target_of(self.host, self.proc.pid)
-        self._set(pid=self.proc.pid, start_ticks=t.start_ticks if t else None,
-                  session=self.proc.pid, started_at=time.time(), state="starting")
-        self.say(f"xpuctl: started {self.rec.name} (pid {self.proc.pid}, run {self.rec.run_id}), "
-                 f"log {self.rec.log_path}")
-        self.notify.status(f"starting vLLM (pid {self.proc.pid}): waiting for /health and "
-                           f"/v1/models on {self.url}")
+        run.observer = Observer(run.host, run.prober, run.plan.bdfs, run.lines,
+                                probe_timeout(run.opts.health_interval, run.notify.watchdog))
+        assert run.proc.stdout is not None  # stdout=PIPE
+        run.pump = Pump(run.proc.stdout, log_fd, self.readiness.on_line,
+                        run.view.echo if run.foreground else None)
+        run.pump.start()
+        t = target_of(run.host, run.proc.pid)
+        run.set(pid=run.proc.pid, start_ticks=t.start_ticks if t else None,
+                session=run.proc.pid, started_at=time.time(), state="starting")
+        run.say(f"xpuctl: started {run.rec.name} (pid {run.proc.pid}, run {run.rec.run_id}), "
+                f"log {run.rec.log_path}")
+        run.notify.status(f"starting vLLM (pid {run.proc.pid}): waiting for /health and "
+                          f"/v1/models on {run.url}")
 
     def run(self) -> int:
         """Supervise until vLLM is gone. Returns the exit code for xpuctl."""
@@ -82,22 +102,22 @@ class RunSupervisor(WatchLoop):
         try:
             return self._supervise()
         finally:
-            if self.observer is not None:
-                self.observer.close()
-            self.notify.close()
+            if self.keeper.observer is not None:
+                self.keeper.observer.close()
+            self.keeper.notify.close()
 
     def _supervise(self) -> int:
-        outcome = self.wait_ready()
+        outcome = self.readiness.wait_ready()
         if outcome == "ready":
-            self.became_ready()
-            self._start_watch()
-            self.end("ready")
-            return self.watch()
-        self.view.finish()  # no status line over the diagnosis or the stop timeline
+            self.readiness.became_ready()
+            self.loop.start()
+            self.stopper.end("ready")
+            return self.loop.watch()
+        self.keeper.view.finish()  # no status line over the diagnosis or the stop timeline
         if outcome == "signal":
-            return self._stop_on_signal()
+            return self.stopper.stop_on_signal()
         if outcome == "timeout":
-            return self.not_ready()
+            return self.readiness.not_ready()
         assert isinstance(outcome, int)
-        self.exited_before_ready(outcome)
-        return self._after_exit(outcome, requested=False, ready=False)
+        self.readiness.exited_before_ready(outcome)
+        return self.judge.after_exit(outcome, requested=False, ready=False)
