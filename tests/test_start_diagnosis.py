@@ -81,7 +81,7 @@ def test_a_hang_whose_log_shows_a_known_issue_names_the_row(rig):
 
 
 def test_the_diagnosis_names_every_row_its_log_shows():
-    from xpuctl.serve.readiness import _start_diagnosis
+    from xpuctl.serve.failedstart import _start_diagnosis
 
     _sigs, _keys, said = _start_diagnosis(
         ["xe 0000:03:00.0: [drm] Tile0: GT0: Fault response: Unsuccessful -ENOENT", STALE_IPC],

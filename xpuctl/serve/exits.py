@@ -1,4 +1,3 @@
-
 """How a run ended, classified (docs/serve-exits.md): an exit of vLLM that was asked for, an
 engine death under a ready run, or an exit nobody asked for (a failure, whatever its code)."""
 

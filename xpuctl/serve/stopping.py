@@ -1,4 +1,3 @@
-
 """Stopping the supervisor's own tree: the ladder (drain, escalation, the release proven),
 on a signal, a readiness timeout or an unhealthy verdict; a second signal kills the tree."""
 

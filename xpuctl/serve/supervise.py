@@ -28,6 +28,7 @@ from xpuctl.host.notify import Notifier
 from xpuctl.host.seam import Host
 from xpuctl.output import progress
 from xpuctl.serve.exits import ExitJudge
+from xpuctl.serve.failedstart import FailedStart
 from xpuctl.serve.launch import LaunchPlan, ServeOptions
 from xpuctl.serve.pump import Pump, open_log
 from xpuctl.serve.readiness import Readiness
@@ -46,7 +47,7 @@ class RunSupervisor:
     budget, advise) or `watch` (until vLLM exits or a signal asks for a stop). Each job is an
     object of its own module, handed the run's shared state (`record.RecordKeeper`) and the
     jobs it asks: `stopping.Stopper` (the ladder), `exits.ExitJudge` (how the run ended),
-    `readiness.Readiness`, `watchloop.WatchLoop`."""
+    `readiness.Readiness`, `failedstart.FailedStart`, `watchloop.WatchLoop`."""
 
     def __init__(self, host: Host, opts: ServeOptions, plan: LaunchPlan, rec: RunRecord,
                  state_dir: str, view: progress.View, foreground: bool,
@@ -55,6 +56,7 @@ class RunSupervisor:
         self.stopper = Stopper(self.keeper)
         self.judge = ExitJudge(self.keeper, self.stopper)
         self.readiness = Readiness(self.keeper, self.stopper)
+        self.failed = FailedStart(self.keeper, self.stopper)
         self.loop = WatchLoop(self.keeper, self.stopper, self.judge)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
@@ -117,7 +119,7 @@ class RunSupervisor:
         if outcome == "signal":
             return self.stopper.stop_on_signal()
         if outcome == "timeout":
-            return self.readiness.not_ready()
+            return self.failed.not_ready()
         assert isinstance(outcome, int)
-        self.readiness.exited_before_ready(outcome)
+        self.failed.exited_before_ready(outcome)
         return self.judge.after_exit(outcome, requested=False, ready=False)

@@ -1,4 +1,3 @@
-
 """The watch loop of a ready run: a check when due (serve/watch.py, core/watch.py), its verdict
 said when it changes, and with `--on-unhealthy stop` the run stopped (exit 7)."""
 
