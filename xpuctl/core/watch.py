@@ -19,6 +19,8 @@ and the kernel log) with a monotonic clock, and acts on the `Verdict`:
   requests that wait for it to wake are not judged (issue 37 §4).
 - **healthy** otherwise: one failed check (a blip), an idle server, and a slow request whose
   counters move are all healthy. A failing /health or a stall that clears is healthy again.
+  An engine that hangs on its first step after an idle spell looks idle here (its gauges
+  stay at 0): docs/serve-exits.md says why no signal a client cannot fake shows it.
 
 `judge` reads a run record's state and `health` field (what `xpuctl health`, `ps`, doctor and
 its Prometheus text all say) without looking at any process: a check older than three
