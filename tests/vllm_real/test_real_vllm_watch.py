@@ -66,10 +66,11 @@ def test_a_stopped_engine_core_with_a_request_running_is_stalled(xpuctl_foregrou
     run.wait_fg_ready(READY_S)
     engine = _engine(run)
     model = str(run.model)
-    # a request is running whenever the engine is stopped, on any machine: two feeders send
-    # one request after another until then (workload.Feeder). One long request sized for
-    # 12,000 tok/s (1024 x 200) ends in seconds on a faster machine, and an idle server is
-    # rightly healthy: serve then waited out the test's 300 s (CI run 3)
+    # requests run on any machine until the engine is stopped: two feeders send one request
+    # after another (workload.Feeder), and the stop is made again until it lands on one
+    # (_stop_while_busy). One long request sized for 12,000 tok/s (1024 x 200) ends in
+    # seconds on a faster machine, and an idle server is rightly healthy: serve then waited
+    # out the test's 300 s (CI run 3)
     stopping = threading.Event()
     feeder = workload.Feeder(run.base_url, model, 256, 200, 2, stopping.is_set, 300).start()
     time.sleep(1.0)  # a check or two with tokens counted
