@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -84,6 +86,9 @@ def rig(tmp_path_factory):
     token = new_token()
     base = tmp_path_factory.mktemp("ray")
     live = StandInRoot(n_devices=2)
+    # the local Ray a run starts writes its session (and Python's pymp-*) under TMPDIR: one of
+    # the rig's own, short (Ray's unix sockets live there), removed with the rig
+    local_tmp = tempfile.mkdtemp(prefix="xray-local-", dir="/tmp")
     cluster = None
     try:
         fakehost.healthy_host(base / "healthy")
@@ -92,7 +97,7 @@ def rig(tmp_path_factory):
         switch = base / "node2"
         os.symlink(base / "clean", switch)
         (base / "auth").mkdir()
-        env = ray_env(token, base / "auth", RAY_AUTH_MODE="token")
+        env = ray_env(token, base / "auth", RAY_AUTH_MODE="token", TMPDIR=local_tmp)
         client = dict(env)
         client.pop("RAY_AUTH_MODE")  # the CLI finds the token the way Ray does
         cluster = RayCluster(token, env, [
@@ -106,6 +111,7 @@ def rig(tmp_path_factory):
             cluster.stop()
         reap_token(token)
         live.close()
+        shutil.rmtree(local_tmp, ignore_errors=True)  # the rig's own; its processes are gone
 
 
 def doc_of(res: subprocess.CompletedProcess[str]) -> dict:

@@ -4,7 +4,11 @@
   node with its own environment, e.g. its own XPUCTL_ROOT) held by ``ray_cluster_host.py`` in a
   session of its own; ``stop()`` closes its stdin (the cluster shuts down), then kills its
   process group, then reaps by token whatever is left (Ray starts workers in process groups of
-  their own). Never by name.
+  their own). Never by name. The cluster's processes write under a temporary directory of
+  the cluster's own (TMPDIR: Ray's session directory, `$TMPDIR/ray/session_*`, logs and
+  sockets, 2-3 MiB a cluster; Python's `pymp-*` directories, which the dashboard's
+  multiprocessing forkserver leaves when Ray kills it), removed once the cluster is gone: the
+  suite left 6 `pymp-*` and 6 session directories in /tmp at every run.
 * ``ray_env``: the environment of a cluster's processes and of its clients: a token of the
   test's own (RAY_AUTH_TOKEN_PATH), token mode, and the test's reaper token.
 """
@@ -13,9 +17,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from proctools import reap_token, token_env
@@ -70,11 +76,13 @@ class RayCluster:
         processes work (its workers too: a task's relative imports look there)."""
         self.token = token
         self.env = env
+        # short: Ray's unix sockets live under it (a socket's path has 107 bytes at most)
+        self.tmp = tempfile.mkdtemp(prefix="xray-", dir="/tmp")
         cfg = {"nodes": nodes, "plain": plain, "hold_cpus": hold_cpus}
         self.proc = subprocess.Popen(
             [sys.executable, str(HERE / "ray_cluster_host.py"), json.dumps(cfg)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
-            start_new_session=True, text=True, cwd=cwd,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            env={**env, "TMPDIR": self.tmp}, start_new_session=True, text=True, cwd=cwd,
         )
         try:
             self.info = json.loads(self._first_line(timeout))
@@ -98,3 +106,4 @@ class RayCluster:
 
     def stop(self) -> None:
         _stop_group(self.proc, self.token, 30.0)
+        shutil.rmtree(self.tmp, ignore_errors=True)  # made by this cluster, which is gone
