@@ -2,11 +2,14 @@
 a file of a known stale kind (xpuctl's own rules) that appeared during the session and that
 nothing holds is a leftover; one a process of ours was seen holding (by inode) is this
 session's whatever else runs on the machine; a held file, a file of no known kind, and a file
-that was there before are never leftovers."""
+that was there before are never leftovers. A directory of a kind the suite's helpers leave
+(multiprocessing's pymp-*, a Ray session) is one when no socket is bound inside it."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import socket
 import time
 import uuid
 
@@ -58,3 +61,23 @@ def test_a_new_inode_at_an_old_path_is_new(tmp_path):
     finally:
         if os.path.lexists(path):
             os.unlink(path)
+
+
+def test_a_directory_the_helpers_leave_is_a_leftover_unless_in_use():
+    """A killed multiprocessing user leaves /tmp/pymp-*: what Ray's dashboard left at every
+    run before the Ray tier gave its clusters a TMPDIR of their own."""
+    before, since = leftovers.snapshot(), time.time()
+    left = f"/tmp/pymp-xpuctltest{uuid.uuid4().hex[:8]}"
+    used = f"/tmp/pymp-xpuctltest{uuid.uuid4().hex[:8]}"
+    sock = socket.socket(socket.AF_UNIX)
+    try:
+        os.mkdir(left)
+        os.mkdir(used)
+        sock.bind(f"{used}/listener-x")  # a live forkserver's listener: in use
+        report = leftovers.compare(before, since)
+        found = set(report.ours + report.unattributed)
+        assert left in found and used not in found, report
+    finally:
+        sock.close()
+        for d in (left, used):
+            shutil.rmtree(d, ignore_errors=True)

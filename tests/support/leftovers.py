@@ -5,7 +5,9 @@ their processes hold or bind while they live (`note_ours`), and remove only thos
 inode), once nothing holds them. This module is the net under them, for the whole session
 (tests/conftest.py): /dev/shm and /tmp are listed at the start (`snapshot`), and at the end
 every file that appeared since, of a kind xpuctl's own rules know (xpuctl/core/rules.py:
-`match`; caches aside), that no live process holds, is a leftover.
+`match`; caches aside), that no live process holds, is a leftover; so is a directory of a kind
+the suite's own helpers are known to leave (`DIR_KINDS`: Python's and Ray's, not xpuctl's)
+that nothing has a socket bound in.
 
 Other test sessions may run on the same machine at the same time (CI runs the suite alone;
 a shared development machine does not). A leftover is this session's when one of its
@@ -24,6 +26,11 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 DIRS = ("/dev/shm", "/tmp")
+#: (parent, name prefix) of directories a process leaves when it is killed: multiprocessing's
+#: temporary directory (a forkserver's listener socket inside; Ray's dashboard runs one) and a
+#: Ray cluster's session (logs and sockets); the Ray tier left 6 of each at every run
+#: (tests/support/raytools.py)
+DIR_KINDS = (("/tmp", "pymp-"), ("/tmp/ray", "session_2"))
 
 _ours: dict[tuple[int, int], str] = {}  # (st_dev, st_ino) -> path: held by a process of ours
 _others: dict[int, str] = {}  # pid -> cmdline of another test session seen during the run
@@ -54,6 +61,19 @@ def snapshot() -> dict[str, tuple[int, int]]:
             except OSError:
                 continue
             if stat.S_ISREG(st.st_mode) or stat.S_ISSOCK(st.st_mode):
+                out[path] = (st.st_dev, st.st_ino)
+    for d, prefix in DIR_KINDS:
+        try:
+            names = os.listdir(d)
+        except OSError:
+            continue
+        for name in names:
+            path = os.path.join(d, name)
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            if name.startswith(prefix) and stat.S_ISDIR(st.st_mode):
                 out[path] = (st.st_dev, st.st_ino)
     return out
 
@@ -201,6 +221,8 @@ def compare(before: dict[str, tuple[int, int]], since: float) -> Report:
             continue
         if st.st_ctime < since - 1.0 or key in held or path in bound:
             continue
+        if stat.S_ISDIR(st.st_mode) and any(b.startswith(path + "/") for b in bound):
+            continue  # a live process's socket is bound inside: in use
         left.append(path)
     ours = [p for p in left if new[p] in _ours]
     rest = [p for p in left if new[p] not in _ours]
