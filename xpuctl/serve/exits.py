@@ -92,7 +92,7 @@ class ExitJudge:
 
     def unhealthy_end(self, reason: str, verdict: str) -> int:
         run = self.keeper
-        lines = list(run.pump.tail) if run.pump is not None else []
+        lines = run.last_lines()
         leftovers = verdict == "leftovers"
         run.set(state="failed", exit_code=self.stopper.stopped_code(), stopped_at=time.time(),
                 reason=reason, last_lines=lines[-LAST_LINES:])
@@ -109,7 +109,7 @@ class ExitJudge:
         from xpuctl.parse.enginedeath import engine_death
 
         run = self.keeper
-        lines = list(run.pump.tail) if run.pump is not None else []
+        lines = run.last_lines()
         death = engine_death(lines)
         if run.lines.stop_line is not None:
             reason = (f"vLLM exited with code {code} after a signal from outside this run (it "
@@ -140,5 +140,4 @@ class ExitJudge:
     def _engine_died(self) -> bool:
         from xpuctl.parse.enginedeath import engine_death
 
-        pump = self.keeper.pump
-        return engine_death(list(pump.tail) if pump is not None else []) is not None
+        return engine_death(self.keeper.last_lines()) is not None

@@ -31,7 +31,7 @@ class FailedStart:
         from xpuctl.core import advice
 
         run = self.keeper
-        lines = list(run.pump.tail) if run.pump is not None else []
+        lines = run.last_lines()
         with run.track_lock:
             phase = run.tracker.phase
         where = phase.label if phase.rank else "an unknown phase (no start-up line recognised)"

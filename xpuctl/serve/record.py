@@ -72,6 +72,10 @@ class RecordKeeper:
     def say(self, msg: str) -> None:
         self.view.say(msg)
 
+    def last_lines(self) -> list[str]:
+        """vLLM's last lines of output so far (the pump's tail; none before the launch)."""
+        return list(self.pump.tail) if self.pump is not None else []
+
     def set(self, **changes: object) -> None:
         """Note `changes` in the run record. A record that cannot be written (a full or
         read-only disk, a state directory deleted or replaced) stops nothing: the run is
